@@ -1,0 +1,182 @@
+"""Engine configuration: a few frozen dataclasses, validated once.
+
+`EngineArgs` is the flat, user-facing set of knobs (vLLM's names); `create_engine_config()` turns it
+into the grouped configs the engine reads. Values known only at runtime (how many KV blocks fit) are
+returned by the code that measures them, never written back here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CHUNKED_TOKEN_BUDGET = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"  # "auto" | "dummy"
+    device: str = "cpu"  # resolved: "cpu" | "cuda"
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
+    kv_cache_dtype: str = "auto"
+    cpu_kv_cache_gib: float = 1.0  # the cache budget on CPU, where there is no device to measure
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_CHUNKED_TOKEN_BUDGET
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
+                "raise --max-num-batched-tokens, lower --max-model-len or enable chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet; use 1"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+
+@dataclass
+class EngineArgs:
+    """Every knob of `LLM(...)` and `deepserve serve`, with vLLM's names and defaults."""
+
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    load_format: str = "auto"
+    device: str = "auto"
+    cpu_kv_cache_gib: float = 1.0
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        from deepserve.loader.hf_config import load_hf_config, resolve_dtype, resolve_max_model_len
+
+        model = self.model or _demo_model_path()
+        hf_config = load_hf_config(model, self.hf_overrides)
+        device = _resolve_device(self.device)
+        max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        if self.load_format not in ("auto", "dummy", "safetensors"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        model_config = ModelConfig(
+            model=model,
+            tokenizer=self.tokenizer or model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            load_format=self.load_format,
+            device=device,
+        )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_CHUNKED_TOKEN_BUDGET
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space=self.swap_space,
+                kv_cache_dtype=self.kv_cache_dtype,
+                cpu_kv_cache_gib=self.cpu_kv_cache_gib,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+        )
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _demo_model_path() -> str:
+    from deepserve.demo import ensure_demo_model
+
+    return ensure_demo_model(os.environ.get("DEEPSERVE_DEMO_MODEL_DIR"))

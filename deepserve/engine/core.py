@@ -1,0 +1,152 @@
+"""EngineCore: scheduler + model runner, speaking token ids only.
+
+`step()` is three calls — schedule, execute, update — with outputs built around them
+(DESIGN.md principle 2). Text, stop strings and n > 1 aggregation belong to the front end
+(processors.py), which runs in the caller's process or in the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from deepserve.config import EngineArgs, EngineConfig
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
+from deepserve.engine.scheduler import Scheduler, SchedulerStats
+from deepserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepserve.runner.model_runner import RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+LogprobEntry = list[tuple[int, float, int]]
+
+
+class Runner(Protocol):
+    def determine_num_blocks(self) -> int: ...
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    wait_for: str | None = None  # sibling whose prompt is computed first (n > 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sampling_params"] = asdict(self.sampling_params)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineCoreRequest:
+        return cls(**{**d, "sampling_params": SamplingParams(**d["sampling_params"])})
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[LogprobEntry] | None = None  # one entry per new token
+    prompt_logprobs: list[LogprobEntry] | None = None  # entries for prompt tokens newly computed
+    num_cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:
+        out = cls(**d)
+        # msgpack turns tuples into lists; give the entries back their tuple shape
+        if out.new_logprobs is not None:
+            out.new_logprobs = [[tuple(t) for t in e] for e in out.new_logprobs]
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = [[tuple(t) for t in e] for e in out.prompt_logprobs]
+        return out
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: Runner) -> None:
+        self.config = config
+        self.runner = runner
+        self.num_blocks = runner.determine_num_blocks()
+        _check_cache_fits(config, self.num_blocks)
+        runner.allocate_kv_cache(self.num_blocks)
+        block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, block_manager)
+        logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, config.cache.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> EngineCore:
+        # The one place the torch-free engine reaches for the runner, lazily, at construction.
+        from deepserve.runner.model_runner import ModelRunner
+
+        config = args.create_engine_config()
+        return cls(config, ModelRunner(config))
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
+        request = Request(
+            req.request_id, req.prompt_token_ids, req.sampling_params,
+            frozenset(req.eos_token_ids), req.arrival_time, wait_for,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty():
+            return []
+        result = self.runner.execute(scheduled)
+        self.scheduler.update_from_output(scheduled, result.sampled)
+        return _outputs(scheduled, result)
+
+
+def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+    outputs = []
+    for i, sched in enumerate(scheduled.scheduled):
+        request, token_id = sched.request, result.sampled[i]
+        prompt_lps = result.prompt_logprobs.get(request.request_id)
+        if prompt_lps:
+            request.prompt_logprobs.extend(prompt_lps)
+        if token_id is None and prompt_lps is None:
+            continue
+        entry = result.logprobs[i] if result.logprobs else None
+        outputs.append(EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[] if token_id is None else [token_id],
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            new_logprobs=None if entry is None else [entry],
+            prompt_logprobs=prompt_lps,
+            num_cached_tokens=request.num_cached_tokens,
+        ))
+    return outputs
+
+
+def _check_cache_fits(config: EngineConfig, num_blocks: int) -> None:
+    capacity = num_blocks * config.cache.block_size
+    if capacity < config.model.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.cache.block_size}), fewer "
+            f"than one sequence of max_model_len={config.model.max_model_len}; lower --max-model-len to "
+            f"{capacity} or less, or give the cache more memory (--gpu-memory-utilization, "
+            "--num-gpu-blocks-override, --cpu-kv-cache-gib)"
+        )

@@ -1,0 +1,57 @@
+"""LLMEngine: the front end and the EngineCore in one process (offline use, tests, the CLI)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepserve.config import EngineArgs, EngineConfig
+from deepserve.engine.core import EngineCore
+from deepserve.engine.outputs import RequestOutput
+from deepserve.engine.processors import InputProcessor, OutputProcessor
+from deepserve.engine.scheduler import SchedulerStats
+from deepserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.core = core
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(config, tokenizer, eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
+
+        core = EngineCore.from_engine_args(args)
+        config = core.config
+        tokenizer = load_tokenizer(config.model.tokenizer)
+        return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Raises ValueError for a request the engine cannot serve; nothing else is affected."""
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        core_requests = self.input_processor.process(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, core_requests)
+        for core_request in core_requests:
+            self.core.add_request(core_request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        core_ids = [cid for rid in ids for cid in self.output_processor.abort_request(rid)]
+        self.core.abort_requests(core_ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped)  # their stop string matched; free their blocks now
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()

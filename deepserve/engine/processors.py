@@ -1,0 +1,197 @@
+"""The front end of the engine: requests in (validate, tokenize, fan out n), outputs out
+(detokenize, stop strings, gather n completions into one RequestOutput).
+
+Runs beside the EngineCore in `LLMEngine`, or in the API server process when the core runs in its
+own process. Torch-free; the tokenizer is passed in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepserve.config import EngineConfig
+from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
+from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.hf_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        """Validate one request and turn it into core requests: one, or n children for n > 1."""
+        token_ids = self.tokenize(prompt)
+        params = self._check(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, arrival)]
+        children = []
+        for index in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + index  # distinct, reproducible samples
+            wait_for = children[0].request_id if children else None
+            children.append(EngineCoreRequest(child_request_id(index, request_id), token_ids, child,
+                                              self.eos_token_ids, arrival, wait_for))
+        return children
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            if room < 1:
+                raise ValueError(_too_long(len(token_ids), 1, self.max_model_len))
+            params = params.clone()
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(_too_long(len(token_ids), params.max_tokens, self.max_model_len))
+        return params
+
+
+def _too_long(num_prompt: int, max_tokens: int, max_model_len: int) -> str:
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+        "Please reduce the prompt or max_tokens."
+    )
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+@dataclass
+class _Completion:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        text = self.detokenizer.output_text if self.detokenizer else ""
+        return CompletionOutput(self.index, text, list(self.token_ids),
+                                self.cumulative_logprob if self.logprobs is not None else None,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.output() for c in self.completions], self.finished,
+                             self.prompt_logprobs, self.num_cached_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[_RequestState, _Completion]] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def add_request(self, request_id: str, prompt: str | None, core_requests: list[EngineCoreRequest]) -> None:
+        first = core_requests[0]
+        params = first.sampling_params
+        state = _RequestState(request_id, prompt, first.prompt_token_ids, [],
+                              [None] if params.prompt_logprobs is not None else None)
+        for index, core in enumerate(core_requests):
+            logprobs = [] if params.logprobs is not None else None
+            completion = _Completion(index, self._detokenizer(core), logprobs=logprobs)
+            state.completions.append(completion)
+            self.child_to_parent[core.request_id] = (state, completion)
+        self.states[request_id] = state
+
+    def _detokenizer(self, core: EngineCoreRequest) -> IncrementalDetokenizer | None:
+        p = core.sampling_params
+        if not p.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, core.prompt_token_ids, p.skip_special_tokens,
+                                      p.stop, p.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; the core ids to abort."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [cid for cid, (s, _) in self.child_to_parent.items() if s is state]
+        for cid in ids:
+            del self.child_to_parent[cid]
+        return ids
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Cumulative RequestOutputs for the requests that changed, and the core ids to abort
+        because a stop string ended them."""
+        changed: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.child_to_parent.get(out.request_id)
+            if entry is None:  # aborted here while the core was stepping
+                continue
+            state, completion = entry
+            if self._apply(state, completion, out) and out.finish_reason is None:
+                to_abort.append(out.request_id)
+            if completion.finish_reason is not None:
+                del self.child_to_parent[out.request_id]
+            changed[state.request_id] = state
+        results = []
+        for state in changed.values():
+            results.append(state.output())
+            if state.finished:
+                del self.states[state.request_id]
+        return results, to_abort
+
+    def _apply(self, state: _RequestState, completion: _Completion, out: EngineCoreOutput) -> bool:
+        """Fold one core output into its completion; True when a stop string ended it."""
+        state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._logprob_dict(e) for e in out.prompt_logprobs)
+        completion.token_ids.extend(out.new_token_ids)
+        for entry in out.new_logprobs or []:
+            completion.cumulative_logprob += entry[0][1]
+            if completion.logprobs is not None:
+                completion.logprobs.append(self._logprob_dict(entry))
+        completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+        if completion.detokenizer is None or not out.new_token_ids:
+            return False
+        stop = completion.detokenizer.update(out.new_token_ids)
+        if stop is None:
+            return False
+        completion.finish_reason, completion.stop_reason = "stop", stop
+        return True
+
+    def _logprob_dict(self, entry: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entry}

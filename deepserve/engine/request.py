@@ -1,0 +1,149 @@
+"""A request inside the engine: `num_computed_tokens` chasing `num_tokens`.
+
+Invariant: token_ids == prompt_token_ids + output_token_ids, and the KV cache holds exactly
+token_ids[:num_computed_tokens]. Each step the scheduler picks how many of the remaining
+num_tokens - num_computed_tokens to compute; once they are all computed, the step samples one
+more token, which makes num_tokens grow by one. Prefill, chunked prefill, prefix-cache hits,
+decode and recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        wait_for: Request | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first admission
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full computed blocks, in order
+        self.stop_reason: int | str | None = None
+        # Sibling whose prompt must be computed before this one is admitted, so that n > 1
+        # completions share the prompt's cached blocks instead of computing them n times.
+        self.wait_for = wait_for
+        # Filled by the runner when sampling_params.logprobs is set: per output token,
+        # [(token_id, logprob, rank), ...] with the sampled token first.
+        self.output_logprobs: list[list[tuple[int, float, int]]] = []
+        self.prompt_logprobs: list[list[tuple[int, float, int]]] = []  # for prompt tokens 1..P-1
+        self.cumulative_logprob = 0.0
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Apply the token-level stop rules after a token was appended; True when finished.
+
+        Stop strings need detokenized text and are applied by the output processor."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        if self.num_output_tokens >= max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, blocks={self.block_ids})"
+        )
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute token_ids[start:start+num_new_tokens]."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # == request.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so the step samples a token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled

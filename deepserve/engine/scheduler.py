@@ -1,0 +1,175 @@
+"""The scheduler: which requests compute how many tokens this step.
+
+One rule for every request (DESIGN.md principle 1): it gets
+min(num_tokens - num_computed_tokens, what is left of the token budget) tokens. Running requests
+go first, in arrival order, and each leaves one token of budget for every running request behind
+it, so a long chunked prefill never starves the decodes. When blocks run out, the latest-arrived
+running request is preempted: its blocks are freed and it recomputes later from the front of the
+waiting queue. Waiting requests are admitted in arrival order while budget, sequence slots and
+blocks last, and never in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepserve.config import SchedulerConfig
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which found
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            reserve = len(self.running) - i - 1  # one token for each running request behind this one
+            num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - reserve))
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request itself was preempted
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()  # the latest arrival goes first
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.wait_for is not None and not _prompt_computed(request.wait_for):
+                deferred.append(self.waiting.popleft())
+                continue
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Move the head of the waiting queue to running; the tokens scheduled, or 0 if it must wait."""
+        hits = self.block_manager.get_computed_blocks(request)
+        num_computed = len(hits) * self.block_manager.block_size
+        num_new = request.num_tokens - num_computed
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        num_new = min(num_new, budget)
+        if not self.block_manager.allocate_slots(request, num_new, hits):
+            return 0
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_computed
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed
+        self.running.append(request)
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance the counters by what the step computed; the requests that gained a token."""
+        progressed = []
+        max_len = self.config.max_model_len
+        for sched, token_id in zip(out.scheduled, sampled, strict=True):
+            request = sched.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            progressed.append(request)
+            if request.check_stop(max_len):
+                self._release(request)
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+        return progressed
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string); unknown ids are ignored."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.WAITING:
+                self.waiting.remove(request)
+            else:
+                self.running.remove(request)
+            request.status = status
+            self._release(request)
+            ended.append(request)
+        return ended
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.prefix_cache_queries,
+            prefix_cache_hits_total=self.prefix_cache_hits,
+        )
+
+
+def _prompt_computed(request: Request) -> bool:
+    return request.is_finished or request.num_computed_tokens >= request.num_prompt_tokens

@@ -1,0 +1,148 @@
+"""`deepserve` command line: generate, chat, demo-model, serve, keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from deepserve.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, with vLLM's names, shared by every command that builds an engine."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib,
+                   help="KV cache size when running on CPU (GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--swap-space", type=float, default=d.swap_space)
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
+
+
+def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
+    return EngineArgs(
+        model=model, tokenizer=ns.tokenizer, dtype=ns.dtype, seed=ns.seed, max_model_len=ns.max_model_len,
+        block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
+        num_gpu_blocks_override=ns.num_gpu_blocks_override, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens, enable_chunked_prefill=ns.enable_chunked_prefill,
+        enable_prefix_caching=ns.enable_prefix_caching, swap_space=ns.swap_space,
+        kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
+    )
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output")
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from deepserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, n=ns.n, seed=ns.sampling_seed)
+
+
+def _print_outputs(outputs, as_json: bool) -> None:
+    for out in outputs:
+        for c in out.outputs:
+            if as_json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            else:
+                print(f"--- {out.prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)")
+                print(c.text)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from deepserve.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args_from(ns, ns.model)))
+    _print_outputs(llm.generate(ns.prompts, _sampling_params(ns), use_tqdm=False), ns.json)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from deepserve.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args_from(ns, ns.model)))
+    messages = [{"role": "user", "content": ns.message}]
+    _print_outputs(llm.chat(messages, _sampling_params(ns), use_tqdm=False), ns.json)
+    return 0
+
+
+def cmd_demo_model(ns: argparse.Namespace) -> int:
+    from deepserve.demo import write_demo_model
+
+    print(write_demo_model(ns.path))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepserve", description="Serve DeepSeek models.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts, offline")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="one chat turn through the checkpoint's chat template")
+    chat.add_argument("message")
+    chat.add_argument("--model", default=None)
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    demo = sub.add_parser("demo-model", help="write the built-in tiny demo checkpoint to PATH")
+    demo.add_argument("path")
+    demo.set_defaults(func=cmd_demo_model)
+
+    _add_server_commands(sub)
+    return parser
+
+
+def _add_server_commands(sub: argparse._SubParsersAction) -> None:
+    try:
+        from deepserve.entrypoints.serve import add_keys_parser, add_serve_parser
+    except ImportError:  # the server extras are part of the package; this guards partial installs
+        return
+    add_serve_parser(sub)
+    add_keys_parser(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deepserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

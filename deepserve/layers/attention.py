@@ -1,0 +1,37 @@
+"""Attention fronts over the paged KV cache.
+
+`Attention` is the MHA/GQA front (Llama, Qwen2). The model runner allocates each layer's cache from
+`kv_cache_shape()` and binds it to `layer.kv_cache` before the first step; per-step metadata comes
+from the forward context. The latent MLA front (DeepSeek-V2/V3) is the second cache layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
+from deepserve.runner.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D], bound by the runner
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]
+        meta = get_forward_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        store_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
+        out = paged_attention_ref(q, k, v, self.kv_cache, meta, self.scale)
+        return out.flatten(1)

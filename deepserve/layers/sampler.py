@@ -1,0 +1,147 @@
+"""The sampler: logits [B, V] -> one token per row, plus logprobs when asked.
+
+Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks stop tokens; penalties;
+greedy rows take the argmax; the other rows divide by temperature, then min_p, top_k and top_p
+filter, and a token is drawn by the exponential race argmax(probs / q), q ~ Exp(1).
+
+Every stage is out-of-place, so the caller's logits are never modified (the raw logprobs are
+read from them after sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepserve.layers.sampling_metadata import SamplingMetadata
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_min_tokens",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "compute_token_logprobs",
+]
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    # Set only when some row asked for logprobs; K = meta.max_num_logprobs.
+    # Column 0 is the sampled token, columns 1..K the top-K in descending order.
+    logprob_token_ids: torch.Tensor | None = None  # [B, K+1] int64
+    logprobs: torch.Tensor | None = None  # [B, K+1] float32
+    ranks: torch.Tensor | None = None  # [B] int64, 1-based rank of the sampled token
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        x = logits.float()  # [B, V]; aliases `logits` when already float32
+        x = apply_min_tokens(x, meta)
+        x = apply_penalties(x, meta)
+        sampled = _sample(x, meta)  # [B]
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(sampled)
+        ids, logprobs, ranks = compute_token_logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, ids, logprobs, ranks)
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of `target_ids` and of the top-k tokens, from the raw logits [N, V].
+
+    Returns (ids [N, k+1] int64, logprobs [N, k+1] float32, ranks [N] int64); column 0 is the
+    target, columns 1..k the top-k in descending order. k is clamped to V. The rank counts the
+    tokens at least as likely as the target, the target included (ties rank it lower), as vLLM.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    target_ids = target_ids.long()
+    target_logprobs = logprobs.gather(-1, target_ids[:, None])  # [N, 1]
+    ranks = (logprobs >= target_logprobs).sum(-1)  # [N]
+    top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [N, k] each
+    ids = torch.cat([target_ids[:, None], top_ids], dim=1)  # [N, k+1]
+    return ids, torch.cat([target_logprobs, top_logprobs], dim=1), ranks
+
+
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """-inf on every stop token of the rows that have not yet produced min_tokens."""
+    if meta.min_tokens_index is None:
+        return logits
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put(meta.min_tokens_index, neg_inf)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt and output), then frequency and presence (output only)."""
+    if meta.output_counts is None:
+        return logits
+    counts = meta.output_counts  # [B, V]
+    rep = meta.repetition_penalty[:, None]  # [B, 1]
+    seen = meta.prompt_mask | (counts > 0)  # [B, V]
+    # Dividing positive and multiplying negative logits both make a seen token less likely.
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)  # [B, V]
+    logits = torch.where(seen, repeated, logits)
+    logits = logits - meta.frequency_penalty[:, None] * counts
+    return logits - meta.presence_penalty[:, None] * (counts > 0).float()
+
+
+def apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """-inf outside each row's top_k, then outside its top_p nucleus (mass after top_k).
+
+    Ties with the k-th value survive top_k. top_p keeps the smallest set of the most likely
+    tokens whose mass reaches top_p, and always the most likely token.
+    """
+    if meta.top_p is None:
+        if meta.top_k is None:
+            return logits
+        # Without top_p a partial top-k is enough: the k-th largest value is the threshold.
+        top = logits.topk(meta.max_top_k, dim=-1).values  # [B, max_k]
+        kth = top.gather(-1, meta.top_k[:, None] - 1)  # [B, 1]
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1)  # [B, V] each, ascending
+    if meta.top_k is not None:
+        kth = sorted_logits.gather(-1, logits.shape[-1] - meta.top_k[:, None])  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Ascending cumulative mass: a token goes when it and all less likely ones hold <= 1 - top_p,
+    # i.e. when the more likely tokens alone already reach top_p.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    drop = cum <= 1.0 - meta.top_p[:, None]  # [B, V]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return sorted_logits.scatter(-1, order, sorted_logits)
+
+
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    greedy = None if meta.all_random else logits.argmax(dim=-1)  # [B]
+    if meta.all_greedy:
+        return greedy
+    drawn = _sample_random(logits, meta)  # [B]
+    return drawn if greedy is None else torch.where(meta.greedy, greedy, drawn)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    logits = logits / meta.temperature[:, None]  # [B, V]
+    if meta.min_p is not None:
+        probs = logits.softmax(dim=-1)  # [B, V]
+        threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    logits = apply_top_k_top_p(logits, meta)
+    probs = logits.softmax(dim=-1)  # [B, V]
+    return probs.div_(_exponential(probs, meta)).argmax(dim=-1)
+
+
+def _exponential(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """q ~ Exp(1) of probs' shape; seeded rows from their own generator, the rest in one call."""
+    q = torch.empty_like(probs)  # [B, V]
+    if len(meta.generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in meta.generators.items():
+        # A fresh [V] draw per row, so the values do not depend on the row's position.
+        q[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
+    # Exp(1) can return exactly 0; a zero would make 0/0 on a filtered token.
+    return q.clamp_(min=torch.finfo(q.dtype).tiny)

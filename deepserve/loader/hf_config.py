@@ -1,0 +1,50 @@
+"""Reading a checkpoint's config.json and deriving dtype and context length from it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def load_hf_config(model: str, overrides: dict[str, Any] | None = None) -> Any:
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model):
+        raise FileNotFoundError(
+            f"model {model!r} is not a local folder; deepserve loads Hugging Face checkpoints from disk "
+            "(config.json + *.safetensors + tokenizer files)"
+        )
+    config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    """'auto' means the checkpoint's dtype on GPU and float32 on CPU (accurate, and fast on any CPU)."""
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"
+        config_dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+        config_dtype = config_dtype.removeprefix("torch.")
+        return "float16" if config_dtype == "float16" else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+    if requested is None:
+        return int(limit)
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} is longer than the model's max_position_embeddings ({limit}); "
+            f"lower --max-model-len to at most {limit}"
+        )
+    return requested

@@ -1,0 +1,124 @@
+"""Llama architecture: DeepSeek-LLM 7B/67B, DeepSeek-Coder, DeepSeek-R1-Distill-Llama; Qwen2
+(DeepSeek-R1-Distill-Qwen) is this model with biases on q, k and v.
+
+Shapes: T new tokens in the step (all sequences flattened), E hidden size, H query heads,
+Hkv key/value heads, D head dim, I intermediate size, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepserve.layers.activation import SiluAndMul
+from deepserve.layers.attention import Attention
+from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from deepserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rotary import RotaryEmbedding, rope_parameters
+from deepserve.runner.distributed import get_tp_world_size
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, E] -> [T, 2I/tp] -> [T, I/tp] -> [T, E]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        tp = get_tp_world_size()
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, num_kv_heads, qkv_bias)
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary_emb(
+            positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        )  # [T, H, D], [T, Hkv, D]
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, *biases)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, biases) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None  # [T, E]
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our merged parameter fragment, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_biases(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o): Llama's `attention_bias` sets both."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T] -> hidden [T, E]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # [N, E] -> [N, V]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from deepserve.loader.checkpoint import load_named_weights
+
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
+        return load_named_weights(self, weights, self.stacked_params, skip)

@@ -1,0 +1,29 @@
+"""Architecture name (config.json "architectures") -> model class. A dict, nothing more."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("deepserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("deepserve.models.qwen2", "Qwen2ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    import importlib
+
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(
+        f"config.json architectures {archs} are not supported; supported: {supported_architectures()}"
+    )

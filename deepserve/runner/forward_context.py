@@ -1,0 +1,51 @@
+"""Per-step attention metadata, handed to every attention layer through one scoped context.
+
+The model runner builds one `AttentionMetadata` per step and runs the forward pass inside
+`with forward_context(meta):`; attention layers read it with `get_forward_context()`. Outside
+that block there is no context, so a layer called by mistake outside a step fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat batch of T new tokens from B sequences (token order: sequence by sequence)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where each new token's KV goes
+    query_start_loc: torch.Tensor  # [B + 1] int32: sequence b owns tokens query_start_loc[b]:[b+1]
+    seq_lens: torch.Tensor  # [B] int32: tokens in cache after this step (computed before + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    block_size: int
+    # Host copies of the small per-sequence vectors, so reference paths need no device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield meta
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention ran outside `with forward_context(meta):`; only the model runner calls it")
+    return _current

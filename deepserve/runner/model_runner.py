@@ -1,0 +1,164 @@
+"""The model runner: the only owner of device tensors (DESIGN.md principle 4).
+
+Each step: SchedulerOutput -> flat tensors -> model forward inside the forward context -> logits
+of the sampling rows -> sampler -> token ids back on the host (the step's one device sync).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from deepserve.config import EngineConfig
+from deepserve.engine.request import Request, SchedulerOutput
+from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
+from deepserve.loader.model_loader import load_model
+from deepserve.runner.forward_context import forward_context
+from deepserve.runner.input_batch import prepare_inputs
+
+logger = logging.getLogger(__name__)
+
+LogprobEntry = list[tuple[int, float, int]]  # (token id, logprob, rank); the chosen token first
+
+
+@dataclass
+class RunnerOutput:
+    sampled: list[int | None]  # aligned with SchedulerOutput.scheduled; None where the step only prefilled
+    logprobs: list[LogprobEntry | None] = field(default_factory=list)  # aligned; for rows that asked
+    prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # new prompt positions
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.model.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, self.device, self.dtype)
+        self.vocab_size = config.model.hf_config.vocab_size
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        total = 0
+        for layer in self.attention_layers:
+            shape = layer.kv_cache_shape(1, self.block_size)
+            total += elem * int(torch.Size(shape).numel())
+        return total
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        per_block = self.kv_cache_bytes_per_block()
+        if self.device.type == "cpu":
+            return max(1, int(cache.cpu_kv_cache_gib * 2**30) // per_block)
+        return self._profile_gpu_blocks(per_block)
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        # Memory the cache may take = utilisation share of the card - what the model and the
+        # largest step's activations took (measured by running that step on dummy blocks).
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        available = total * self.config.cache.gpu_memory_utilization - peak
+        num_blocks = int(available // per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: the model and activations take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+                "or use more GPUs (--tensor-parallel-size)"
+            )
+        return num_blocks
+
+    def _profile_run(self) -> None:
+        from deepserve.engine.request import ScheduledRequest
+        from deepserve.sampling_params import SamplingParams
+
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        blocks_needed = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(blocks_needed)
+        request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+        request.block_ids = list(range(blocks_needed))
+        self.execute(SchedulerOutput([ScheduledRequest(request, num_tokens, 0)]))
+        self.allocate_kv_cache(0)
+        torch.cuda.synchronize(self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        if num_blocks == 0:
+            return
+        for layer in self.attention_layers:
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        with forward_context(inputs.attn):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, E]
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        logprobs: list[LogprobEntry | None] = [None] * len(out.scheduled)
+        if inputs.sample_indices:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()  # [S, V]
+            requests = [out.scheduled[i].request for i in inputs.sample_indices]
+            meta = SamplingMetadata.build(
+                [r.sampling_params for r in requests],
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+                [r.eos_token_ids for r in requests],
+                self.vocab_size,
+                self.device,
+            )
+            result = self.sampler(logits, meta)
+            tokens = result.sampled.tolist()  # the step's one device -> host sync
+            for row, i in enumerate(inputs.sample_indices):
+                sampled[i] = tokens[row]
+            if result.logprobs is not None:
+                _attach_logprobs(result, requests, inputs.sample_indices, logprobs)
+        return RunnerOutput(sampled, logprobs, self._prompt_logprobs(out, hidden))
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[LogprobEntry]]:
+        """Logprobs of prompt tokens 1..P-1, from the positions this step computed."""
+        result: dict[str, list[LogprobEntry]] = {}
+        row_start = 0
+        for sched in out.scheduled:
+            request, k = sched.request, sched.request.sampling_params.prompt_logprobs
+            first_row = row_start
+            row_start += sched.num_new_tokens
+            # Position p predicts prompt token p + 1; request.prompt_logprobs holds positions done
+            # (a recompute after preemption does not report them again).
+            lo = max(sched.start, len(request.prompt_logprobs))
+            hi = min(sched.start + sched.num_new_tokens, request.num_prompt_tokens - 1)
+            if k is None or lo >= hi:
+                continue
+            rows = hidden[first_row + lo - sched.start : first_row + hi - sched.start]
+            targets = torch.tensor(request.prompt_token_ids[lo + 1 : hi + 1], device=hidden.device)
+            ids, lps, ranks = compute_token_logprobs(self.model.compute_logits(rows).float(), targets, k)
+            result[request.request_id] = _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
+        return result
+
+
+def _attach_logprobs(result, requests: list[Request], indices: list[int], logprobs: list) -> None:
+    ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist()
+    for row, (request, i) in enumerate(zip(requests, indices, strict=True)):
+        k = request.sampling_params.logprobs
+        if k is not None:
+            logprobs[i] = _entries([ids[row]], [lps[row]], [ranks[row]], k)[0]
+
+
+def _entries(ids: list[list[int]], lps: list[list[float]], ranks: list[int], k: int) -> list[LogprobEntry]:
+    """Per row: the chosen token with its rank, then the top-k tokens with ranks 1..k."""
+    out = []
+    for row_ids, row_lps, rank in zip(ids, lps, ranks, strict=True):
+        entry = [(row_ids[0], row_lps[0], rank)]
+        entry += [(row_ids[j], row_lps[j], j) for j in range(1, k + 1)]
+        out.append(entry)
+    return out

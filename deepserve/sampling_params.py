@@ -1,0 +1,111 @@
+"""SamplingParams: how one request samples and when it stops, with vLLM's field names.
+
+Validated once, at construction; the engine and the sampler trust every field afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import MISSING, dataclass, field, fields
+
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(init=False)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per output token, besides the sampled one
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __init__(self, **kwargs: object) -> None:
+        known = {f.name: f for f in fields(self)}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"SamplingParams got unknown field(s) {unknown}; known fields: {sorted(known)}")
+        for name, f in known.items():
+            if name in kwargs:
+                value = kwargs[name]
+            elif f.default_factory is not MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            setattr(self, name, value)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, lo=1)
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=_MAX_SEED)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+
+
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float | None = None, hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

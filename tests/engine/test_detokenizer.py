@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepserve.demo import CORPUS, SPECIAL_TOKENS, train_bpe_tokenizer
+from deepserve.engine.detokenizer import IncrementalDetokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+# Characters the training corpus never saw are spelled byte by byte, so they split across tokens.
+WORDS = " ".join(CORPUS).split() + "龘 鱻 你好 世界 模型 🚀 🦀 👩‍💻 🇯🇵 😊😊 naïve Ω≈ç√ e\u0301".split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe_tokenizer(CORPUS, 1000, SPECIAL_TOKENS)
+
+
+def random_text(rng: random.Random, n_words: int) -> str:
+    return "".join(rng.choice(["", " ", " ", "\n"]) + rng.choice(WORDS) for _ in range(n_words))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random | None = None) -> list[str]:
+    """Feed ids in chunks of 1-3 (one at a time without rng); return every delta, the last at finish."""
+    deltas, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 3) if rng else 1
+        stopped = detok.update(ids[i : i + n])
+        i += n
+        if stopped:
+            break
+        deltas.append(detok.get_delta(finished=False))
+    deltas.append(detok.get_delta(finished=True))
+    return deltas
+
+
+def test_splits_characters_across_tokens(tok):
+    # The property the random tests rely on: some tokens end inside a character.
+    ids = tok.encode("龘🚀", add_special_tokens=False)
+    assert len(ids) > 2
+    assert tok.decode(ids[:1]).endswith("\ufffd")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_incremental_text_equals_full_decode(tok, seed):
+    rng = random.Random(seed)
+    prompt = tok.encode(random_text(rng, 5))
+    ids = tok.encode(random_text(rng, rng.randint(1, 40)), add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = stream(detok, ids, rng)
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in full
+    assert detok.output_text == full
+    assert "".join(deltas) == full
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(30))
+def test_random_token_ids_equal_full_decode(tok, seed, skip_special_tokens):
+    # Arbitrary ids: stray bytes, special tokens, and output that may end inside a character.
+    rng = random.Random(1000 + seed)
+    prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 60))]
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+    deltas = stream(detok, ids, rng)
+    full = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert detok.output_text == full
+    assert "".join(deltas) == full
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_partial_character_is_held_back_until_complete(tok):
+    ids = tok.encode("go 🦀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    seen = []
+    for i in ids:
+        detok.update([i])
+        seen.append(detok.output_text)
+        assert "\ufffd" not in detok.get_delta(finished=False)
+    assert seen[-1] == "go 🦀"
+    assert all(s in ("go", "go ", "go 🦀") for s in seen)
+
+
+def test_partial_character_flushed_at_finish(tok):
+    # Cut off mid-emoji (e.g. by max_tokens): the final text is what a full decode shows.
+    ids = tok.encode("ok 🦀", add_special_tokens=False)[:-1]
+    detok = IncrementalDetokenizer(tok, [])
+    detok.update(ids)
+    streamed = detok.get_delta(finished=False)
+    assert streamed.startswith("ok") and "\ufffd" not in streamed
+    streamed += detok.get_delta(finished=True)
+    assert streamed == detok.output_text == tok.decode(ids)
+    assert streamed.endswith("\ufffd")
+
+
+def test_stop_string_spanning_tokens(tok):
+    ids = tok.encode("the cache is full STOP and more", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    results = [detok.update([i]) for i in ids]
+    hit = results.index("STOP")
+    assert [r for r in results if r] == ["STOP"]
+    # The match needed several tokens, and it ended the output.
+    assert "STOP" not in tok.decode(ids[hit : hit + 1])
+    assert detok.output_text == "the cache is full "
+    assert detok.matched_stop == "STOP"
+    assert detok.get_delta(finished=True) == "the cache is full "
+
+
+def test_stop_string_starting_in_earlier_updates(tok):
+    ids = tok.encode("the scheduler hands out a budget", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["hands out a"])
+    results = [detok.update([i]) for i in ids]
+    assert results.count("hands out a") == 1
+    assert detok.output_text == "the scheduler "
+
+
+def test_include_stop_str_in_output(tok):
+    ids = tok.encode("tokens per second</end> trailing", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["</end>"], include_stop_str_in_output=True)
+    deltas = stream(detok, ids)
+    assert detok.output_text == "tokens per second</end>"
+    assert "".join(deltas) == "tokens per second</end>"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["gamma", "beta gamma", "a b"])
+    assert detok.update(ids) == "a b"
+    assert detok.output_text == "alph"
+
+
+def test_stop_string_in_prompt_is_not_matched(tok):
+    detok = IncrementalDetokenizer(tok, tok.encode("say STOP"), stop=["STOP"])
+    assert detok.update(tok.encode(" and go", add_special_tokens=False)) is None
+    assert detok.output_text == " and go"
+
+
+def test_streaming_holds_back_possible_stop_prefix(tok):
+    ids = tok.encode("the batch ST is STO then STOP here", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    sent = ""
+    for i in ids:
+        if detok.update([i]):
+            break
+        sent += detok.get_delta(finished=False)
+        # Hold back len("STOP") - 1 characters, and never anything the stop would cut.
+        assert len(sent) == max(0, len(detok.output_text) - 3)
+    assert "ST is STO" in sent  # released once later text showed they were not a stop
+    sent += detok.get_delta(finished=True)
+    assert sent == detok.output_text == "the batch ST is STO then "
+
+
+def test_hold_back_released_at_finish_without_match(tok):
+    ids = tok.encode("ends with ST", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    detok.update(ids)
+    first = detok.get_delta(finished=False)
+    assert first == "ends with"
+    assert detok.get_delta(finished=True) == " ST"
+    assert detok.get_delta(finished=True) == ""
+
+
+def test_tokens_after_stop_are_ignored_and_update_after_finish_fails(tok):
+    detok = IncrementalDetokenizer(tok, [], stop=["cache"])
+    assert detok.update(tok.encode("the cache", add_special_tokens=False)) == "cache"
+    assert detok.update(tok.encode(" more", add_special_tokens=False)) is None
+    assert detok.output_text == "the "
+    detok.finish()
+    with pytest.raises(RuntimeError):
+        detok.update([5])
+
+
+def test_work_per_token_is_a_small_window(tok):
+    class CountingTokenizer:
+        def __init__(self):
+            self.calls, self.longest = 0, 0
+
+        def decode(self, ids, **kwargs):
+            self.calls += 1
+            self.longest = max(self.longest, len(ids))
+            return tok.decode(ids, **kwargs)
+
+    counting = CountingTokenizer()
+    ids = tok.encode(" ".join(CORPUS), add_special_tokens=False)
+    detok = IncrementalDetokenizer(counting, tok.encode("prompt"), stop=["<|im_end|>"])
+    for i in ids:
+        detok.update([i])
+        detok.get_delta(finished=False)
+    detok.get_delta(finished=True)
+    assert detok.output_text == " ".join(CORPUS)
+    assert counting.calls <= 2 * len(ids) + 2
+    assert counting.longest <= 8
+
+
+def test_engine_module_imports_no_torch_or_transformers():
+    code = (
+        "import sys, deepserve.engine.detokenizer; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

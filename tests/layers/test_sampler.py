@@ -1,0 +1,306 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepserve.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_tokens,
+    apply_penalties,
+    compute_token_logprobs,
+)
+from deepserve.layers.sampling_metadata import token_counts
+from deepserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+NEG_INF = float("-inf")
+# Tests taking `device` also run on CUDA where there is one.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+def build(
+    params: list[SamplingParams],
+    vocab_size: int,
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+    eos: list[frozenset[int]] | None = None,
+    device: torch.device = CPU,
+) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+        eos if eos is not None else [frozenset() for _ in range(n)],
+        vocab_size,
+        device,
+    )
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], **kwargs: object) -> torch.Tensor:
+    return Sampler()(logits, build(params, logits.shape[-1], device=logits.device, **kwargs)).sampled
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+# 99.9th percentile of chi-square with 3 degrees of freedom (4-token vocab).
+CHI2_3DOF_999 = 16.27
+
+
+def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    before = logits.clone()
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 5)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, logits.argmax(-1))
+    assert torch.equal(logits, before)
+
+
+def test_top_k_1_is_greedy_at_any_temperature() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    params = [SamplingParams(temperature=t, top_k=1) for t in (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 50.0, 100.0)]
+    for _ in range(5):
+        assert torch.equal(sample(logits, params), logits.argmax(-1))
+
+
+def test_tiny_top_p_keeps_only_the_top_token() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    for _ in range(5):
+        out = sample(logits, [SamplingParams(temperature=3.0, top_p=1e-9)] * 8)
+        assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_p_keeps_smallest_set_reaching_mass() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(4000, 4)
+    # 0.5 < 0.7 <= 0.5 + 0.3: tokens 1 and 3, renormalised to 0.625 / 0.375.
+    tokens = sample(logits, [SamplingParams(top_p=0.7)] * 4000)
+    assert set(tokens.tolist()) == {1, 3}
+    assert chi_square(tokens, torch.tensor([1e-9, 0.625, 1e-9, 0.375])) < CHI2_3DOF_999
+    # 0.8 < 0.81: token 2 joins, token 0 does not.
+    assert set(sample(logits, [SamplingParams(top_p=0.81)] * 4000).tolist()) == {1, 2, 3}
+
+
+def test_top_k_renormalises_over_the_k_most_likely() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    tokens = sample(probs.log().expand(4000, 4), [SamplingParams(top_k=2)] * 4000)
+    assert chi_square(tokens, torch.tensor([1e-9, 0.625, 1e-9, 0.375])) < CHI2_3DOF_999
+
+
+def test_top_k_and_top_p_combined() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    # After top_k=3: {1: 0.5/0.95, 3: 0.3/0.95, 2: 0.15/0.95}; token 1 alone has 0.526 >= 0.5.
+    tokens = sample(probs.log().expand(500, 4), [SamplingParams(top_k=3, top_p=0.5)] * 500)
+    assert set(tokens.tolist()) == {1}
+    # Disabled values in the same batch: top_k=0 and top_k=-1 keep every token.
+    params = [SamplingParams(top_k=0), SamplingParams(top_k=-1), SamplingParams(top_k=2, top_p=0.9)] * 2000
+    tokens = sample(probs.log().expand(6000, 4), params)
+    assert set(tokens[0::3].tolist()) == set(tokens[1::3].tolist()) == {0, 1, 2, 3}
+    assert set(tokens[2::3].tolist()) == {1, 3}
+
+
+def test_min_p_drops_tokens_below_fraction_of_max() -> None:
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4)
+    # Threshold 0.35 * 0.5 = 0.175: tokens 0 and 1 survive, renormalised to 0.625 / 0.375.
+    tokens = sample(logits, [SamplingParams(min_p=0.35)] * 4000)
+    assert chi_square(tokens, torch.tensor([0.625, 0.375, 1e-9, 1e-9])) < CHI2_3DOF_999
+    # Threshold 0.09: only token 3 goes.
+    assert set(sample(logits, [SamplingParams(min_p=0.18)] * 4000).tolist()) == {0, 1, 2}
+
+
+def test_unseeded_frequencies_match_softmax() -> None:
+    torch.manual_seed(1234)
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    n = 8000
+    params = [SamplingParams(temperature=1.0)] * n + [SamplingParams(temperature=0.5)] * n
+    tokens = sample(logits.expand(2 * n, 4), params)
+    assert chi_square(tokens[:n], logits.softmax(-1)) < CHI2_3DOF_999
+    assert chi_square(tokens[n:], (logits / 0.5).softmax(-1)) < CHI2_3DOF_999
+
+
+def _penalty_logits() -> torch.Tensor:
+    return torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 2)
+
+
+def _penalised(params: SamplingParams) -> torch.Tensor:
+    # Row 0 carries the penalty; row 1 has the same history and default params, and stays put.
+    meta = build([params, SamplingParams()], 5, prompts=[[0, 1]] * 2, outputs=[[3, 3, 2]] * 2)
+    out = apply_penalties(_penalty_logits(), meta)
+    assert torch.equal(out[1], _penalty_logits()[1])
+    return out[0]
+
+
+def test_token_counts_rows_of_different_lengths() -> None:
+    counts = token_counts([[0, 1, 1], [], [2, 2, 2, 0]], 4, CPU)
+    assert counts.tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [1, 0, 3, 0]]
+
+
+def test_repetition_penalty_hand_computed() -> None:
+    # Seen = prompt {0, 1} and output {2, 3}; positive logits divide by 2, negative multiply.
+    expected = torch.tensor([1.0, -2.0, 0.25, 1.5, -0.5])
+    assert torch.allclose(_penalised(SamplingParams(repetition_penalty=2.0)), expected)
+
+
+def test_frequency_and_presence_penalties_hand_computed() -> None:
+    # Output counts: token 3 twice, token 2 once; the prompt is not counted.
+    freq = torch.tensor([2.0, -1.0, 0.5 - 0.5, 3.0 - 1.0, -0.5])
+    assert torch.allclose(_penalised(SamplingParams(frequency_penalty=0.5)), freq)
+    pres = torch.tensor([2.0, -1.0, 0.5 - 0.25, 3.0 - 0.25, -0.5])
+    assert torch.allclose(_penalised(SamplingParams(presence_penalty=0.25)), pres)
+
+
+def test_all_penalties_together_repetition_first() -> None:
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    # Token 3: 3 / 2 - 0.5 * 2 - 0.25; token 2: 0.5 / 2 - 0.5 * 1 - 0.25.
+    expected = torch.tensor([1.0, -2.0, -0.5, 0.25, -0.5])
+    assert torch.allclose(_penalised(params), expected)
+
+
+def test_penalty_changes_greedy_choice_and_is_skipped_when_unset() -> None:
+    logits = torch.tensor([[1.0, 0.9, 0.0]])
+    params = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    assert sample(logits, [params], outputs=[[0]]).tolist() == [1]
+    meta = build([SamplingParams(temperature=0.0)], 3, outputs=[[0]])
+    assert meta.output_counts is None and meta.prompt_mask is None
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4], ignore_eos=True)
+    eos = [frozenset({5})]
+    meta = build([params], 6, outputs=[[1, 1]], eos=eos)
+    masked = apply_min_tokens(logits, meta)
+    assert masked[0].tolist() == [0.0, 1.0, 2.0, 3.0, NEG_INF, NEG_INF]
+    assert Sampler()(logits, meta).sampled.tolist() == [3]
+    assert logits[0, 5] == 5.0
+    assert sample(logits, [params], outputs=[[1, 1, 1]], eos=eos).tolist() == [5]
+    # Eos ids outside the vocabulary are ignored rather than indexing out of range.
+    assert sample(logits, [params], outputs=[[]], eos=[frozenset({5, 99})]).tolist() == [3]
+
+
+def _seeded_run(seed: int, logits_row: torch.Tensor, others: int, position: int, steps: int) -> list[int]:
+    """Tokens a seeded row draws over `steps` steps, sitting at `position` among unseeded rows."""
+    vocab = logits_row.numel()
+    tokens = []
+    for step in range(steps):
+        torch.manual_seed(1000 * others + 10 * position + step)  # the global RNG must not matter
+        filler = torch.randn(others, vocab).to(logits_row.device)
+        logits = torch.cat([filler[:position], logits_row[None], filler[position:]])
+        params = [SamplingParams(temperature=0.9)] * (others + 1)
+        params[position] = SamplingParams(temperature=0.9, seed=seed)
+        outputs = [[0] * step for _ in range(others + 1)]
+        tokens.append(sample(logits, params, outputs=outputs)[position].item())
+    return tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_ignore_batch_composition_and_position(device: str) -> None:
+    logits_row = torch.zeros(1000, device=device)  # uniform: every step is a fresh draw
+    alone = _seeded_run(7, logits_row, others=0, position=0, steps=12)
+    assert len(set(alone)) > 1
+    assert _seeded_run(7, logits_row, others=3, position=2, steps=12) == alone
+    assert _seeded_run(7, logits_row, others=5, position=5, steps=12) == alone
+    assert _seeded_run(8, logits_row, others=0, position=0, steps=12) != alone
+
+
+def test_seeded_rows_follow_softmax() -> None:
+    # Different seeds are independent draws, so their tokens follow the distribution.
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    n = 3000
+    tokens = sample(logits.expand(n, 4), [SamplingParams(seed=s) for s in range(n)])
+    assert chi_square(tokens, logits.softmax(-1)) < CHI2_3DOF_999
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_greedy_random_seeded(device: str) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64, device=device)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, seed=42),
+        SamplingParams(temperature=0.0, seed=3),  # a seed on a greedy row changes nothing
+    ]
+    meta = build(params, 64, device=logits.device)
+    assert not meta.all_greedy and not meta.all_random and set(meta.generators) == {2}
+    seeded_alone = sample(logits[2:3], [params[2]]).item()
+    top2 = logits[1].topk(2).indices.tolist()
+    for _ in range(20):
+        out = sample(logits, params)
+        assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()
+        assert out[1].item() in top2
+        assert out[2].item() == seeded_alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_with_ranks(device: str) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20, dtype=torch.bfloat16, device=device)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.5),
+        SamplingParams(temperature=0.7, logprobs=4, presence_penalty=1.0),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler()(logits, build(params, 20, outputs=[[1, 2]] * 3, device=logits.device))
+    expected = torch.log_softmax(logits.float(), -1)  # before penalties and temperature
+    assert out.logprobs.shape == out.logprob_token_ids.shape == (3, 5)
+    assert out.logprobs.dtype == torch.float32 and out.logprob_token_ids.dtype == torch.int64
+    assert torch.equal(out.logprob_token_ids[:, 0], out.sampled)
+    assert torch.allclose(out.logprobs, expected.gather(-1, out.logprob_token_ids))
+    top = expected.topk(4, -1)
+    assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
+    assert torch.all(out.logprobs[:, 1:-1] >= out.logprobs[:, 2:])
+    for row in range(3):
+        lp = expected[row, out.sampled[row]]
+        assert out.ranks[row].item() == int((expected[row] >= lp).sum())
+
+
+def test_no_logprobs_unless_asked_and_zero_k() -> None:
+    logits = torch.randn(2, 10)
+    out = Sampler()(logits, build([SamplingParams()] * 2, 10))
+    assert out.logprobs is None and out.logprob_token_ids is None and out.ranks is None
+    out = Sampler()(logits, build([SamplingParams(logprobs=0), SamplingParams()], 10))
+    assert out.logprobs.shape == (2, 1) and torch.equal(out.logprob_token_ids[:, 0], out.sampled)
+
+
+def test_compute_token_logprobs_hand_checked() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    ids, logprobs, ranks = compute_token_logprobs(logits, torch.tensor([1, 1]), k=2)
+    log_z = math.log(sum(math.exp(v) for v in (0.0, 1.0, 2.0, 3.0)))
+    assert ids.tolist() == [[1, 3, 2], [1, 0, 1]]
+    expected = torch.tensor([[1.0, 3.0, 2.0], [2.0, 3.0, 2.0]]) - log_z
+    assert torch.allclose(logprobs, expected)
+    assert ranks.tolist() == [3, 2]
+    # k larger than the vocabulary is clamped.
+    ids, logprobs, _ = compute_token_logprobs(logits, torch.tensor([0, 0]), k=10)
+    assert ids.shape == logprobs.shape == (2, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_any_float_dtype(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30).to(dtype)
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, min_p=0.05, seed=1)] * 2
+    out = sample(logits, params)
+    assert out.shape == (4,) and out[0] == logits[0].float().argmax()
