@@ -185,9 +185,12 @@ class OutputProcessor:
             if completion.logprobs is not None:
                 completion.logprobs.append(self._logprob_dict(entry))
         completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
-        if completion.detokenizer is None or not out.new_token_ids:
+        detokenizer = completion.detokenizer
+        if detokenizer is None:
             return False
-        stop = completion.detokenizer.update(out.new_token_ids)
+        stop = detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+        if out.finish_reason is not None and stop is None:
+            stop = detokenizer.finish()  # flush a dangling partial character into the final text
         if stop is None:
             return False
         completion.finish_reason, completion.stop_reason = "stop", stop

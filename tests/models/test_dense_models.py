@@ -116,3 +116,30 @@ def test_greedy_generation_matches_transformers(checkpoint, setting):
     if setting == "default":
         assert stats.prefix_cache_hits_total > 0
     assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint):
+    path, hf_model = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    ids = PROMPTS[1]  # 37 tokens: prompt logprobs come from three chunks
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    c = out.outputs[0]
+    seq = ids + c.token_ids
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0].float(), dim=-1)  # [L, V]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[ids[pos]].logprob - want[pos - 1, ids[pos]].item()) < 1e-4
+        assert entry[ids[pos]].rank == int((want[pos - 1] > want[pos - 1, ids[pos]]).sum()) + 1
+        assert set(want[pos - 1].topk(2).indices.tolist()) <= set(entry)
+    assert len(c.logprobs) == 4
+    total = 0.0
+    for i, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        row = want[len(ids) - 1 + i]
+        assert entry[tok].rank == 1  # greedy picks the top token
+        assert abs(entry[tok].logprob - row[tok].item()) < 1e-4
+        assert set(entry) == set(row.topk(3).indices.tolist())
+        total += row[tok].item()
+    assert abs(c.cumulative_logprob - total) < 1e-3

@@ -1,0 +1,117 @@
+"""The offline API end to end on the built-in demo model: n, seeds, stops, logprobs, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepserve import LLM, SamplingParams
+from deepserve.entrypoints.cli import main
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=256)
+
+
+PROMPT = "Paged attention keeps the cache in blocks"
+
+
+def test_outputs_come_back_in_input_order_with_vllm_shape(llm):
+    prompts = ["one", "two two", "three three three"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    tok = llm.get_tokenizer()
+    for o, p in zip(outs, prompts, strict=True):
+        assert o.finished and o.prompt_token_ids == tok.encode(p)
+        (c,) = o.outputs
+        assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_n_gives_indexed_outputs_sharing_the_prompt(llm):
+    (out,) = llm.generate([PROMPT * 3], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8,
+                                                        ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # each child has its own seed
+
+
+def test_seeded_request_is_independent_of_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    (alone,) = llm.generate([PROMPT], seeded, use_tqdm=False)
+    others = SamplingParams(temperature=0.9, max_tokens=7, ignore_eos=True)
+    batch = llm.generate(["noise a", PROMPT, "more noise here", "x"],
+                         [others, seeded, SamplingParams(temperature=1.0, seed=99, max_tokens=12), others],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    (again,) = llm.generate([PROMPT], seeded, use_tqdm=False)
+    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_stop_string_truncates_text_and_frees_the_request(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate([PROMPT], greedy, use_tqdm=False)
+    text = full.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert len(stop) == 2 and "\ufffd" not in stop
+    cut = text.index(stop)
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=include)
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == text[: cut + (len(stop) if include else 0)]
+    assert llm.llm_engine.stats().num_running == 0
+
+
+def test_stop_token_ids_end_the_completion(llm):
+    (full,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    stop_id = full.outputs[0].token_ids[3]
+    first = full.outputs[0].token_ids.index(stop_id)
+    (out,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == full.outputs[0].token_ids[: first + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id
+    # min_tokens holds the stop back until enough tokens exist.
+    (late,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id],
+                                                    min_tokens=first + 2), use_tqdm=False)
+    assert len(late.outputs[0].token_ids) > first + 1
+
+
+def test_too_long_prompt_is_refused_and_the_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="maximum context length is 256"):
+        llm.generate(["ok", "word " * 300], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    (out,) = llm.generate(["ok"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_unknown_llm_argument_is_named():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
+
+
+def test_chat_applies_the_template(llm):
+    (out,) = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=4), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    prompt_text = tok.decode(out.prompt_token_ids)
+    assert "<｜User｜>Hi!" in prompt_text and prompt_text.endswith("<｜Assistant｜>")
+    assert prompt_text.count("<｜begin▁of▁sentence｜>") == 1
+
+
+def test_cli_generate_prints_json(capsys):
+    rc = main(["generate", "Hello", "--max-tokens", "4", "--json", "--device", "cpu",
+               "--num-gpu-blocks-override", "64", "--max-model-len", "128"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["prompt"] == "Hello" and len(record["token_ids"]) <= 4
+
+
+def test_cli_reports_bad_flags_as_errors(capsys):
+    rc = main(["generate", "Hello", "--max-model-len", "999999", "--device", "cpu"])
+    assert rc == 2
+    assert "--max-model-len" in capsys.readouterr().err
