@@ -143,3 +143,31 @@ def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint):
         assert set(entry) == set(row.topk(3).indices.tolist())
         total += row[tok].item()
     assert abs(c.cumulative_logprob - total) < 1e-3
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path, tokenizer):
+    torch.manual_seed(1)
+    hf_model = LlamaForCausalLM(LlamaConfig(**COMMON, num_key_value_heads=2)).eval()
+    path = str(tmp_path / "sharded")
+    hf_model.save_pretrained(path, max_shard_size="200KB")
+    tokenizer.save_pretrained(path)
+    import os
+
+    shards = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    assert len(shards) > 1 and os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    (got,) = our_logits(path, [PROMPTS[0]])
+    with torch.no_grad():
+        want = hf_model(torch.tensor([PROMPTS[0]])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_dummy_weights_need_only_the_config(tmp_path, tokenizer):
+    config = LlamaConfig(**COMMON, num_key_value_heads=2)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", num_gpu_blocks_override=32)
+    (out,) = llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(FileNotFoundError, match="load_format='dummy'"):
+        LLM(str(tmp_path), device="cpu", num_gpu_blocks_override=32)
