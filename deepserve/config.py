@@ -24,6 +24,7 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "auto" | "dummy"
     device: str = "cpu"  # resolved: "cpu" | "cuda"
+    enforce_eager: bool = False  # True: no CUDA graphs
 
     @property
     def architecture(self) -> str:
@@ -119,6 +120,8 @@ class EngineArgs:
     load_format: str = "auto"
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False  # token ids in and out, no text (benchmarks on model-shape presets)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
@@ -139,6 +142,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             device=device,
+            enforce_eager=self.enforce_eager,
         )
         budget = self.max_num_batched_tokens
         if budget is None:

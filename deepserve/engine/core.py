@@ -27,7 +27,7 @@ LogprobEntry = list[tuple[int, float, int]]
 
 class Runner(Protocol):
     def determine_num_blocks(self) -> int: ...
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_cache(self, num_blocks: int) -> None: ...
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
@@ -80,7 +80,7 @@ class EngineCore:
         self.runner = runner
         self.num_blocks = runner.determine_num_blocks()
         _check_cache_fits(config, self.num_blocks)
-        runner.allocate_kv_cache(self.num_blocks)
+        runner.initialize_cache(self.num_blocks)
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, block_manager)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, config.cache.block_size)

@@ -26,6 +26,10 @@ class LLMEngine:
 
         core = EngineCore.from_engine_args(args)
         config = core.config
+        if args.skip_tokenizer_init:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+            eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+            return cls(config, core, None, eos_ids)
         tokenizer = load_tokenizer(config.model.tokenizer)
         return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
 

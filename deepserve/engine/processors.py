@@ -27,6 +27,9 @@ class InputProcessor:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init: "
+                                 "pass token ids")
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
@@ -137,7 +140,7 @@ class OutputProcessor:
 
     def _detokenizer(self, core: EngineCoreRequest) -> IncrementalDetokenizer | None:
         p = core.sampling_params
-        if not p.detokenize:
+        if not p.detokenize or self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, core.prompt_token_ids, p.skip_special_tokens,
                                       p.stop, p.include_stop_str_in_output)
@@ -197,4 +200,5 @@ class OutputProcessor:
         return True
 
     def _logprob_dict(self, entry: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entry}
+        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: None
+        return {tid: Logprob(lp, rank, decode([tid])) for tid, lp, rank in entry}

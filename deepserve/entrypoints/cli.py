@@ -32,6 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
+    g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
 
 
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
@@ -43,6 +44,7 @@ def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, swap_space=ns.swap_space,
         kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
+        enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
     )
 
 
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo_model)
 
     _add_server_commands(sub)
+    from deepserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

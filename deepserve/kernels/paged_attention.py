@@ -28,23 +28,25 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    seqs: list[int] | None = None,  # which sequences to compute (default: all)
+    out: torch.Tensor | None = None,  # [T, H, D]: rows of other sequences are left as they are
 ) -> torch.Tensor:  # [T, H, D]
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     gqa = query.shape[1] != key.shape[1]
-    for b in range(meta.num_seqs):
+    for b in range(meta.num_seqs) if seqs is None else seqs:
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         seq_len = meta.seq_lens_cpu[b]
         num_new = end - start
-        if seq_len == num_new:  # nothing cached before: attend to this step's keys directly
-            k, v = key[start:end], value[start:end]
+        q = query[start:end].transpose(0, 1)  # [H, n, D]
+        if seq_len == num_new:  # nothing cached before: plain causal attention over this step's keys
+            k, v, mask = key[start:end], value[start:end], None
         else:
             k, v = _gather(kv_cache, meta.block_tables[b], seq_len, meta.block_size)
-        q = query[start:end].transpose(0, 1)  # [H, n, D]
-        # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
-        mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
+            # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
+            mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
         o = F.scaled_dot_product_attention(
             q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=gqa,
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
         )  # [H, n, D]
         out[start:end] = o.transpose(0, 1)
     return out

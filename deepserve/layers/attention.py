@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
-from deepserve.runner.forward_context import get_forward_context
+from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
 
 
 class Attention(nn.Module):
@@ -32,6 +32,27 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.kv_cache.is_cuda:
+            return _attend_cuda(q, k, v, self.kv_cache, meta, self.scale).flatten(1)
         store_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention_ref(q, k, v, self.kv_cache, meta, self.scale)
         return out.flatten(1)
+
+
+def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decoding sequences take the Triton paged-decode kernel; sequences with several new tokens
+    (prefill chunks) take the per-sequence path, flash attention when nothing is cached before them."""
+    from deepserve.kernels.triton_paged_attention import paged_decode_attention, store_kv_cache
+
+    store_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    if meta.decode_only:
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len)
+    out = torch.empty_like(q)
+    if meta.decode_token_idx is not None and meta.decode_token_idx.numel():
+        rows = meta.decode_token_idx
+        out[rows] = paged_decode_attention(
+            q[rows], kv_cache, meta.block_tables[meta.decode_seq_idx], meta.seq_lens[meta.decode_seq_idx],
+            scale, meta.max_seq_len,
+        )
+    return paged_attention_ref(q, k, v, kv_cache, meta, scale, seqs=meta.prefill_seqs_cpu, out=out)

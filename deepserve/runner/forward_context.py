@@ -23,9 +23,16 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: tokens in cache after this step (computed before + new)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     block_size: int
+    max_seq_len: int  # longest seq_len in the batch (host int: sizes kernel grids without a sync)
     # Host copies of the small per-sequence vectors, so reference paths need no device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Sequences with exactly one new token take the decode kernel on the GPU; the rest the prefill path.
+    # decode_only: every sequence decodes (CUDA-graph batches), so no index tensors are needed.
+    decode_only: bool = False
+    decode_seq_idx: torch.Tensor | None = None  # [Bd] int64: which sequences decode
+    decode_token_idx: torch.Tensor | None = None  # [Bd] int64: their token rows
+    prefill_seqs_cpu: list[int] | None = None  # the other sequences, for the per-sequence path
 
     @property
     def num_seqs(self) -> int:

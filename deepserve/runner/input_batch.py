@@ -45,14 +45,21 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         host = torch.tensor(values, dtype=dtype)
         return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
+    decode_seqs = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
+    decode_only = len(decode_seqs) == len(out.scheduled)
     attn = AttentionMetadata(
         slot_mapping=to_device(slots, torch.int64),
         query_start_loc=to_device(query_start_loc, torch.int32),
         seq_lens=to_device(seq_lens, torch.int32),
         block_tables=to_device(block_tables, torch.int32),
         block_size=block_size,
+        max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
+        decode_only=decode_only,
+        decode_seq_idx=None if decode_only else to_device(decode_seqs, torch.int64),
+        decode_token_idx=None if decode_only else to_device([query_start_loc[i] for i in decode_seqs], torch.int64),
+        prefill_seqs_cpu=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1],
     )
     return StepInputs(
         input_ids=to_device(input_ids, torch.int64),

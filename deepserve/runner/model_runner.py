@@ -16,7 +16,8 @@ from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.forward_context import forward_context
-from deepserve.runner.input_batch import prepare_inputs
+from deepserve.runner.cuda_graph import DecodeGraphs
+from deepserve.runner.input_batch import StepInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
+        self.graphs: DecodeGraphs | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -99,15 +101,33 @@ class ModelRunner:
             shape = layer.kv_cache_shape(num_blocks, self.block_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and, on the GPU, capture the decode CUDA graphs over it."""
+        self.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.model.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs,
+                                       self.config.model.max_model_len, self.block_size, self.device)
+            self.graphs.capture()
+
+    def _forward(self, out: SchedulerOutput, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits of the sampling rows [S, V] or None, hidden states [T, E] or None under a graph)."""
+        if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):
+            logits = self.graphs.run(inputs)  # [B, V], one row per sequence
+            return (logits[inputs.sample_rows] if inputs.sample_indices else None), None
+        with forward_context(inputs.attn):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, E]
+        if not inputs.sample_indices:
+            return None, hidden
+        return self.model.compute_logits(hidden[inputs.sample_rows]), hidden  # [S, V]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         inputs = prepare_inputs(out, self.block_size, self.device)
-        with forward_context(inputs.attn):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, E]
+        logits, hidden = self._forward(out, inputs)
         sampled: list[int | None] = [None] * len(out.scheduled)
         logprobs: list[LogprobEntry | None] = [None] * len(out.scheduled)
-        if inputs.sample_indices:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()  # [S, V]
+        if logits is not None:
+            logits = logits.float()
             requests = [out.scheduled[i].request for i in inputs.sample_indices]
             meta = SamplingMetadata.build(
                 [r.sampling_params for r in requests],
@@ -123,7 +143,8 @@ class ModelRunner:
                 sampled[i] = tokens[row]
             if result.logprobs is not None:
                 _attach_logprobs(result, requests, inputs.sample_indices, logprobs)
-        return RunnerOutput(sampled, logprobs, self._prompt_logprobs(out, hidden))
+        prompt_logprobs = self._prompt_logprobs(out, hidden) if hidden is not None else {}
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[LogprobEntry]]:
         """Logprobs of prompt tokens 1..P-1, from the positions this step computed."""
@@ -144,6 +165,11 @@ class ModelRunner:
             ids, lps, ranks = compute_token_logprobs(self.model.compute_logits(rows).float(), targets, k)
             result[request.request_id] = _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
         return result
+
+
+def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
+    return any(s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
+               for s in out.scheduled)
 
 
 def _attach_logprobs(result, requests: list[Request], indices: list[int], logprobs: list) -> None:

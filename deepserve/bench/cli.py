@@ -1,0 +1,81 @@
+"""`deepserve bench throughput | latency`: the BENCHMARKS.md workloads from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROCESS_START = time.perf_counter()
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from deepserve.entrypoints.cli import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline")
+    tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
+    tp.add_argument("--num-seqs", type=int, default=256)
+    tp.add_argument("--max-input-len", type=int, default=1024)
+    tp.add_argument("--max-output-len", type=int, default=1024)
+    tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N", help="a W4 grid point instead of W1")
+    tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
+    tp.add_argument("--baseline-batch-size", type=int, default=64)
+    tp.add_argument("--output-json", default=None)
+    add_engine_args(tp)
+    tp.set_defaults(func=cmd_throughput)
+    lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT")
+    lat.add_argument("--model", default=None)
+    lat.add_argument("--input-len", type=int, default=1024)
+    lat.add_argument("--output-len", type=int, default=512)
+    lat.add_argument("--iters", type=int, default=10)
+    lat.add_argument("--output-json", default=None)
+    add_engine_args(lat)
+    lat.set_defaults(func=cmd_latency)
+
+
+def _engine_args(ns: argparse.Namespace):
+    from deepserve.entrypoints.cli import engine_args_from
+
+    args = engine_args_from(ns, ns.model)
+    args.skip_tokenizer_init = True  # token-id workloads
+    return args
+
+
+def cmd_throughput(ns: argparse.Namespace) -> int:
+    from deepserve.bench import throughput, workloads
+
+    if ns.fixed:
+        isl, osl, n = (int(x) for x in ns.fixed.split(","))
+        workload = workloads.fixed(isl, osl, n)
+    else:
+        workload = workloads.w1(ns.num_seqs, ns.max_input_len, ns.max_output_len)
+    args = _engine_args(ns)
+    result = throughput.run_throughput(args, workload, PROCESS_START)
+    throughput.print_result(result)
+    if ns.baseline == "hf":
+        from deepserve.bench.hf_baseline import run_hf_baseline
+
+        base = run_hf_baseline(args.create_engine_config().model.hf_config, workload, ns.baseline_batch_size)
+        result["baseline"] = base
+        result["speedup_vs_hf"] = result["output_tokens_per_second"] / base["output_tokens_per_second"]
+        print(f"HF transformers: {base['output_tokens_per_second']:.1f} output tokens/s; "
+              f"deepserve is {result['speedup_vs_hf']:.2f}x")
+    _write(ns.output_json, result)
+    return 0
+
+
+def cmd_latency(ns: argparse.Namespace) -> int:
+    from deepserve.bench import latency
+
+    result = latency.run_latency(_engine_args(ns), ns.input_len, ns.output_len, iters=ns.iters)
+    latency.print_result(result)
+    _write(ns.output_json, result)
+    return 0
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

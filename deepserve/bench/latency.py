@@ -1,0 +1,80 @@
+"""`deepserve bench latency`: W2 — one request at a time, time to first token and per output token."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from deepserve.bench.gpu_stats import device_name
+from deepserve.config import EngineArgs
+from deepserve.sampling_params import SamplingParams
+
+HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet bandwidth, the denominator BENCHMARKS.md uses
+
+
+def _timed_request(engine, prompt: list[int], params: SamplingParams, request_id: str) -> list[float]:
+    """Wall-clock time of each output token, from the moment the request was added."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    stamps, seen = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            now = time.perf_counter() - start
+            stamps.extend([now] * (n - seen))
+            seen = n
+    return stamps
+
+
+def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int = 512,
+                warmups: int = 3, iters: int = 10) -> dict[str, Any]:
+    from deepserve.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args))
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ttfts, tpots = [], []
+    for i in range(warmups + iters):
+        # A fresh prompt each time: a prefix-cache hit would flatter the TTFT.
+        prompt = [rng.randint(0, 10000) for _ in range(input_len)]
+        stamps = _timed_request(engine, prompt, params, f"latency-{i}")
+        if i >= warmups:
+            ttfts.append(stamps[0])
+            tpots.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    tpot_median = statistics.median(tpots)
+    bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
+    return {
+        "model": engine_args.model,
+        "device": device_name(),
+        "input_len": input_len,
+        "output_len": output_len,
+        "ttft_ms_median": 1e3 * statistics.median(ttfts),
+        "tpot_ms_median": 1e3 * tpot_median,
+        "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
+        "bandwidth_utilization": bytes_per_step / tpot_median / HBM_BYTES_PER_S,
+    }
+
+
+def _weight_bytes(engine) -> int:
+    model = engine.core.runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _kv_bytes_per_token(engine) -> float:
+    runner = engine.core.runner
+    return runner.kv_cache_bytes_per_block() / runner.block_size
+
+
+def print_result(result: dict[str, Any]) -> None:
+    import json
+
+    print(f"TTFT {result['ttft_ms_median']:.1f} ms, TPOT median {result['tpot_ms_median']:.2f} ms, "
+          f"p99 {result['tpot_ms_p99']:.2f} ms, bandwidth {100 * result['bandwidth_utilization']:.0f} % "
+          f"({result['device']})")
+    print(json.dumps(result))
+
+
+

@@ -1,0 +1,63 @@
+"""`deepserve bench throughput`: W1 (or a W4 grid point) through the offline engine.
+
+Reports vLLM's field names (elapsed_time, num_requests, total_num_tokens, requests_per_second,
+tokens_per_second) plus output tokens/s, time to ready, peak memory and tokens per joule.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from deepserve.bench.gpu_stats import EnergyMeter, device_name, peak_memory_gib
+from deepserve.bench.workloads import Workload
+from deepserve.config import EngineArgs
+from deepserve.sampling_params import SamplingParams
+
+
+def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: float) -> dict[str, Any]:
+    from deepserve.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    time_to_ready = time.perf_counter() - process_start  # process start -> first token out
+    llm.generate([p[:16] for p in workload.prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # the warm-up generate of the definition
+    meter = EnergyMeter()
+    meter.start()
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    joules = meter.stop()
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if num_out != workload.num_output_tokens:
+        raise RuntimeError(f"generated {num_out} tokens, the workload asks for {workload.num_output_tokens}")
+    stats = llm.llm_engine.stats()
+    return {
+        "workload": workload.name,
+        "model": engine_args.model,
+        "device": device_name(),
+        "elapsed_time": elapsed,
+        "num_requests": len(workload.prompts),
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": num_out,
+        "total_num_tokens": workload.num_prompt_tokens + num_out,
+        "requests_per_second": len(workload.prompts) / elapsed,
+        "tokens_per_second": (workload.num_prompt_tokens + num_out) / elapsed,
+        "output_tokens_per_second": num_out / elapsed,
+        "time_to_ready_s": time_to_ready,
+        "peak_memory_gib": peak_memory_gib(),
+        "num_preemptions": stats.num_preemptions_total,
+        "kv_cache_blocks": llm.llm_engine.core.num_blocks,
+        "output_tokens_per_joule": num_out / joules if joules else None,
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.1f} total "
+        f"tokens/s, {result['output_tokens_per_second']:.1f} output tokens/s "
+        f"({result['num_output_tokens']} tokens in {result['elapsed_time']:.2f} s, {result['device']})"
+    )
+    print(json.dumps(result))

@@ -1,0 +1,50 @@
+"""The benchmark workloads of BENCHMARKS.md, generated exactly as defined there."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from deepserve.sampling_params import SamplingParams
+
+W1_PROMPT_TOKENS = 142_827
+W1_OUTPUT_TOKENS = 133_966
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params)
+
+
+def w1(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Workload:
+    """nano-vllm's offline workload: random token prompts of 100..1024, outputs of 100..1024, T=0.6."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    workload = Workload("W1", prompts, params)
+    if (num_seqs, max_input_len, max_output_len) == (256, 1024, 1024):
+        assert workload.num_prompt_tokens == W1_PROMPT_TOKENS, "W1 prompt tokens differ from BENCHMARKS.md"
+        assert workload.num_output_tokens == W1_OUTPUT_TOKENS, "W1 output tokens differ from BENCHMARKS.md"
+    return workload
+
+
+def fixed(input_len: int, output_len: int, num_requests: int, seed: int = 0) -> Workload:
+    """W4's fixed-shape grid point: every request has the same prompt and output length."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(input_len)] for _ in range(num_requests)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len) for _ in range(num_requests)]
+    return Workload(f"fixed-{input_len}-{output_len}", prompts, params)
+
+
+W4_GRID = [(128, 128, 3000), (1000, 1000, 1000), (2048, 128, 1000), (128, 2048, 500)]
