@@ -17,7 +17,7 @@ DEFAULT_CHUNKED_TOKEN_BUDGET = 8192
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
-    tokenizer: str
+    tokenizer: str | None  # None: token ids in and out (skip_tokenizer_init, or a preset)
     hf_config: Any  # transformers.PretrainedConfig
     dtype: str  # "float32" | "bfloat16" | "float16"
     max_model_len: int
@@ -125,17 +125,19 @@ class EngineArgs:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
-        from deepserve.loader.hf_config import load_hf_config, resolve_dtype, resolve_max_model_len
+        from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len
+        from deepserve.loader.presets import is_preset, resolve_hf_config
 
         model = self.model or _demo_model_path()
-        hf_config = load_hf_config(model, self.hf_overrides)
+        hf_config = resolve_hf_config(model, self.hf_overrides, self.load_format)
         device = _resolve_device(self.device)
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         if self.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         model_config = ModelConfig(
             model=model,
-            tokenizer=self.tokenizer or model,
+            # A shape preset has no tokenizer: it runs on token ids unless one is given.
+            tokenizer=None if self.skip_tokenizer_init else self.tokenizer or (None if is_preset(model) else model),
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype, hf_config, device),
             max_model_len=max_model_len,

@@ -1,6 +1,7 @@
 """The built-in tiny demo model: what a command runs when it is given no model.
 
-A random-weight Llama-architecture checkpoint (so its text is gibberish) with a real byte-level BPE
+A random-weight DeepSeek-V3-architecture checkpoint — multi-head latent attention and a routed
+mixture of experts, in miniature — (so its text is gibberish) with a real byte-level BPE
 tokenizer and a DeepSeek-style chat template. It exercises every stage of serving — tokenize, chat
 template, prefill, decode, detokenize, stop — on any CPU in seconds, and it is written locally:
 nothing is downloaded. Writing it is deterministic, byte for byte.
@@ -24,7 +25,7 @@ ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]
 VOCAB_SIZE = 1000
 # Bump the suffix whenever the written bytes change, so stale caches are not reused.
-CACHE_NAME = "demo-model-v1"
+CACHE_NAME = "demo-model-v2"
 
 # System messages first, then the turns; an assistant turn is closed by the eos token, and the
 # generation prompt opens a new assistant turn. Same shape as DeepSeek-V3's template, written anew.
@@ -157,21 +158,32 @@ def _save_quietly(model, path: str) -> None:
 def write_demo_model(path: str) -> str:
     """Write the demo checkpoint (config, safetensors weights, tokenizer, generation config) to `path`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     os.makedirs(path, exist_ok=True)
     tokenizer = train_bpe_tokenizer(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS)
     bos_id, eos_id = tokenizer.convert_tokens_to_ids([BOS, EOS])
-    config = LlamaConfig(
+    config = DeepseekV3Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
+        moe_intermediate_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4,  # must be explicit: the V3 default (128) would not match the heads
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -180,7 +192,7 @@ def write_demo_model(path: str) -> str:
     # fork_rng: the fixed seed must not leak into the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = DeepseekV3ForCausalLM(config).to(torch.float32)
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = eos_id

@@ -26,7 +26,7 @@ class LLMEngine:
 
         core = EngineCore.from_engine_args(args)
         config = core.config
-        if args.skip_tokenizer_init:
+        if config.model.tokenizer is None:
             eos = getattr(config.model.hf_config, "eos_token_id", None)
             eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
             return cls(config, core, None, eos_ids)

@@ -9,6 +9,8 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("deepserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("deepserve.models.qwen2", "Qwen2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepserve.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepserve.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -15,8 +15,8 @@ from deepserve.config import EngineConfig
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.loader.model_loader import load_model
-from deepserve.runner.forward_context import forward_context
 from deepserve.runner.cuda_graph import DecodeGraphs
+from deepserve.runner.forward_context import forward_context
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and, on the GPU, capture the decode CUDA graphs over it."""
         self.allocate_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not self.config.model.enforce_eager:
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and getattr(self.model, "supports_cuda_graphs", True)):
             self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size, self.device)
             self.graphs.capture()

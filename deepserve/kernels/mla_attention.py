@@ -1,0 +1,79 @@
+"""Multi-head latent attention over the paged latent cache: the torch reference.
+
+Cache layout per layer: kv_cache [num_blocks, block_size, C + Dr] — per token the normalized
+compressed kv (C = kv_lora_rank values) followed by the roped key (Dr = qk_rope_head_dim values).
+There is no head axis: every head reads the same entry, so attention over the cache is multi-query
+attention whose key is the whole entry and whose value is its first C values.
+A sequence's token at position p lives in block block_table[p // block_size], row p % block_size.
+The reference runs on CPU and GPU; the GPU kernels are tested against it.
+
+Shapes: T new tokens, H heads, C kv_lora_rank, Dr qk_rope_head_dim, Dk = qk_nope_head_dim + Dr,
+Dv v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepserve.runner.forward_context import AttentionMetadata
+
+
+def store_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                     ) -> None:
+    # kv_c: [T, C], k_pe: [T, Dr], slot_mapping: [T]
+    assert kv_c.shape[-1] + k_pe.shape[-1] == kv_cache.shape[-1], "cache entry must be kv_lora_rank + rope dim"
+    flat = kv_cache.view(-1, kv_cache.shape[-1])  # [slots, C + Dr]
+    flat.index_copy_(0, slot_mapping, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype))
+
+
+def mla_attention_ref(
+    q_latent: torch.Tensor,  # [T, H, C]: q_nope with W_UK folded in
+    q_pe: torch.Tensor,  # [T, H, Dr]: roped
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, C + Dr], this step's entries already stored
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, C]: attention-weighted latents, W_UV still to apply
+    """The absorbed form: scores are q_latent·c + q_pe·k_pe over every cached token of the sequence."""
+    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
+    query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + Dr]
+    out = q_latent.new_empty(q_latent.shape)
+    for b in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        seq_len, num_new = meta.seq_lens_cpu[b], end - start
+        entries = gather_latent(kv_cache, meta.block_tables[b], seq_len, meta.block_size).to(query.dtype)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, C + Dr]
+        k = entries[None, None]  # [1, 1, L, C + Dr]: one key head shared by all H
+        v = k[..., :rank]  # [1, 1, L, C]
+        # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
+        mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads > 1)
+        out[start:end] = o[0].transpose(0, 1)  # [n, H, C]
+    return out
+
+
+def mla_prefill_ref(
+    q: torch.Tensor,  # [T, H, Dk]: q_nope and roped q_pe
+    k: torch.Tensor,  # [T, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
+    v: torch.Tensor,  # [T, H, Dv]: expanded by W_UV
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, Dv]
+    """The expanded form, for sequences with nothing cached before this step: causal attention
+    within each sequence's new tokens."""
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    for b in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        assert meta.seq_lens_cpu[b] == end - start, "the expanded form needs a sequence without cached context"
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+            is_causal=True, scale=scale,
+        )  # [H, n, Dv]
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """The seq_len cache entries of one sequence, in position order: [seq_len, C + Dr]."""
+    num_blocks = -(-seq_len // block_size)
+    return kv_cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]

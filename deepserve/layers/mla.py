@@ -1,0 +1,114 @@
+"""The latent attention front of multi-head latent attention (DeepSeek-V2/V3): the second cache layout.
+
+The model computes per token the normalized compressed kv c (C values) and the roped shared key
+k_pe (Dr values); this front stores exactly those in the paged cache — (C + Dr) values per token and
+layer, no head axis — and owns wkv_b = [W_UK; W_UV] per head, which turns c into keys and values.
+
+Two equal ways to attend (DeepSeek-V2 §2.1.3):
+  expanded  k = [W_UK c ; k_pe], v = W_UV c per head, then ordinary causal attention. Cheaper for a
+            prompt with nothing cached (compute-bound, Dk < C + Dr per score).
+  absorbed  q·k = (W_UKᵀ q_nope)·c + q_pe·k_pe, so the query is folded into latent space and attends
+            straight over the cached entries; W_UV is applied to the attention-weighted latents after.
+            Never expands the cache, so decode and prompts with a cached prefix use it.
+A step may mix both kinds of sequences; they are split and each half takes its form.
+
+Shapes: T new tokens, H heads (this rank), C kv_lora_rank, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
+Dv v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepserve.kernels.mla_attention import mla_attention_ref, mla_prefill_ref, store_latent_ref
+from deepserve.layers.linear import ColumnParallelLinear
+from deepserve.runner.distributed import get_tp_world_size
+from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads // get_tp_world_size()
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = scale
+        # [H * (Dn + Dv), C]: per head, Dn rows of W_UK then Dv rows of W_UV
+        self.wkv_b = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, C + Dr], bound by the runner
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+                ) -> torch.Tensor:
+        # q_nope: [T, H, Dn], q_pe: [T, H, Dr] (roped), kv_c: [T, C] (normalized), k_pe: [T, Dr] (roped)
+        meta = get_forward_context()
+        if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The reference loops over host-side sequence lengths, which a graph would freeze.
+            raise RuntimeError("MLA has no CUDA-graph-safe kernel yet; run DeepSeek-V2/V3 with enforce_eager=True "
+                               "(--enforce-eager)")
+        store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping)
+        fresh = [b for b in range(meta.num_seqs) if meta.seq_lens_cpu[b] == _num_new(meta, b)]
+        if len(fresh) == meta.num_seqs:
+            out = self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
+        elif not fresh:
+            out = self._absorbed(q_nope, q_pe, meta)
+        else:
+            out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)
+            cached = sorted(set(range(meta.num_seqs)) - set(fresh))
+            rows, sub = select_sequences(meta, fresh)
+            out[rows] = self._expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
+            rows, sub = select_sequences(meta, cached)
+            out[rows] = self._absorbed(q_nope[rows], q_pe[rows], sub)
+        return out.flatten(1)  # [T, H * Dv]
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, Dn, C], [H, Dv, C]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, C]
+        o_latent = mla_attention_ref(q_latent, q_pe, self.kv_cache, meta, self.scale)  # [T, H, C]
+        return torch.einsum("thc,hdc->thd", o_latent, w_uv)  # [T, H, Dv]
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        kv = self.wkv_b(kv_c).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)  # [T, H, Dn + Dv]
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [T, H, Dn], [T, H, Dv]
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)  # [T, H, Dn + Dr]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + Dr]
+        return mla_prefill_ref(q, k, v, meta, self.scale)  # [T, H, Dv]
+
+
+def _num_new(meta: AttentionMetadata, b: int) -> int:
+    return meta.query_start_loc_cpu[b + 1] - meta.query_start_loc_cpu[b]
+
+
+def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The token rows of sequences `seqs` and the metadata of just those sequences."""
+    starts = meta.query_start_loc_cpu
+    rows = [t for b in seqs for t in range(starts[b], starts[b + 1])]
+    query_start_loc = [0]
+    for b in seqs:
+        query_start_loc.append(query_start_loc[-1] + _num_new(meta, b))
+    device = meta.slot_mapping.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    seq_ids = torch.tensor(seqs, dtype=torch.int64, device=device)
+    seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows_t],
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=meta.seq_lens[seq_ids],
+        block_tables=meta.block_tables[seq_ids],
+        block_size=meta.block_size,
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    return rows_t, sub

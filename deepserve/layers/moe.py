@@ -1,0 +1,222 @@
+"""DeepSeekMoE: shared experts every token passes through, plus K routed experts per token out of X.
+
+The gate scores every routed expert, picks K by `topk_method`, and weighs their outputs:
+  greedy                the K best scores (DeepSeek-V2-Lite)
+  group_limited_greedy  experts form n_group groups; a token picks only inside the topk_group groups
+                        whose best score is highest (DeepSeek-V2, V2.5)
+  noaux_tc              sigmoid scores plus e_score_correction_bias choose the experts (the bias balances
+                        load without an auxiliary loss); groups rank by the sum of their two best biased
+                        scores; the weights are the unbiased scores (DeepSeek-V3, R1)
+then the K weights are renormalized (norm_topk_prob) and multiplied by routed_scaling_factor.
+
+Shapes: T tokens, E hidden size, X routed experts, K experts per token, I expert intermediate size
+(this rank's share), G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepserve.layers.activation import SiluAndMul
+from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from deepserve.runner.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    num_experts: int
+    top_k: int
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(
+                f"config.json topk_method {self.topk_method!r} is not supported; supported: {', '.join(TOPK_METHODS)}"
+            )
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"config.json scoring_func {self.scoring_func!r} is not supported; "
+                f"supported: {', '.join(SCORING_FUNCS)}"
+            )
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"config.json num_experts_per_tok ({self.top_k}) must be in [1, n_routed_experts]")
+        if self.topk_method == "greedy":
+            return
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(
+                f"config.json n_routed_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})"
+            )
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"config.json topk_group ({self.topk_group}) must be in [1, n_group ({self.n_group})]")
+        # With fewer experts than K in the kept groups a masked-out expert would be picked.
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"config.json num_experts_per_tok ({self.top_k}) is more than the experts in topk_group "
+                f"({self.topk_group}) groups of {self.num_experts // self.n_group}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> RoutingConfig:
+        # Defaults are what each generation shipped with when the config leaves a field out.
+        v3 = getattr(hf_config, "model_type", "") == "deepseek_v3"
+        return cls(
+            num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok,
+            topk_method=getattr(hf_config, "topk_method", None) or ("noaux_tc" if v3 else "greedy"),
+            scoring_func=getattr(hf_config, "scoring_func", None) or ("sigmoid" if v3 else "softmax"),
+            n_group=getattr(hf_config, "n_group", None) or 1,
+            topk_group=getattr(hf_config, "topk_group", None) or 1,
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+            routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+        )
+
+
+def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, X] (float32) -> (weights [T, K] float32, expert ids [T, K] int64)."""
+    scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()  # [T, X]
+    choice = scores + bias if cfg.topk_method == "noaux_tc" else scores  # the bias picks, never weighs
+    if cfg.topk_method != "greedy" and cfg.n_group > 1:
+        choice = _keep_best_groups(choice, cfg)
+    ids = choice.topk(cfg.top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def _keep_best_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """-inf on every expert outside the token's topk_group best groups."""
+    grouped = choice.view(choice.shape[0], cfg.n_group, -1)  # [T, G, X/G]
+    if cfg.topk_method == "noaux_tc":
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.amax(dim=-1)  # [T, G]
+    kept = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+    return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+class MoEGate(nn.Module):
+    def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # float32 whatever the model dtype, as transformers keeps it: routing is a discrete choice
+        # that bf16 rounding of the scores would flip.
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.e_score_correction_bias = None
+        if cfg.topk_method == "noaux_tc":
+            bias = torch.zeros(cfg.num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+            self.e_score_correction_bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, E] -> [T, X]
+        return route(logits, self.cfg, self.e_score_correction_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU FFN of the dense layers and the shared experts: w2(silu(w1 x) * w3 x), w1 and w3 merged."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13 = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.w2 = RowParallelLinear(intermediate_size, hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w13(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
+
+
+class RoutedExperts(nn.Module):
+    """Every routed expert's SwiGLU weights stacked: w13 [X, 2I, E] (w1 rows, then w3 rows), w2 [X, E, I].
+
+    Tensor parallelism splits I, so each rank computes a partial sum that one all-reduce completes."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.tp_rank, tp = get_tp_rank(), get_tp_world_size()
+        if intermediate_size % tp:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size")
+        self.inter = intermediate_size // tp
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+
+    def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
+        # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E]; None: transformers' fused [X, 2I, E]
+        n, r = self.inter, self.tp_rank
+        if shard_id is None:
+            for member in (0, 1):
+                part = loaded.narrow(1, member * n * get_tp_world_size() + r * n, n)
+                default_weight_loader(param.data.narrow(1, member * n, n), part)
+            return
+        expert, member = shard_id
+        default_weight_loader(param.data[expert].narrow(0, member * n, n), loaded.narrow(0, r * n, n))
+
+    def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        # shard_id: expert with loaded [E, I]; None: transformers' fused [X, E, I]
+        n = self.inter
+        if shard_id is None:
+            default_weight_loader(param, loaded.narrow(2, self.tp_rank * n, n))
+        else:
+            default_weight_loader(param.data[shard_id], loaded.narrow(1, self.tp_rank * n, n))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(F.linear(x, self.w13[e, : self.inter])) * F.linear(x, self.w13[e, self.inter :])  # [n, I]
+        return F.linear(h, self.w2[e])  # [n, E]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""
+        num_tokens, k = ids.shape
+        flat = ids.flatten()  # [T*K]
+        order = flat.argsort(stable=True)  # [T*K]: assignments sorted by expert id
+        tokens = order // k  # [T*K]: the token of each sorted assignment
+        sorted_weights = weights.flatten()[order]  # [T*K]
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # the loop needs sizes on the host
+        out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, E]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]  # [n]
+            y = self.expert(e, x[rows]).float() * sorted_weights[start : start + n, None]  # [n, E]
+            out.index_add_(0, rows, y)
+            start += n
+        return tp_all_reduce(out.to(x.dtype))
+
+    def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Token by token, expert by expert: what `forward` must equal."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, E]
+        for t in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                out[t] += weights[t, j] * self.expert(int(ids[t, j]), x[t : t + 1])[0].float()
+        return tp_all_reduce(out.to(x.dtype))
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig) -> None:
+        super().__init__()
+        self.gate = MoEGate(hidden_size, cfg)
+        self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size)
+        self.shared_experts = MLP(hidden_size, intermediate_size * num_shared) if num_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, K] each
+        out = self.experts(x, weights, ids)  # [T, E]
+        return out if self.shared_experts is None else out + self.shared_experts(x)

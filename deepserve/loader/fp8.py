@@ -1,0 +1,103 @@
+"""DeepSeek's FP8 checkpoints (V3, R1, V3.1) and their multi-token-prediction layers.
+
+The linear weights ship as float8_e4m3fn, each with a float32 `<name>_scale_inv` that holds one
+factor per 128×128 block (the config's quantization_config.weight_block_size): the real weight is
+fp8 · factor, block by block — despite its name the tensor multiplies. Until native FP8 GEMMs land,
+the loader dequantizes to float32 and each parameter's weight_loader casts to the compute dtype.
+
+MTP layers (indices >= num_hidden_layers, num_nextn_predict_layers of them) serve speculative
+decoding, which the engine does not do yet: their tensors are skipped, and the log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SCALE_SUFFIX = "_scale_inv"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-scaled checkpoint; None for an unquantized one."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        quant = quant.to_dict()
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"config.json quantization_config.quant_method {method!r} is not supported; supported: fp8 "
+            "(DeepSeek's block-scaled format), or an unquantized checkpoint"
+        )
+    block = quant.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(
+            f"config.json quantization_config.weight_block_size is {block!r}; only block-scaled FP8 "
+            "(e.g. [128, 128]) is supported"
+        )
+    return int(block[0]), int(block[1])
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight [N, K] fp8 and scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
+    (n, k), (bn, bk) = weight.shape, block
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"weight of shape {(n, k)} needs a {expected} scale for {block} blocks, got {tuple(scale_inv.shape)}"
+        )
+    # Each factor covers a bn x bk tile; the last row and column of tiles may be partial.
+    scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]  # [N, K]
+    return weight.float() * scale
+
+
+def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pairs every fp8 `<name>` with its `<name>_scale_inv`, in whatever order (or shard) they come,
+    and yields the dequantized float32 tensor under `<name>`; everything else passes through."""
+    weights_by_name: dict[str, torch.Tensor] = {}
+    scales_by_name: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(SCALE_SUFFIX):
+            target = name.removesuffix(SCALE_SUFFIX)
+            if target in weights_by_name:
+                yield target, dequantize_block_fp8(weights_by_name.pop(target), tensor, block)
+            else:
+                scales_by_name[target] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales_by_name:
+                yield name, dequantize_block_fp8(tensor, scales_by_name.pop(name), block)
+            else:
+                weights_by_name[name] = tensor
+        else:
+            yield name, tensor
+    unpaired = sorted(weights_by_name) + [n + SCALE_SUFFIX for n in sorted(scales_by_name)]
+    if unpaired:
+        shown = ", ".join(unpaired[:4]) + (" ..." if len(unpaired) > 4 else "")
+        raise ValueError(f"FP8 checkpoint: {len(unpaired)} tensor(s) lack their weight or {SCALE_SUFFIX} pair: {shown}")
+
+
+def skip_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], num_hidden_layers: int
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drops the tensors of layers >= num_hidden_layers (the MTP modules), saying so once."""
+    said = False
+    for name, tensor in weights:
+        match = _LAYER.search(name)
+        if match and int(match.group(1)) >= num_hidden_layers:
+            if not said:
+                logger.info(
+                    "checkpoint has multi-token-prediction layers (index >= num_hidden_layers = %d, e.g. %s); "
+                    "they are not loaded: MTP speculative decoding is not supported yet",
+                    num_hidden_layers, name,
+                )
+                said = True
+            continue
+        yield name, tensor

@@ -1,0 +1,217 @@
+"""DeepSeek-V2, V2-Lite, V2.5, V3, R1, V3.1: multi-head latent attention (MLA) and DeepSeekMoE.
+
+One layer, as in the DeepSeek-V2 paper (§2) with the names of DeepSeek's reference inference code:
+  attn  q = wq_b(q_norm(wq_a(x)))  — or wq(x) when q_lora_rank is None (V2-Lite) — per head q_nope | q_pe
+        kv_c | k_pe = wkv_a(x), kv_c = kv_norm(kv_c): the latent and the one rope key all heads share
+        rope on q_pe and k_pe; the latent front caches (kv_c, k_pe) and applies wkv_b = [W_UK; W_UV]
+        (layers/mla.py); wo projects the heads' outputs back
+  ffn   a dense SwiGLU for the first first_k_dense_replace layers, DeepSeekMoE (layers/moe.py) after
+
+Shapes: T tokens in the step, E hidden_size, H heads (this rank), Cq q_lora_rank, C kv_lora_rank,
+Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dk = Dn + Dr, Dv v_head_dim, V vocab.
+
+Checkpoint names (transformers / DeepSeek's Hugging Face releases) -> ours:
+  self_attn.{q_proj, q_a_proj, q_a_layernorm, q_b_proj}         -> attn.{wq, wq_a, q_norm, wq_b}
+  self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} -> attn.{wkv_a, kv_norm, mla.wkv_b, wo}
+  input_layernorm, post_attention_layernorm, mlp                  -> attn_norm, ffn_norm, ffn
+  {gate_proj, up_proj, down_proj}                                 -> w1 and w3 (merged as w13), w2
+  model.embed_tokens, model.norm, lm_head                         -> embed, norm, head
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from deepserve.layers.mla import MLAAttention
+from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
+from deepserve.layers.norm import RMSNorm
+from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
+from deepserve.loader.fp8 import dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from deepserve.runner.distributed import get_tp_world_size
+
+# The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
+# not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads = heads // get_tp_world_size()
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank:
+            self.wq_a = ReplicatedLinear(hidden, self.q_lora_rank, bias)  # W_DQ
+            self.q_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim)  # [W_UQ; W_QR]
+        else:
+            self.wq = ColumnParallelLinear(hidden, heads * self.qk_head_dim)
+        self.wkv_a = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias)  # [W_DKV; W_KR]
+        self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.wo = RowParallelLinear(heads * config.v_head_dim, hidden, bias)
+        self.rotary = rotary  # one module shared by every layer: its cos/sin table can be large (YaRN, 160k)
+        # YaRN stretches the context; DeepSeek compensates with mscale(factor, mscale_all_dim)² on every score.
+        scale = self.qk_head_dim**-0.5 * softmax_scale_correction(rope_parameters(config))
+        self.mla = MLAAttention(heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                config.v_head_dim, scale)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T], x: [T, E] -> [T, E]
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)  # [T, H * Dk]
+        q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, Dn], [T, H, Dr]
+        kv_c, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [T, C], [T, Dr]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))  # [T, H, Dr], [T, 1, Dr]
+        out = self.mla(q_nope, q_pe, self.kv_norm(kv_c), k_pe.squeeze(1))  # [T, H * Dv]
+        return self.wo(out)
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    # transformers has no moe_layer_freq (every released checkpoint has 1); DeepSeek's code honours it.
+    freq = getattr(config, "moe_layer_freq", 1) or 1
+    dense = getattr(config, "first_k_dense_replace", 0) or 0
+    return bool(getattr(config, "n_routed_experts", None)) and layer_idx >= dense and layer_idx % freq == 0
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, routing: RoutingConfig | None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = MultiHeadLatentAttention(config, rotary)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if routing is not None and is_moe_layer(config, layer_idx):
+            self.ffn = DeepseekMoE(config.hidden_size, config.moe_intermediate_size,
+                                   getattr(config, "n_shared_experts", 0) or 0, routing)
+        else:
+            self.ffn = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.attn_norm(x), x
+        else:
+            x, residual = self.attn_norm(x, residual)
+        x = self.attn(positions, x)
+        x, residual = self.ffn_norm(x, residual)
+        return self.ffn(x), residual
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    # The MLA and MoE paths are torch references with host-side loops; graphs come with their kernels.
+    supports_cuda_graphs = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        check_supported(config)
+        self.config = config
+        # Built before any layer, so a bad routing field is refused before weights are allocated.
+        routing = RoutingConfig.from_hf(config) if getattr(config, "n_routed_experts", None) else None
+        rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, rope_parameters(config),
+                                 interleaved=rope_interleaved(config))
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, routing) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed(input_ids), None  # [T] -> [T, E]
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x  # [T, E]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden)  # [N, E] -> [N, V]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        weights = skip_mtp_layers(weights, self.config.num_hidden_layers)
+        block = fp8_block_size(self.config)
+        if block is not None:
+            weights = dequantize_fp8_weights(weights, block)  # to float32; each loader casts to the model dtype
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard_id = param_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            with torch.no_grad():
+                if shard_id is None:
+                    param.weight_loader(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
+            loaded.add(target)
+        return loaded
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """The V2 architecture; what changes (noaux_tc routing, sigmoid scores, FP8 weights, MTP layers)
+    is all in the config and the checkpoint."""
+
+
+def check_supported(config: Any) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act {act!r} is not supported for DeepSeek-V2/V3; supported: silu")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if kv_heads != heads:
+        # MLA has no key/value heads of its own; transformers would repeat the expanded heads.
+        raise ValueError(f"config.json num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) "
+                         "for multi-head latent attention")
+
+
+def rope_interleaved(config: Any) -> bool:
+    # DeepSeek checkpoints rotate adjacent pairs; transformers' V3 exposes it as rope_interleave
+    # (default True), its V2 always rotates pairs (complex multiplication).
+    return bool(getattr(config, "rope_interleave", True))
+
+
+_RENAMES = (
+    ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("lm_head.", "head."), ("model.layers.", "layers."),
+    (".self_attn.q_proj.", ".attn.wq."), (".self_attn.q_a_proj.", ".attn.wq_a."),
+    (".self_attn.q_a_layernorm.", ".attn.q_norm."), (".self_attn.q_b_proj.", ".attn.wq_b."),
+    (".self_attn.kv_a_proj_with_mqa.", ".attn.wkv_a."), (".self_attn.kv_a_layernorm.", ".attn.kv_norm."),
+    (".self_attn.kv_b_proj.", ".attn.mla.wkv_b."), (".self_attn.o_proj.", ".attn.wo."),
+    (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".ffn_norm."), (".mlp.", ".ffn."),
+)
+# checkpoint projection -> (our parameter, member of the merged w13); w2 is not merged
+_PROJECTIONS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
+
+
+def param_name(checkpoint_name: str) -> tuple[str, Any]:
+    """Checkpoint tensor name -> (our parameter name, shard id for its weight_loader or None)."""
+    name = checkpoint_name
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
+    expert = _EXPERT.search(name)
+    if expert:  # one expert's projection into the stacked weights: shard (expert, member) or expert
+        merged, member = _PROJECTIONS[expert.group(2)]
+        e = int(expert.group(1))
+        return f"{name[: expert.start()]}.experts.{merged}", e if member is None else (e, member)
+    for fused, ours in _FUSED_EXPERTS.items():  # transformers' stacked layout, all experts at once
+        if name.endswith(fused):
+            return name.removesuffix(fused) + ours, None
+    for proj, (merged, member) in _PROJECTIONS.items():
+        if f".{proj}." in name:
+            return name.replace(f".{proj}.", f".{merged}."), member
+    return name, None

@@ -1,0 +1,129 @@
+"""DeepSeekMoE: routing against transformers' routers, the grouped-by-expert implementation against
+the token-by-token reference, and the config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from deepserve.layers.moe import DeepseekMoE, MoEGate, RoutedExperts, RoutingConfig, route
+
+ROUTINGS = {
+    "greedy-softmax": RoutingConfig(16, 4),
+    "greedy-sigmoid-norm": RoutingConfig(16, 3, scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
+    "group-limited": RoutingConfig(16, 3, "group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0),
+    "noaux-tc": RoutingConfig(16, 4, "noaux_tc", "sigmoid", n_group=4, topk_group=2, norm_topk_prob=True,
+                              routed_scaling_factor=2.5),
+    "noaux-tc-one-group": RoutingConfig(8, 2, "noaux_tc", "sigmoid", norm_topk_prob=True),
+    "top-1": RoutingConfig(8, 1, scoring_func="softmax"),
+}
+
+
+def sorted_routes(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_softmax_routing_matches_transformers_v2(method):
+    torch.manual_seed(0)
+    config = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, topk_method=method,
+                              n_group=4, topk_group=2, routed_scaling_factor=16.0)
+    hf = DeepseekV2TopkRouter(config)
+    hf.weight.data.normal_(0, 0.5)
+    x = torch.randn(37, 32)
+    _, want_w, want_ids = hf(x)
+    cfg = RoutingConfig.from_hf(config)
+    got_w, got_ids = route(torch.nn.functional.linear(x, hf.weight), cfg)
+    torch.testing.assert_close(sorted_routes(got_w, got_ids), sorted_routes(want_w, want_ids))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_noaux_tc_matches_transformers_v3(norm):
+    torch.manual_seed(0)
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              norm_topk_prob=norm, routed_scaling_factor=2.5)
+    hf = DeepseekV3TopkRouter(config)
+    hf.weight.data.normal_(0, 0.5)
+    hf.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(37, 32)
+    _, want_w, want_ids = hf(x)
+    cfg = RoutingConfig.from_hf(config)
+    assert (cfg.topk_method, cfg.scoring_func) == ("noaux_tc", "sigmoid")
+    got_w, got_ids = route(torch.nn.functional.linear(x, hf.weight), cfg, hf.e_score_correction_bias)
+    torch.testing.assert_close(sorted_routes(got_w, got_ids), sorted_routes(want_w, want_ids))
+
+
+def test_bias_chooses_but_does_not_weigh():
+    cfg = RoutingConfig(4, 1, "noaux_tc", "sigmoid")
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route(logits, cfg, torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    assert ids.tolist() == [[3]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[-1.0]])))
+
+
+def test_group_limit_keeps_experts_inside_the_best_groups():
+    cfg = RoutingConfig(8, 2, "group_limited_greedy", n_group=4, topk_group=1)
+    # group 2 (experts 4, 5) holds the single best expert, so both picks come from it
+    logits = torch.tensor([[3.0, 2.9, 2.8, 2.7, 4.0, 0.0, 1.0, 1.0]])
+    _, ids = route(logits, cfg)
+    assert sorted(ids[0].tolist()) == [4, 5]
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+def test_grouped_experts_match_token_by_token_reference(name, num_tokens):
+    cfg = ROUTINGS[name]
+    torch.manual_seed(num_tokens)
+    gate = MoEGate(24, cfg)
+    gate.weight.data.normal_(0, 0.5)
+    if gate.e_score_correction_bias is not None:
+        gate.e_score_correction_bias.data.normal_(0, 0.3)
+    experts = RoutedExperts(cfg.num_experts, 24, 10)
+    experts.w13.data.normal_(0, 0.3)
+    experts.w2.data.normal_(0, 0.3)
+    x = torch.randn(num_tokens, 24)
+    weights, ids = gate(x)
+    assert ids.shape == (num_tokens, cfg.top_k) and len(set(ids[0].tolist())) == cfg.top_k
+    torch.testing.assert_close(experts(x, weights, ids), experts.forward_reference(x, weights, ids))
+
+
+def test_expert_weights_load_per_expert_or_fused():
+    torch.manual_seed(0)
+    gate_up = torch.randn(4, 2 * 6, 8)  # transformers' fused [X, 2I, E]
+    down = torch.randn(4, 8, 6)  # [X, E, I]
+    fused, per_expert = RoutedExperts(4, 8, 6), RoutedExperts(4, 8, 6)
+    fused.w13.weight_loader(fused.w13, gate_up)
+    fused.w2.weight_loader(fused.w2, down)
+    for e in range(4):
+        per_expert.w13.weight_loader(per_expert.w13, gate_up[e, :6], (e, 0))
+        per_expert.w13.weight_loader(per_expert.w13, gate_up[e, 6:], (e, 1))
+        per_expert.w2.weight_loader(per_expert.w2, down[e], e)
+    assert torch.equal(fused.w13, per_expert.w13) and torch.equal(fused.w2, per_expert.w2)
+    assert torch.equal(fused.w13, gate_up)
+
+
+def test_shared_experts_add_to_routed():
+    torch.manual_seed(0)
+    moe = DeepseekMoE(16, 8, 2, RoutingConfig(4, 2))
+    for p in moe.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(5, 16)
+    weights, ids = moe.gate(x)
+    want = moe.experts.forward_reference(x, weights, ids) + moe.shared_experts(x)
+    torch.testing.assert_close(moe(x), want)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(topk_method="sinkhorn"), "topk_method"),
+    (dict(scoring_func="tanh"), "scoring_func"),
+    (dict(topk_method="noaux_tc", n_group=3), "n_group"),
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=5), "topk_group"),
+    (dict(topk_method="group_limited_greedy", n_group=8, topk_group=1), "num_experts_per_tok"),
+])
+def test_bad_routing_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RoutingConfig(16, 4, **kwargs)

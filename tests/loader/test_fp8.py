@@ -1,0 +1,148 @@
+"""DeepSeek's FP8 block-scaled checkpoints: block dequantization, weight/scale pairing across
+shards, MTP layers skipped, and a tiny V3 checkpoint quantized here that loads and matches its
+dequantized reference in transformers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+from deepserve.loader.fp8 import dequantize_block_fp8, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from tests.conftest import save_checkpoint
+from tests.models.test_deepseek import PROMPTS, make_hf_model, make_runner, run_step, with_blocks
+
+BLOCK = 128
+QUANTIZED = re.compile(r"(proj|proj_with_mqa)\.weight$")  # the linear layers DeepSeek ships in FP8
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], scale_inv [ceil(N/128), ceil(K/128)]) as DeepSeek writes them."""
+    n, k = w.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    tiles = torch.zeros(nb * BLOCK, kb * BLOCK)
+    tiles[:n, :k] = w
+    tiles = tiles.view(nb, BLOCK, kb, BLOCK)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest finite value
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * BLOCK, kb * BLOCK)
+    return q[:n, :k].contiguous(), scale
+
+
+def dequantize_by_tiles(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] *= scale[i, j]
+    return out
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (128, 128), (5, 7), (256, 129)])
+def test_block_dequantization(shape):
+    torch.manual_seed(0)
+    q, scale = quantize(torch.randn(shape))
+    got = dequantize_block_fp8(q, scale, (BLOCK, BLOCK))
+    assert torch.equal(got, dequantize_by_tiles(q, scale))
+    with pytest.raises(ValueError, match="scale"):
+        dequantize_block_fp8(q, scale[:, :1].repeat(1, scale.shape[1] + 1), (BLOCK, BLOCK))
+
+
+def test_pairs_weights_and_scales_in_any_order():
+    q, scale = quantize(torch.randn(10, 10))
+    norm = torch.ones(10)
+    stream = [("b.weight_scale_inv", scale), ("n.weight", norm), ("b.weight", q), ("a.weight", q),
+              ("a.weight_scale_inv", scale)]
+    out = dict(dequantize_fp8_weights(stream, (BLOCK, BLOCK)))
+    assert set(out) == {"a.weight", "b.weight", "n.weight"} and out["n.weight"] is norm
+    assert torch.equal(out["a.weight"], out["b.weight"])
+    with pytest.raises(ValueError, match="c.weight"):
+        list(dequantize_fp8_weights([("c.weight", q)], (BLOCK, BLOCK)))
+
+
+def test_quantization_config_is_checked():
+    config = DeepseekV3Config()
+    assert fp8_block_size(config) is None
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    assert fp8_block_size(config) == (128, 128)
+    config.quantization_config = {"quant_method": "awq"}
+    with pytest.raises(ValueError, match="quant_method 'awq'"):
+        fp8_block_size(config)
+    config.quantization_config = {"quant_method": "fp8"}
+    with pytest.raises(ValueError, match="weight_block_size"):
+        fp8_block_size(config)
+
+
+def test_mtp_layers_are_skipped_and_said_once(caplog):
+    stream = [(f"model.layers.{i}.mlp.down_proj.weight", torch.zeros(1)) for i in range(5)]
+    stream += [("model.layers.4.eh_proj.weight", torch.zeros(1)), ("model.norm.weight", torch.zeros(1))]
+    with caplog.at_level(logging.INFO, logger="deepserve.loader.fp8"):
+        kept = [name for name, _ in skip_mtp_layers(stream, num_hidden_layers=4)]
+    assert kept == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)] + ["model.norm.weight"]
+    assert sum("multi-token-prediction" in r.getMessage() for r in caplog.records) == 1
+
+
+def write_fp8_checkpoint(src: str, fp8_dir: str, ref_dir: str, num_layers: int) -> None:
+    """From a float32 checkpoint: an FP8 one in two shards (weights, then every scale) with one MTP
+    layer, and the reference checkpoint holding exactly the dequantized values."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    weights, scales, reference = {}, {}, {}
+    for name, t in tensors.items():
+        if QUANTIZED.search(name) and ".gate." not in name:
+            q, scale = quantize(t)
+            weights[name], scales[name + "_scale_inv"] = q, scale
+            reference[name] = dequantize_by_tiles(q, scale)
+        else:
+            weights[name] = reference[name] = t
+    q, scale = quantize(torch.randn(64, 128))
+    weights[f"model.layers.{num_layers}.eh_proj.weight"] = q  # an MTP layer, as V3 ships one
+    scales[f"model.layers.{num_layers}.eh_proj.weight_scale_inv"] = scale
+    weights[f"model.layers.{num_layers}.enorm.weight"] = torch.ones(64)
+    for folder in (fp8_dir, ref_dir):
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(reference, os.path.join(ref_dir, "model.safetensors"))
+    shards = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": scales}
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, os.path.join(fp8_dir, shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(fp8_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    config_path = os.path.join(fp8_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    config["num_nextn_predict_layers"] = 1
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+
+
+def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, tokenizer, caplog):
+    # hidden 144 and FFN 200: weights of several blocks, the last ones partial
+    extra = dict(hidden_size=144, intermediate_size=200, q_lora_rank=24, topk_method="noaux_tc", n_group=4,
+                 topk_group=2, n_shared_experts=1, first_k_dense_replace=1)
+    hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, extra)
+    src = save_checkpoint(hf_model, tokenizer, str(tmp_path / "f32"))
+    fp8_dir, ref_dir = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_fp8_checkpoint(src, fp8_dir, ref_dir, hf_model.config.num_hidden_layers)
+    with caplog.at_level(logging.INFO, logger="deepserve.loader.fp8"):
+        runner = make_runner(fp8_dir)
+    assert sum("multi-token-prediction" in r.getMessage() for r in caplog.records) == 1
+    runner.allocate_kv_cache(64)
+    requests = with_blocks(runner, PROMPTS)
+    logits = run_step(runner, [(r, 0, len(r.prompt_token_ids)) for r in requests])
+    reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    for ids, got in zip(PROMPTS, logits.split([len(p) for p in PROMPTS]), strict=True):
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # The quantization is real: the FP8 model is not the float32 one it came from.
+    with torch.no_grad():
+        original = hf_model(torch.tensor([PROMPTS[1]])).logits[0]
+    assert not torch.allclose(logits.split([len(p) for p in PROMPTS])[1], original, atol=1e-3)
