@@ -47,12 +47,13 @@ def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
 
     store_kv_cache(k, v, kv_cache, meta.slot_mapping)
     if meta.decode_only:
-        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len)
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                      max_seq_len=meta.max_seq_len)
     out = torch.empty_like(q)
     if meta.decode_token_idx is not None and meta.decode_token_idx.numel():
         rows = meta.decode_token_idx
         out[rows] = paged_decode_attention(
             q[rows], kv_cache, meta.block_tables[meta.decode_seq_idx], meta.seq_lens[meta.decode_seq_idx],
-            scale, meta.max_seq_len,
+            scale, max_seq_len=meta.max_seq_len,
         )
     return paged_attention_ref(q, k, v, kv_cache, meta, scale, seqs=meta.prefill_seqs_cpu, out=out)

@@ -1,0 +1,286 @@
+"""Correctness and speed of the Triton paged-attention kernels, in one run on one GPU (H200).
+
+For every benchmark shape and every launch variant: fresh random inputs, the output poisoned with NaN
+first (an unwritten element or a NaN fails), the result compared with the torch reference, then the
+median time from triton.testing.do_bench (which flushes L2 between runs). Effective bandwidth counts the
+KV cache read once plus q and out. A failing case prints its error and the run goes on. The summary
+table comes last; JSON goes to $OUT/kernels.json when OUT is set.
+
+    python bench/check_kernels.py               # the H200 run, < 3 minutes
+    python bench/check_kernels.py --smoke       # tiny shapes; on a CPU-only machine under TRITON_INTERPRET
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # --smoke on CPU; must precede the first `import triton`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from deepserve.kernels import triton_paged_attention as tpa  # noqa: E402
+
+PEAK_GBS = 4200.0  # copy bandwidth measured on this H200 (BENCHMARKS.md), the 100 % mark
+BLOCK_SIZE = 16
+VARIANTS_UNTIL_S = 120.0  # past this many seconds only the defaults are timed, to stay under 3 minutes
+START = time.perf_counter()
+GQA_MODELS = {"DeepSeek-LLM-7B": (32, 32, 128), "R1-Distill-Qwen-7B": (28, 4, 128)}  # H, Hkv, D
+MLA_MODELS = {"V2-Lite": (16, 512, 64), "V3": (128, 512, 64)}  # H, R, P
+LC = tpa.LaunchConfig
+# Alternatives timed next to the defaults (None = the default config); "nosplit" pins num_splits=1.
+GQA_VARIANTS = {
+    1: {"fma-n32": LC(block_n=32, block_h=1, num_warps=4, num_stages=2),
+        "fma-n64": LC(block_n=64, block_h=1, num_warps=4, num_stages=2),
+        "dot-n128-w8": LC(block_n=128, block_h=16, num_warps=8, num_stages=3)},
+    7: {"dot-n32": LC(block_n=32, block_h=16, num_warps=4, num_stages=2),
+        "dot-n128-w8": LC(block_n=128, block_h=16, num_warps=8, num_stages=3)},
+}
+MLA_VARIANTS = {
+    16: {"h16-n32": LC(block_n=32, block_h=16, num_warps=4, num_stages=2),
+         "h16-n16-w8": LC(block_n=16, block_h=16, num_warps=8, num_stages=2)},
+    128: {"h16-n16": LC(block_n=16, block_h=16, num_warps=4, num_stages=2),
+          "h64-n16-w8": LC(block_n=16, block_h=64, num_warps=8, num_stages=2)},
+}
+
+
+@dataclass
+class Row:
+    kernel: str
+    model: str
+    batch: int
+    seq_len: int
+    variant: str
+    config: str = ""
+    ok: bool = False
+    rel_err: float | None = None
+    time_us: float | None = None
+    gbs: float | None = None
+    pct_peak: float | None = None
+    error: str = ""
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Median microseconds."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+    start = time.perf_counter()  # --smoke on CPU: one interpreted call, only to exercise the script
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+def paged_inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    # Every sequence seq_len long, blocks scattered over the cache as after a long-running server.
+    per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = batch * per_seq
+    table = torch.randperm(num_blocks, device=device).view(batch, per_seq).int()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    return table, seq_lens, num_blocks
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    if not torch.isfinite(out).all():
+        return False, float("nan")
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return err < 1e-2, err
+
+
+def measure(row: Row, run: Callable[[torch.Tensor], object], out: torch.Tensor, ref: torch.Tensor,
+            nbytes: int, device: torch.device) -> Row:
+    try:
+        out.fill_(float("nan"))
+        run(out)
+        row.ok, row.rel_err = check(out, ref)
+        row.time_us = timed(lambda: run(out), device)
+        row.gbs = nbytes / row.time_us / 1e3
+        row.pct_peak = 100 * row.gbs / PEAK_GBS
+    except Exception as exc:  # one broken variant must not hide the others
+        row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        traceback.print_exc(limit=2)
+    print(f"  {row.kernel:10s} {row.model:19s} B={row.batch:<4d} L={row.seq_len:<5d} {row.variant:12s} "
+          f"{'ok ' if row.ok else 'BAD'} err={row.rel_err or 0:.1e} {row.time_us or 0:9.1f} us "
+          f"{row.gbs or 0:7.0f} GB/s {row.error}", flush=True)
+    return row
+
+
+def gqa_case(model: str, batch: int, seq_len: int, device: torch.device, variants: bool) -> list[Row]:
+    heads, kv_heads, dim = GQA_MODELS[model]
+    table, seq_lens, num_blocks = paged_inputs(batch, seq_len, device)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, device=device, dtype=torch.bfloat16)
+    query = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    ref = tpa.paged_decode_attention_ref(query, kv_cache, table, seq_lens, scale)
+    nbytes = 2 * (2 * batch * seq_len * kv_heads * dim + 2 * query.numel())
+    out = torch.empty_like(query)
+    group = heads // kv_heads
+    options: dict[str, dict] = {"default": {}}
+    if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
+        options.update({name: {"config": cfg} for name, cfg in GQA_VARIANTS.get(group, {}).items()})
+        options["nosplit"] = {"num_splits": 1}
+    rows = []
+    for name, kw in options.items():
+        cfg = kw.get("config") or tpa.default_gqa_config(group, query.dtype)
+        splits = kw.get("num_splits") or tpa.choose_num_splits(batch * kv_heads, seq_len)
+        row = Row("decode", model, batch, seq_len, name, f"{cfg} splits<={splits}")
+        run = lambda o, kw=kw: tpa.paged_decode_attention(query, kv_cache, table, seq_lens, scale, out=o,
+                                                          max_seq_len=seq_len, **kw)
+        rows.append(measure(row, run, out, ref, nbytes, device))
+    rows.append(store_kv_case(model, batch, kv_cache, device))
+    return rows
+
+
+def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch.device) -> Row:
+    # One decode step's writes: T = batch tokens into distinct random slots, one of them padding (-1).
+    slots_total = kv_cache.shape[1] * BLOCK_SIZE
+    slots = torch.randperm(slots_total, device=device)[:tokens]
+    slots[-1] = -1
+    key, value = (torch.randn(tokens, *kv_cache.shape[3:], device=device, dtype=kv_cache.dtype) for _ in range(2))
+    row = Row("store_kv", model, tokens, 0, "default")
+    try:
+        expected = kv_cache.clone()
+        tpa.store_kv_cache_ref(key, value, expected, slots)
+        tpa.store_kv_cache(key, value, kv_cache, slots)
+        row.ok, row.rel_err = torch.equal(kv_cache, expected), 0.0
+        del expected
+        row.time_us = timed(lambda: tpa.store_kv_cache(key, value, kv_cache, slots), device)
+        row.gbs = 2 * 2 * key.numel() * key.element_size() / row.time_us / 1e3  # read + write K and V
+        row.pct_peak = 100 * row.gbs / PEAK_GBS
+    except Exception as exc:
+        row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        traceback.print_exc(limit=2)
+    print(f"  store_kv   {model:19s} T={tokens:<4d} {'ok ' if row.ok else 'BAD'} {row.time_us or 0:9.1f} us "
+          f"{row.error}", flush=True)
+    return row
+
+
+def mla_case(model: str, batch: int, seq_len: int, device: torch.device, variants: bool) -> list[Row]:
+    heads, rank, rope = MLA_MODELS[model]
+    table, seq_lens, num_blocks = paged_inputs(batch, seq_len, device)
+    cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, device=device, dtype=torch.bfloat16)
+    q_latent = torch.randn(batch, heads, rank, device=device, dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, heads, rope, device=device, dtype=torch.bfloat16)
+    scale = (128 + rope) ** -0.5  # qk_nope_head_dim + qk_rope_head_dim of V2/V3
+    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, scale)
+    nbytes = 2 * (batch * seq_len * (rank + rope) + q_latent.numel() + q_rope.numel() + q_latent.numel())
+    out = torch.empty_like(q_latent)
+    options: dict[str, dict] = {"default": {}}
+    if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
+        options.update({name: {"config": cfg} for name, cfg in MLA_VARIANTS.get(heads, {}).items()})
+        options["nosplit"] = {"num_splits": 1}
+    rows = []
+    for name, kw in options.items():
+        cfg = kw.get("config") or tpa.default_mla_config(heads)
+        tiles = -(-heads // cfg.block_h)
+        splits = kw.get("num_splits") or tpa.choose_num_splits(batch * tiles, seq_len)
+        row = Row("mla", model, batch, seq_len, name, f"{cfg} splits<={splits}")
+        run = lambda o, kw=kw: tpa.paged_mla_decode_attention(q_latent, q_rope, cache, table, seq_lens, scale,
+                                                              seq_len, out=o, **kw)
+        rows.append(measure(row, run, out, ref, nbytes, device))
+    rows.append(store_mla_case(model, batch, cache, device))
+    return rows
+
+
+def store_mla_case(model: str, tokens: int, cache: torch.Tensor, device: torch.device) -> Row:
+    slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
+    slots[-1] = -1
+    latent = torch.randn(tokens, cache.shape[2], device=device, dtype=cache.dtype)
+    row = Row("store_mla", model, tokens, 0, "default")
+    try:
+        expected = cache.clone()
+        tpa.store_mla_cache_ref(latent, expected, slots)
+        tpa.store_mla_cache(latent, cache, slots)
+        row.ok, row.rel_err = torch.equal(cache, expected), 0.0
+        row.time_us = timed(lambda: tpa.store_mla_cache(latent, cache, slots), device)
+        row.gbs = 2 * latent.numel() * latent.element_size() / row.time_us / 1e3
+        row.pct_peak = 100 * row.gbs / PEAK_GBS
+    except Exception as exc:
+        row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        traceback.print_exc(limit=2)
+    print(f"  store_mla  {model:19s} T={tokens:<4d} {'ok ' if row.ok else 'BAD'} {row.time_us or 0:9.1f} us "
+          f"{row.error}", flush=True)
+    return row
+
+
+def run_all(batches: tuple[int, ...], seq_lens: tuple[int, ...], device: torch.device, variants: bool
+            ) -> list[Row]:
+    rows: list[Row] = []
+    cases = [(gqa_case, m) for m in GQA_MODELS] + [(mla_case, m) for m in MLA_MODELS]
+    for case, model in cases:
+        for batch in batches:
+            for seq_len in seq_lens:
+                try:
+                    rows += case(model, batch, seq_len, device, variants)
+                except Exception as exc:  # input construction or the reference failed
+                    traceback.print_exc(limit=3)
+                    rows.append(Row(case.__name__, model, batch, seq_len, "-", error=f"{type(exc).__name__}: {exc}"))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # the MHA cache at B=256, L=2048 is 8.6 GB
+    return rows
+
+
+def summary(rows: list[Row]) -> str:
+    # One line per case: the default variant, and the fastest correct variant when that is another one.
+    lines = [f"{'kernel':9s} {'model':19s} {'B':>4s} {'L':>5s} {'us':>8s} {'GB/s':>6s} {'%peak':>5s} "
+             f"{'err':>7s}  best variant", "-" * 96]
+    for r in rows:
+        if r.variant not in ("default", "-"):
+            continue
+        same = [o for o in rows if (o.kernel, o.model, o.batch, o.seq_len) == (r.kernel, r.model, r.batch, r.seq_len)]
+        good = [o for o in same if o.ok and o.time_us]
+        best = min(good, key=lambda o: o.time_us) if good else None
+        best_text = f"{best.variant} {best.time_us:.1f} us" if best and best is not r else ""
+        status = f"{r.rel_err:7.1e}" if r.ok else ("ERROR  " if r.error else "WRONG  ")
+        lines.append(f"{r.kernel:9s} {r.model:19s} {r.batch:4d} {r.seq_len:5d} {r.time_us or 0:8.1f} "
+                     f"{r.gbs or 0:6.0f} {r.pct_peak or 0:5.1f} {status}  {best_text}")
+    bad = sum(not r.ok for r in rows)
+    lines.append(f"{len(rows)} measurements, {bad} failed; peak = {PEAK_GBS:.0f} GB/s")
+    return "\n".join(lines)
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # a copy without git
+        commit = ""
+    return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                torch=torch.__version__, triton=triton.__version__, commit=commit or None,
+                block_size=BLOCK_SIZE, peak_gbs=PEAK_GBS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself")
+    parser.add_argument("--no-variants", action="store_true", help="time the default launch configs only")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.smoke:
+        parser.error("no CUDA device: only --smoke runs on CPU")
+    torch.manual_seed(0)
+    batches, seq_lens = ((1, 3), (40,)) if args.smoke else ((1, 64, 256), (1024, 2048))
+    rows = run_all(batches, seq_lens, device, variants=not args.no_variants)
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "kernels.json"
+        path.write_text(json.dumps(dict(env=environment(device), rows=[asdict(r) for r in rows]), indent=1))
+        print(f"wrote {path}")
+    print(f"\nTriton paged attention, bf16, block_size {BLOCK_SIZE}, {time.perf_counter() - START:.0f} s\n"
+          + summary(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call: correctness first, then the timed workloads. Each step logs to $OUT and a
+# failure in one step does not stop the next. Usage: bash bench/h200_run.sh [steps...]
+# steps: env kernels moe gpucheck w1-qwen w1-llm w2-llm hf-llm w1-v2lite (default: all but w1-v2lite)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+DS="python3 -m deepserve.entrypoints.cli"
+steps=${*:-env kernels gpucheck w1-qwen w1-llm w2-llm hf-llm}
+summary=()
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout 900 "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'Throughput|TTFT|HF transformers|OK|MISMATCH|PASS|FAIL' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")
+}
+for s in $steps; do
+  case $s in
+    env) run env bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; git log --oneline -1 2>/dev/null || true" ;;
+    kernels) run kernels python3 bench/check_kernels.py ;;
+    moe) run moe python3 bench/check_fused_moe.py ;;
+    gpucheck) run gpucheck python3 bench/gpu_check.py ;;
+    w1-qwen) run w1-qwen $DS bench throughput --model r1-distill-qwen-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-qwen.json" ;;
+    w1-llm) run w1-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-llm.json" ;;
+    w2-llm) run w2-llm $DS bench latency --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w2-llm.json" ;;
+    hf-llm) run hf-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --num-seqs 64 --max-output-len 256 --baseline hf --output-json "$OUT/hf-llm.json" ;;
+    w1-v2lite) run w1-v2lite $DS bench throughput --model deepseek-v2-lite --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-v2lite.json" ;;
+  esac
+done
+echo; echo "=== summary"; printf '%s\n' "${summary[@]}"

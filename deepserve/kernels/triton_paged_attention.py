@@ -1,0 +1,511 @@
+"""Triton decode attention over the paged caches, with the torch references the tests compare against.
+
+MHA/GQA cache (layout of kernels/paged_attention.py): kv_cache [2, num_blocks, block_size, Hkv, D].
+Latent MLA cache (layout of kernels/mla_attention.py): latent_cache [num_blocks, block_size, R + P],
+the first R values the compressed kv c_kv, the last P the roped key k_pe.
+Token p of a sequence lives in block block_table[p // block_size], row p % block_size.
+
+Decode = one query token per sequence, at position seq_len - 1, seeing keys 0 .. seq_len - 1.
+Every wrapper is CUDA-graph safe: no host sync, launch shapes depend only on tensor shapes and on the
+Python int `max_seq_len`. Rows with seq_len == 0 (graph padding) read no cache and produce zeros.
+
+Split-K: a sequence's keys are cut into `num_splits` ranges of `tokens_per_split` (a multiple of the
+tile); each program writes its normalized partial output and log2-sum-exp, and `_merge_splits_kernel`
+combines them. The last split runs to seq_len, so a wrong `max_seq_len` costs speed, never correctness.
+
+Shapes: B sequences, H query heads, Hkv kv heads, G = H / Hkv, D head_dim, R kv_lora_rank,
+P qk_rope_head_dim, S splits, N tokens per tile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Split-K heuristic for the H200 (132 SMs); guesses to be tuned with bench/check_kernels.py.
+NUM_SMS = 132
+TARGET_PROGRAMS = 2 * NUM_SMS  # split sequences until about two CTAs per SM are in flight
+MIN_TOKENS_PER_SPLIT = 64  # shorter splits cost more in partial writes and the merge than they gain
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Per-program tile sizes and launch options of a decode kernel."""
+
+    block_n: int  # keys per loop iteration (a tile may span several cache blocks)
+    # Query rows per program. GQA: the group padded to >= 16 for tl.dot, or 1 for MHA through
+    # broadcast-multiply-sum instead of tl.dot. MLA: the head tile.
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+def default_gqa_config(group: int, dtype: torch.dtype) -> LaunchConfig:
+    # tl.dot even for MHA (group 1 padded to 16 rows): on sm_90 Triton then pipelines the K/V tile loads
+    # through shared memory (cp.async, one tile ahead); the block_h=1 FMA path loads into registers only.
+    # ptxas sm_90, bf16, D 128: 80-96 registers, 38 KiB shared memory, no spills.
+    block_h = max(16, triton.next_power_of_2(group))
+    if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
+        return LaunchConfig(block_n=32, block_h=block_h, num_warps=4, num_stages=1)
+    return LaunchConfig(block_n=64, block_h=block_h, num_warps=4, num_stages=2)
+
+
+def default_mla_config(num_heads: int) -> LaunchConfig:
+    # The [block_h, R] fp32 accumulator is what limits the head tile: 32 x 512 needs 8 warps.
+    if num_heads <= 16:  # ptxas sm_90: 145 registers, 37 KiB shared memory
+        return LaunchConfig(block_n=16, block_h=16, num_warps=4, num_stages=2)
+    return LaunchConfig(block_n=16, block_h=32, num_warps=8, num_stages=2)  # 128 registers, 55 KiB
+
+
+def _patch_interpreter_index() -> None:
+    # Triton 3.6's interpreter holds scalars as 1-element arrays and its `tensor.__index__` calls int() on
+    # them, which numpy >= 2.4 rejects, so `range(start, seq_len, N)` fails on CPU (triton-lang/triton#9171,
+    # fixed upstream by #9172). Re-set __index__ the fixed way; compiled GPU kernels never reach this.
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_deepserve_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._deepserve_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_index()
+
+
+@triton.jit
+def _gqa_decode_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, tokens_per_split, num_heads,
+    stride_qb, stride_qh, stride_kv, stride_blk, stride_tok, stride_head, stride_bt,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
+    # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
+    # tl.dot with the group padded to BLOCK_G >= 16 rows (the tensor-core minimum; pad rows are never stored).
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = s * tokens_per_split
+    end = _split_end(start, tokens_per_split, seq_len, s == tl.num_programs(2) - 1)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kvh * GROUP + offs_g  # [BLOCK_G] query heads of this group
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    head_off = kvh * stride_head
+    for tile in range(start, end, BLOCK_N):  # every tile holds >= 1 valid key, so m_i turns finite
+        offs_n = tile + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        # Masked: past seq_len the block table may end, and rows with seq_len 0 read nothing.
+        page = tl.load(block_tables_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=valid, other=0)
+        row = page.to(tl.int64) * stride_blk + (offs_n % PAGE_SIZE) * stride_tok + head_off  # int64: big caches
+        kv_offs = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        if BLOCK_G == 1:
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        else:
+            scores = _mma(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BLOCK_G == 1:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        else:
+            pv = _mma(p.to(v.dtype), v, None, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_G, BLOCK_D]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                  part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_d[None, :],
+                  part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
+                  g_mask[:, None] & d_mask[None, :], g_mask, SPLIT)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    if DOT_UPCAST:  # the interpreter multiplies bf16 as raw 16-bit integers: do it in fp32 there
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _split_end(start, tokens_per_split, seq_len, is_last):
+    # The last split runs to seq_len: correctness never depends on the host's max_seq_len.
+    return tl.minimum(start + tokens_per_split + is_last.to(tl.int32) * seq_len, seq_len)
+
+
+@triton.jit
+def _store_result(acc, m_i, l_i, out_ptrs, part_out_ptrs, part_lse_ptrs, mask, row_mask, SPLIT: tl.constexpr):
+    # A row that saw no key (empty split, seq_len 0) has l_i == 0: output 0, lse -inf, never NaN.
+    has_keys = l_i > 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SPLIT:
+        tl.store(part_out_ptrs, o, mask=mask)
+        tl.store(part_lse_ptrs, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
+                 mask=row_mask)
+    else:
+        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
+    DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program = (sequence, head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
+    # part_out [B, H, S, DIM] fp32 contiguous, part_lse [B, H, S] fp32 contiguous.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = b * num_heads + h
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
+    offs = tl.arange(0, BLOCK_DIM)
+    acc = tl.zeros([BLOCK_DIM], tl.float32)
+    total = 0.0
+    for s in range(num_splits):  # a loop, not a [S, DIM] tile: DIM may be 512 (MLA)
+        w = tl.exp2(tl.load(part_lse_ptr + row * num_splits + s) - m)
+        acc += w * tl.load(part_out_ptr + (row * num_splits + s) * DIM + offs, mask=offs < DIM, other=0.0)
+        total += w
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < DIM)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, tokens_per_split, num_heads,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_blk, stride_tok, stride_bt,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
+    # sharing a sequence run side by side and the latent rows they all read come from L2.
+    ht = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = s * tokens_per_split
+    end = _split_end(start, tokens_per_split, seq_len, s == tl.num_programs(2) - 1)
+
+    head = ht * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = head < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    r_mask, p_mask = offs_r < RANK, offs_p < ROPE
+    q_lat = tl.load(q_lat_ptr + b * stride_qlb + head[:, None] * stride_qlh + offs_r[None, :],
+                    mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    q_pe = tl.load(q_rope_ptr + b * stride_qrb + head[:, None] * stride_qrh + offs_p[None, :],
+                   mask=h_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        offs_n = tile + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        page = tl.load(block_tables_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=valid, other=0)
+        row = page.to(tl.int64) * stride_blk + (offs_n % PAGE_SIZE) * stride_tok  # [BLOCK_N]
+        c_kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :],
+                       mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]: key and value
+        k_pe = tl.load(cache_ptr + row[:, None] + RANK + offs_p[None, :],
+                       mask=valid[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
+        scores = _mma(q_lat, tl.trans(c_kv), None, DOT_PRECISION, DOT_UPCAST)
+        scores = _mma(q_pe, tl.trans(k_pe), scores, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = _mma(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_r[None, :],
+                  part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_r[None, :],
+                  part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
+                  h_mask[:, None] & r_mask[None, :], h_mask, SPLIT)
+
+
+@triton.jit
+def _store_rows_kernel(
+    src_ptr, cache_ptr, slot_ptr, stride_src_t, stride_src_h, stride_blk, stride_tok, stride_head,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    # One program = (token t, head h): copy WIDTH contiguous values to the token's slot; slot < 0 skips.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < WIDTH) & (slot >= 0)
+    vals = tl.load(src_ptr + t * stride_src_t + h * stride_src_h + offs, mask=mask)
+    dst = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok + h * stride_head
+    tl.store(cache_ptr + dst + offs, vals.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_paged(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int) -> None:
+    _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch,
+             "block_tables must be int32 [B, max_blocks]")
+    _require(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    _require(seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous(),
+             "seq_lens must be contiguous int32 [B]")
+
+
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _require(out.shape == query.shape and out.is_contiguous() and out.dtype == query.dtype,
+             "out must be contiguous, of the query's shape and dtype")
+    return out
+
+
+def _dot_options(dtype: torch.dtype) -> dict[str, object]:
+    # fp32 inputs: "ieee", not the tf32 default, so fp32 matches the reference to 1e-5.
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                DOT_UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def choose_num_splits(programs_per_split: int, max_seq_len: int) -> int:
+    """Splits per sequence: enough programs for TARGET_PROGRAMS, each over >= MIN_TOKENS_PER_SPLIT keys."""
+    by_occupancy = max(1, TARGET_PROGRAMS // max(programs_per_split, 1))
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return min(by_occupancy, by_length, MAX_SPLITS)
+
+
+def _split_plan(programs_per_split: int, max_seq_len: int, block_n: int, num_splits: int | None
+                ) -> tuple[int, int]:
+    # -> (splits, tokens_per_split). tokens_per_split is a multiple of the tile so no tile straddles two
+    # splits; splits that would start past max_seq_len are dropped.
+    splits = num_splits or choose_num_splits(programs_per_split, max_seq_len)
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
+    return max(1, triton.cdiv(max_seq_len, tokens_per_split)), tokens_per_split
+
+
+def _partials(batch: int, heads: int, splits: int, dim: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # part_out [B, H, S, dim] fp32, part_lse [B, H, S] fp32. Every program writes its whole slice (empty
+    # splits write 0 and -inf), so torch.empty is safe. Without a split the kernel writes `out` directly
+    # and never touches these: `out` stands in for both.
+    if splits == 1:
+        return out, out
+    return (torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=out.device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=out.device))
+
+
+def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    batch, heads, splits, dim = part_out.shape
+    _merge_splits_kernel[(batch, heads)](
+        part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
+        DIM=dim, BLOCK_DIM=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, H, D], contiguous
+    max_seq_len: int | None = None,  # host-side bound, used only to pick the split count
+    *,
+    num_splits: int | None = None,  # override of choose_num_splits
+    config: LaunchConfig | None = None,  # override of default_gqa_config
+) -> torch.Tensor:  # [B, H, D]
+    """Decode attention: each sequence's one query (at position seq_len - 1) over its seq_len cached
+    keys. Writes every element of `out`; rows with seq_len 0 get zeros."""
+    batch, heads, dim = query.shape
+    _, _, page, kv_heads, kv_dim = kv_cache.shape
+    _require(kv_dim == dim and heads % kv_heads == 0, "query [B, H, D] must match kv_cache heads / head_dim")
+    _require(query.dtype == kv_cache.dtype, "query and kv_cache must share a dtype")
+    _require(query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be the contiguous axis")
+    _check_paged(block_tables, seq_lens, batch)
+    out = _check_out(out, query)
+    group = heads // kv_heads
+    cfg = config or default_gqa_config(group, query.dtype)
+    _require(cfg.block_h == 1 and group == 1 or cfg.block_h >= max(16, group),
+             "config.block_h must be 1 (MHA only) or >= max(16, group)")
+    splits, tokens_per_split = _split_plan(batch * kv_heads, max_seq_len or block_tables.shape[1] * page,
+                                           cfg.block_n, num_splits)
+    part_out, part_lse = _partials(batch, heads, splits, dim, out)
+    _gqa_decode_kernel[(batch, kv_heads, splits)](
+        query, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, tokens_per_split, heads,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge(part_out, part_lse, out)
+    return out
+
+
+def paged_mla_decode_attention(
+    q_latent: torch.Tensor,  # [B, H, R]: q_nope with W_UK absorbed
+    q_rope: torch.Tensor,  # [B, H, P]
+    latent_cache: torch.Tensor,  # [num_blocks, block_size, R + P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    max_seq_len: int | None = None,  # host-side bound, used only to pick the split count
+    out: torch.Tensor | None = None,  # [B, H, R], contiguous
+    *,
+    num_splits: int | None = None,
+    config: LaunchConfig | None = None,  # override of default_mla_config
+) -> torch.Tensor:  # [B, H, R]: attention-weighted latents (W_UV still to apply)
+    """Absorbed MLA decode: score(h, t) = (q_latent[h]·c_kv[t] + q_rope[h]·k_pe[t]) * scale, output the
+    softmax-weighted sum of c_kv. Writes every element of `out`; rows with seq_len 0 get zeros."""
+    batch, heads, rank = q_latent.shape
+    rope = q_rope.shape[2]
+    _, page, width = latent_cache.shape
+    _require(q_rope.shape[:2] == (batch, heads) and width == rank + rope, "latent_cache rows must be R + P wide")
+    _require(q_latent.dtype == q_rope.dtype == latent_cache.dtype, "queries and latent_cache must share a dtype")
+    _require(q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and latent_cache.stride(-1) == 1,
+             "the feature axis must be contiguous")
+    _check_paged(block_tables, seq_lens, batch)
+    out = _check_out(out, q_latent)
+    cfg = config or default_mla_config(heads)
+    _require(cfg.block_h >= 16, "config.block_h must be >= 16 (tl.dot)")
+    head_tiles = triton.cdiv(heads, cfg.block_h)
+    splits, tokens_per_split = _split_plan(batch * head_tiles, max_seq_len or block_tables.shape[1] * page,
+                                           cfg.block_n, num_splits)
+    part_out, part_lse = _partials(batch, heads, splits, rank, out)
+    _mla_decode_kernel[(head_tiles, batch, splits)](
+        q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, tokens_per_split, heads,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
+        **_dot_options(q_latent.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge(part_out, part_lse, out)
+    return out
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                   ) -> None:
+    """key, value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
+    (block * block_size + offset); tokens with a negative slot (padding) are skipped."""
+    _require(key.shape == value.shape and key.shape[1:] == kv_cache.shape[3:], "key/value must be [T, Hkv, D]")
+    _require(key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1,
+             "head_dim must be the contiguous axis")
+    for which, src in enumerate((key, value)):
+        _store_rows(src, kv_cache[which], slot_mapping)
+
+
+def store_mla_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent [T, R + P] (c_kv then k_pe) into latent_cache [num_blocks, block_size, R + P] at slot_mapping
+    [T] int64; tokens with a negative slot (padding) are skipped."""
+    _require(latent.dim() == 2 and latent.shape[1] == latent_cache.shape[2], "latent must be [T, R + P]")
+    _require(latent.stride(-1) == 1 and latent_cache.stride(-1) == 1, "the feature axis must be contiguous")
+    _store_rows(latent[:, None], latent_cache[:, :, None], slot_mapping)
+
+
+def _store_rows(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # src [T, heads, W]; cache [num_blocks, block_size, heads, W] (a view of one K/V half or the latent cache)
+    tokens, heads, width = src.shape
+    _require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous(),
+             "slot_mapping must be contiguous int64 [T]")
+    if tokens == 0:  # shape-only branch: an empty grid is not launchable
+        return
+    _store_rows_kernel[(tokens, heads)](
+        src, cache, slot_mapping, src.stride(0), src.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+        WIDTH=width, BLOCK=triton.next_power_of_2(width), PAGE_SIZE=cache.shape[1], num_warps=4,
+    )
+
+
+# --- torch references: plain gathers and an fp32 softmax; tests and bench/check_kernels.py compare to them ---
+
+def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # cache [num_blocks, block_size, ...] -> the sequence's first seq_len rows [seq_len, ...]
+    num_blocks = math.ceil(seq_len / cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # q [H, D], k [L, H, D], v [L, H, D] -> [H, D], all fp32
+    probs = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", probs, v)
+
+
+def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    # query [B, H, D] -> [B, H, D]; rows with seq_len 0 are zeros
+    out = torch.zeros_like(query)
+    group = query.shape[1] // kv_cache.shape[3]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        k = _gather_rows(kv_cache[0], block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        v = _gather_rows(kv_cache[1], block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        out[b] = _softmax_attend(query[b].float(), k, v, scale).to(query.dtype)
+    return out
+
+
+def paged_mla_decode_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    # q_latent [B, H, R], q_rope [B, H, P] -> [B, H, R]; every head attends to the same latent rows
+    out = torch.zeros_like(q_latent)
+    rank = q_latent.shape[2]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        rows = _gather_rows(latent_cache, block_tables[b], seq_len).float()  # [L, R + P]: keys; [:, :R] values
+        q = torch.cat([q_latent[b], q_rope[b]], dim=-1).float()  # [H, R + P]
+        probs = torch.softmax(q @ rows.T * scale, dim=-1)  # [H, L]
+        out[b] = (probs @ rows[:, :rank]).to(q_latent.dtype)
+    return out
+
+
+def store_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                       ) -> None:
+    keep = slot_mapping >= 0
+    flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D], a view
+    flat[0, slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
+    flat[1, slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
+
+
+def store_mla_cache_ref(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    latent_cache.flatten(0, 1)[slot_mapping[keep]] = latent[keep].to(latent_cache.dtype)
