@@ -22,7 +22,7 @@ run() {  # name, command...
 for s in $steps; do
   case $s in
     env) run env bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; git log --oneline -1 2>/dev/null || true" ;;
-    kernels) run kernels python3 bench/check_kernels.py ;;
+    kernels) run kernels python3 bench/check_kernels.py --no-variants ;;
     moe) run moe python3 bench/check_fused_moe.py ;;
     gpucheck) run gpucheck python3 bench/gpu_check.py ;;
     w1-qwen) run w1-qwen $DS bench throughput --model r1-distill-qwen-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-qwen.json" ;;
