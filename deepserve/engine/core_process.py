@@ -1,0 +1,343 @@
+"""The engine core in its own process, and the API server's client for it.
+
+    API server process (asyncio)                    engine core process
+    EngineCoreClient.add/abort  ── AddRequests ──▶  reader thread → inbox
+                                ── AbortRequests ▶  loop: drain inbox, core.step()
+    on_outputs(StepOutputs)     ◀── StepOutputs ──  outputs + scheduler stats
+
+Wire format: a 4-byte big-endian length, then a msgpack map whose "type" names one of the message
+dataclasses below; decoding checks the type and its fields (no pickle, nothing executable). The
+socket is a unix socket in a fresh 0700 directory, accepted only from the child we spawned.
+
+Invariants: messages are handled before the next step, so an abort lands within one step; the child
+exits when the parent's end closes (the parent died); the parent sees EOF when the child dies and
+reports it through `on_dead`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, BinaryIO
+
+import msgpack
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 512 * 1024 * 1024
+_SEND_EVERY = 0.25  # seconds: stats reach the API server at least this often while busy
+
+
+@dataclass
+class AddRequests:
+    requests: list[dict[str, Any]]  # EngineCoreRequest.to_dict()
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    num_blocks: int
+    max_model_len: int
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[dict[str, Any]]  # EngineCoreOutput.to_dict()
+    stats: dict[str, Any]  # SchedulerStats fields
+    queue_times: dict[str, float] = field(default_factory=dict)  # request id → seconds before first token
+
+
+@dataclass
+class EngineFailed:
+    error: str
+
+
+MESSAGES: dict[str, type] = {c.__name__: c for c in (AddRequests, AbortRequests, Shutdown, Ready,
+                                                    StepOutputs, EngineFailed)}
+
+
+def encode(msg: Any) -> bytes:
+    body = msgpack.packb({"type": type(msg).__name__, **asdict(msg)}, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Any:
+    d = msgpack.unpackb(body, raw=False)
+    cls = MESSAGES.get(d.pop("type", None)) if isinstance(d, dict) else None
+    if cls is None or set(d) != {f.name for f in fields(cls)}:
+        raise ValueError(f"malformed engine message: {str(d)[:200]}")
+    return cls(**d)
+
+
+def _body_size(header: bytes) -> int:
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME:
+        raise ValueError(f"engine message of {size} bytes exceeds {MAX_FRAME}")
+    return size
+
+
+def read_frame(f: BinaryIO) -> Any | None:
+    """The next message from a socket's file, None at EOF."""
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    size = _body_size(header)
+    body = f.read(size)
+    return decode(body) if len(body) == size else None
+
+
+# ---------------------------------------------------------------- the engine core process
+
+
+def _reader(sock: socket.socket, inbox: queue.Queue) -> None:
+    f = sock.makefile("rb")
+    try:
+        while (msg := read_frame(f)) is not None:
+            inbox.put(msg)
+    except (OSError, ValueError) as e:
+        logger.error("engine socket read failed: %s", e)
+    inbox.put(Shutdown())  # EOF: the API server is gone, so are its clients
+
+
+def _drain(inbox: queue.Queue, block: bool) -> list[Any]:
+    msgs = []
+    try:
+        msgs.append(inbox.get(timeout=1.0) if block else inbox.get_nowait())
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        return msgs
+
+
+def _handle(core: Any, msgs: list[Any], added_at: dict[str, float]) -> bool:
+    """Apply messages to the core; False on Shutdown."""
+    from deepserve.engine.core import EngineCoreRequest
+
+    for msg in msgs:
+        if isinstance(msg, Shutdown):
+            return False
+        if isinstance(msg, AddRequests):
+            for d in msg.requests:
+                req = EngineCoreRequest.from_dict(d)
+                core.add_request(req)
+                added_at[req.request_id] = time.monotonic()
+        elif isinstance(msg, AbortRequests):
+            core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                added_at.pop(rid, None)
+    return True
+
+
+def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
+    added_at: dict[str, float] = {}  # request id → when it reached us, until its first output
+    last_sent = 0.0
+    while True:
+        msgs = _drain(inbox, block=not core.has_unfinished_requests())
+        if not _handle(core, msgs, added_at):
+            return 0
+        start = time.monotonic()
+        outputs = core.step() if core.has_unfinished_requests() else []
+        queue_times = {o.request_id: start - added_at.pop(o.request_id) for o in outputs
+                       if o.request_id in added_at and (o.new_token_ids or o.finish_reason)}
+        now = time.monotonic()
+        if outputs or msgs or now - last_sent > _SEND_EVERY:
+            stats = asdict(core.stats())
+            sock.sendall(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times)))
+            last_sent = now
+
+
+def run_core_process(address: str, engine_args: dict[str, Any]) -> int:
+    from deepserve.config import EngineArgs
+    from deepserve.engine.core import EngineCore
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    try:
+        core = EngineCore.from_engine_args(EngineArgs(**engine_args))
+        sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))
+        inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(sock, inbox), daemon=True, name="engine-reader").start()
+        return serve_core(core, sock, inbox)
+    except BrokenPipeError:
+        return 0  # the API server went away first
+    except Exception as e:
+        logger.exception("engine core failed")
+        try:
+            sock.sendall(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        except OSError:
+            pass
+        return 1
+
+
+# ---------------------------------------------------------------- the client, in the API server
+
+
+class EngineCoreClient:
+    """Spawns the engine core process and talks to it from the API server's event loop.
+
+    `add` and `abort` never await: they are safe in `finally` blocks of cancelled tasks, which is
+    where a client disconnect is noticed."""
+
+    def __init__(self, on_outputs: Callable[[StepOutputs], None], on_dead: Callable[[str], None]) -> None:
+        self.on_outputs = on_outputs
+        self.on_dead = on_dead
+        self.proc: subprocess.Popen | None = None
+        self.ready: Ready | None = None
+        self.last_message = time.monotonic()
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    async def start(self, engine_args: dict[str, Any]) -> Ready:
+        tmpdir = tempfile.mkdtemp(prefix="deepserve-engine-")  # 0700: only our user can connect
+        path = os.path.join(tmpdir, "core.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen(1)
+            listener.setblocking(False)
+            cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", path,
+                   "--engine-args", json.dumps(engine_args)]
+            self.proc = subprocess.Popen(cmd, env=_child_env())
+            conn = await self._accept(listener)
+        finally:
+            listener.close()
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        first = await _read_async(reader)
+        if not isinstance(first, Ready):
+            why = first.error if isinstance(first, EngineFailed) else "it exited during startup"
+            await self.shutdown(timeout=5)
+            raise RuntimeError(f"the engine core process failed to start: {why}")
+        self.ready = first
+        self._task = asyncio.create_task(self._read_loop(reader), name="engine-core-reader")
+        return first
+
+    async def _accept(self, listener: socket.socket) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await asyncio.wait_for(loop.sock_accept(listener), timeout=0.5)
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the engine core process exited with code {self.proc.returncode} "
+                                       "before connecting; see its log above") from None
+                continue
+            if _peer_pid(conn) in (None, self.proc.pid):
+                conn.setblocking(False)
+                return conn
+            conn.close()  # someone else raced to our socket
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        reason = "the engine core process closed its socket"
+        try:
+            while True:
+                msg = await _read_async(reader)
+                self.last_message = time.monotonic()
+                if isinstance(msg, StepOutputs):
+                    self.on_outputs(msg)
+                elif isinstance(msg, EngineFailed):
+                    reason = f"the engine core failed: {msg.error}"
+                elif msg is None:
+                    break
+        except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+            reason = f"lost the engine core process: {e}"
+        except Exception:  # a bug in on_outputs must not leave clients hanging
+            logger.exception("engine output handling failed")
+            reason = "engine output handling failed (see the log)"
+        if not self._closing:
+            code = self.proc.poll() if self.proc else None
+            self.on_dead(reason if code is None else f"{reason} (exit code {code})")
+
+    def _send(self, msg: Any) -> None:
+        if self._writer is None or self._writer.is_closing():
+            return
+        self._writer.write(encode(msg))
+
+    def add(self, requests: list[Any]) -> None:
+        self._send(AddRequests([r.to_dict() for r in requests]))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids)))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        self._send(Shutdown())
+        if self._writer is not None:
+            self._writer.close()
+        if self.proc is None:
+            return
+        try:
+            await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine core did not exit within %.0fs; killing it", timeout)
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def _read_async(reader: asyncio.StreamReader) -> Any | None:
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError:
+        return None
+    return decode(await reader.readexactly(_body_size(header)))
+
+
+def _child_env() -> dict[str, str]:
+    # The child must import the same deepserve as we did, installed or not.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _peer_pid(conn: socket.socket) -> int | None:
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None  # not Linux: the 0700 directory is the only guard
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="deepserve engine core process (started by the server)")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--engine-args", required=True, help="EngineArgs fields as JSON")
+    args = parser.parse_args()
+    # The API server decides when we stop (Shutdown, or its socket closing): a SIGTERM sent to the
+    # whole process group (systemd, Ctrl+C) must not kill the engine under a draining server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    sys.exit(run_core_process(args.address, json.loads(args.engine_args)))
+
+
+if __name__ == "__main__":
+    main()

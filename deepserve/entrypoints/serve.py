@@ -1,0 +1,151 @@
+"""`deepserve serve [MODEL]` (vLLM's flag names, plus --config FILE.yaml) and `deepserve keys ...`.
+
+cli.py calls add_serve_parser/add_keys_parser and dispatches to the `func` default each sets.
+A --config file holds the same keys as the flags (`max-model-len: 4096` or `max_model_len: 4096`);
+a flag given on the command line wins over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import yaml
+
+from deepserve.server.settings import ServerSettings
+
+DEMO_MODEL_NAME = "deepserve-demo"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from deepserve.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
+    p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")
+    d = ServerSettings()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to bind (use 0.0.0.0 to expose on every interface)")
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients ask for")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="an admin key (repeatable; also $DEEPSERVE_API_KEY)")
+    g.add_argument("--api-keys", default=None, metavar="FILE", help="YAML key file (see `deepserve keys add`)")
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mTLS)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs,
+                   help="client certificates: 0 none, 1 optional, 2 required (mTLS)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"])
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests may run after SIGTERM")
+    g.add_argument("--max-n", type=int, default=d.max_n)
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
+    g.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes)
+    g.add_argument("--ip-requests-per-minute", type=int, default=None)
+    g.add_argument("--audit-log", default=None, metavar="FILE", help="append hash-chained JSON lines here")
+    g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
+    g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout)
+    g.add_argument("--forwarded-allow-ips", default=None,
+                   help="trust X-Forwarded-For from these proxy IPs (default: trust none)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve, _parser=p)
+    return p
+
+
+def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill flags left at their defaults from ns.config."""
+    with open(ns.config, encoding="utf-8") as f:
+        doc = yaml.safe_load(f) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{ns.config}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    for key, value in doc.items():
+        dest = str(key).replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            raise ValueError(f"{ns.config}: unknown key {key!r}; keys are the flags of `deepserve serve --help`")
+        if action.type is not None and value is not None and not isinstance(value, list):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{ns.config}: {key} must be {action.type.__name__}, got {value!r}") from None
+        if dest in ("served_model_name", "api_key") and isinstance(value, str):
+            value = [value]
+        if getattr(ns, dest) == parser.get_default(dest):
+            setattr(ns, dest, value)
+
+
+def settings_from(ns: argparse.Namespace) -> ServerSettings:
+    api_keys = list(ns.api_key or [])
+    if os.environ.get("DEEPSERVE_API_KEY"):
+        api_keys.append(os.environ["DEEPSERVE_API_KEY"])
+    return ServerSettings(
+        host=ns.host, port=ns.port, served_model_names=list(ns.served_model_name or []),
+        api_keys=api_keys, api_keys_file=ns.api_keys, ssl_keyfile=ns.ssl_keyfile,
+        ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs, ssl_cert_reqs=ns.ssl_cert_reqs,
+        reasoning_parser=ns.reasoning_parser, shutdown_timeout=ns.shutdown_timeout, max_n=ns.max_n,
+        max_waiting_requests=ns.max_waiting_requests, max_waiting_tokens=ns.max_waiting_tokens,
+        max_body_bytes=ns.max_body_bytes, max_header_bytes=ns.max_header_bytes,
+        ip_requests_per_minute=ns.ip_requests_per_minute, audit_log=ns.audit_log,
+        audit_log_prompts=ns.audit_log_prompts, engine_stall_timeout=ns.engine_stall_timeout,
+        forwarded_allow_ips=ns.forwarded_allow_ips,
+    )
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from deepserve.entrypoints.cli import engine_args_from
+    from deepserve.server.api_server import run_server
+    from deepserve.server.async_llm import AsyncLLM
+    from deepserve.server.state import ServerState
+
+    if ns.config:
+        apply_config_file(ns, ns._parser)
+    settings = settings_from(ns)
+    names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
+    engine = AsyncLLM.from_engine_args(engine_args_from(ns, ns.model))
+    return run_server(ServerState(settings, engine, names))
+
+
+def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("keys", help="manage the API key file")
+    sub = p.add_subparsers(dest="keys_command", required=True)
+    add = sub.add_parser("add", help="create a key, store its hash and print it once")
+    add.add_argument("name")
+    add.add_argument("--role", required=True, choices=["admin", "user", "metrics"])
+    add.add_argument("--file", default="keys.yaml", help="key file to create or extend (default: keys.yaml)")
+    add.add_argument("--models", nargs="+", default=["*"], help="served model names the key may use")
+    add.add_argument("--requests-per-minute", type=int, default=None)
+    add.add_argument("--tokens-per-minute", type=int, default=None)
+    add.add_argument("--max-concurrent", type=int, default=None)
+    add.set_defaults(func=cmd_keys_add)
+    ls = sub.add_parser("list", help="show the keys in a file (names, roles, models, limits; never secrets)")
+    ls.add_argument("--file", default="keys.yaml")
+    ls.set_defaults(func=cmd_keys_list)
+    return p
+
+
+def cmd_keys_add(ns: argparse.Namespace) -> int:
+    from deepserve.server.auth import add_key_to_file
+
+    limits: dict[str, Any] = {"requests_per_minute": ns.requests_per_minute,
+                              "tokens_per_minute": ns.tokens_per_minute, "max_concurrent": ns.max_concurrent}
+    secret = add_key_to_file(ns.file, ns.name, ns.role, ns.models, limits)
+    print(secret)
+    print(f"added key '{ns.name}' ({ns.role}) to {ns.file}; this is the only time it is shown. "
+          "A running server picks it up on SIGHUP (kill -HUP <pid>).", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(ns: argparse.Namespace) -> int:
+    from deepserve.server.auth import load_key_file
+
+    for k in load_key_file(ns.file):
+        limits = {f: getattr(k, f) for f in ("requests_per_minute", "tokens_per_minute", "max_concurrent")}
+        shown = ", ".join(f"{f}={v}" for f, v in limits.items() if v is not None) or "no limits"
+        print(f"{k.name}\t{k.role}\tmodels={','.join(k.models)}\t{shown}")
+    return 0

@@ -1,0 +1,161 @@
+"""The FastAPI app and the uvicorn runner: TLS/mTLS, SIGHUP key reload, SIGTERM drain, exit codes.
+
+Lifecycle: the port opens at once (/health 200, /ready 503 "loading") while the engine core process
+starts; /ready turns 200 when it is up. SIGTERM (or SIGINT) drains: /ready and new requests answer
+503, in-flight requests run up to --shutdown-timeout, then the server stops and exits 0; a second
+signal stops at once. If the engine process dies, open streams end with an error event, /health
+answers 503 and the server exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepserve.server.errors import APIError, error_body
+from deepserve.server.httpio import HeaderLimitMiddleware
+from deepserve.server.routes import require_key, router
+from deepserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+EXIT_ENGINE_DEAD = 1
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _install_sighup(state)
+        task = asyncio.create_task(_start_engine(state))
+        yield
+        task.cancel()
+        await state.engine.shutdown()
+        if state.audit is not None:
+            state.audit.close()
+
+    # No /docs or /openapi.json: every route is an authorized API route or an explicit probe.
+    app = FastAPI(title="deepserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(require_key)])
+    app.router.redirect_slashes = False  # "/metrics/" is not "/metrics": no redirect dance before auth
+    app.state.server = state
+    app.include_router(router)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=state.settings.max_header_bytes)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal server error ({type(e).__name__})"), status_code=500)
+
+
+def _install_sighup(state: ServerState) -> None:
+    if hasattr(signal, "SIGHUP"):
+        with contextlib.suppress(RuntimeError, ValueError):  # not the main thread
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.keys.reload)
+
+
+async def _start_engine(state: ServerState) -> None:
+    def on_dead(reason: str) -> None:
+        logger.error("engine core process died: %s; shutting down", reason)
+        if state.request_exit is not None:
+            # A moment for open streams to write their error event before connections close.
+            asyncio.get_running_loop().call_later(1.0, state.request_exit, EXIT_ENGINE_DEAD)
+
+    state.engine.on_dead = on_dead
+    t0 = time.monotonic()
+    try:
+        await state.engine.start()
+    except Exception as e:
+        state.load_error = str(e)
+        on_dead(str(e))
+        return
+    state.loaded = True
+    logger.warning("engine ready in %.1fs; serving %s", time.monotonic() - t0, state.model_names)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM/SIGINT drain first instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the
+        # process would die by the signal instead of exiting 0.
+        if self._draining or self._loop is None:
+            self.stop_now(force=True)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = self._loop.create_task(self._drain())  # referenced, so never collected
+
+    def request_exit(self, code: int) -> None:
+        self.exit_code = code
+        self.stop_now()
+
+    def stop_now(self, force: bool = False) -> None:
+        self.should_exit = True
+        self.force_exit = self.force_exit or force
+
+    async def _drain(self) -> None:
+        st = self.state
+        st.draining = True
+        timeout = st.settings.shutdown_timeout
+        logger.warning("draining: waiting up to %.0fs for %d in-flight requests", timeout, st.in_flight)
+        deadline = time.monotonic() + timeout
+        while st.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if st.in_flight:
+            logger.warning("shutdown timeout: aborting %d unfinished requests", st.in_flight)
+        self.stop_now()
+
+
+def uvicorn_config(app: FastAPI, state: ServerState) -> uvicorn.Config:
+    s = state.settings
+    return uvicorn.Config(
+        app, host=s.host, port=s.port, log_level="info", server_header=False,
+        ssl_keyfile=s.ssl_keyfile, ssl_certfile=s.ssl_certfile, ssl_ca_certs=s.ssl_ca_certs,
+        ssl_cert_reqs=s.ssl_cert_reqs,
+        proxy_headers=s.forwarded_allow_ips is not None, forwarded_allow_ips=s.forwarded_allow_ips,
+        # Requests that outlive the drain are cancelled (and so aborted in the engine) after this.
+        timeout_graceful_shutdown=2, h11_max_incomplete_event_size=4 * s.max_header_bytes,
+    )
+
+
+def run_server(state: ServerState) -> int:
+    app = build_app(state)
+    server = DrainingServer(uvicorn_config(app, state), state)
+    state.request_exit = server.request_exit
+    server.run()
+    return server.exit_code

@@ -1,0 +1,144 @@
+"""AsyncLLM: the engine as the API server sees it — tokenize, send to the engine core process,
+detokenize, and hand each request its cumulative outputs as an async stream.
+
+Each request keeps only its latest RequestOutput (outputs are cumulative), so a slow client costs
+one object, not a growing queue. A request abandoned by its consumer is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepserve.config import EngineArgs, EngineConfig
+from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
+from deepserve.engine.core_process import EngineCoreClient, StepOutputs
+from deepserve.engine.outputs import RequestOutput
+from deepserve.engine.processors import InputProcessor, OutputProcessor
+from deepserve.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    core_ids: list[str]
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    queue_time: float | None = None
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, config: EngineConfig, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        self.args = args
+        self.config = config
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(config, tokenizer, eos_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.client = EngineCoreClient(self._on_outputs, self._on_dead)
+        self.streams: dict[str, _Stream] = {}
+        self._parent_of: dict[str, str] = {}
+        self.stats: dict[str, Any] = {}
+        self.dead_reason: str | None = None
+        self.on_stats: Callable[[dict[str, Any]], None] | None = None
+        self.on_dead: Callable[[str], None] | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
+
+        config = args.create_engine_config()
+        # The child gets the resolved paths, so both processes read the same checkpoint.
+        args = dataclasses.replace(args, model=config.model.model, tokenizer=config.model.tokenizer)
+        tokenizer = load_tokenizer(config.model.tokenizer)
+        return cls(args, config, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    async def start(self) -> None:
+        await self.client.start(dataclasses.asdict(self.args))
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+
+    def prepare(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[EngineCoreRequest]:
+        """Validate against the model (context length, vocabulary); raises ValueError."""
+        return self.input_processor.process(request_id, prompt, params)
+
+    async def generate(self, request_id: str, prompt: str | None,
+                       core_requests: list[EngineCoreRequest]) -> AsyncIterator[RequestOutput]:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        stream = _Stream([r.request_id for r in core_requests])
+        self.streams[request_id] = stream
+        for cid in stream.core_ids:
+            self._parent_of[cid] = request_id
+        self.output_processor.add_request(request_id, prompt, core_requests)
+        self.client.add(core_requests)
+        finished = False
+        try:
+            while not finished:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                out = stream.latest
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._forget(request_id)
+
+    def queue_time(self, request_id: str) -> float | None:
+        stream = self.streams.get(request_id)
+        return stream.queue_time if stream else None
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent and never awaits: callable from the `finally` of a cancelled task."""
+        if self.dead_reason is None:
+            self.client.abort(self.output_processor.abort_request(request_id))
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        for cid in stream.core_ids if stream else ():
+            self._parent_of.pop(cid, None)
+
+    def stalled(self, timeout: float) -> bool:
+        """Requests are waiting but the engine has sent nothing for `timeout` seconds."""
+        return bool(self.streams) and time.monotonic() - self.client.last_message > timeout
+
+    def _on_outputs(self, msg: StepOutputs) -> None:
+        outputs = [EngineCoreOutput.from_dict(d) for d in msg.outputs]
+        for cid, seconds in msg.queue_times.items():
+            stream = self.streams.get(self._parent_of.get(cid, ""))
+            if stream is not None and stream.queue_time is None:
+                stream.queue_time = seconds
+        request_outputs, stopped = self.output_processor.process(outputs)
+        self.client.abort(stopped)  # a stop string ended them: free their KV blocks now
+        for out in request_outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.latest = out
+                stream.event.set()
+        self.stats = msg.stats
+        if self.on_stats is not None:
+            self.on_stats(msg.stats)
+
+    def _on_dead(self, reason: str) -> None:
+        self.dead_reason = reason
+        for stream in self.streams.values():
+            stream.error = EngineDeadError(reason)
+            stream.event.set()
+        if self.on_dead is not None:
+            self.on_dead(reason)

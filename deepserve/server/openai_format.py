@@ -1,0 +1,165 @@
+"""Engine outputs → OpenAI JSON: choices, stream deltas, logprobs, usage.
+
+A ChoiceTracker turns one completion's successive cumulative outputs into deltas. While the
+completion runs it holds back the last (longest stop string - 1) characters, like the engine's
+detokenizer, so a client never receives the start of a stop string that is later cut off.
+Non-streaming responses are built from the same deltas, so both paths count tokens alike.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from deepserve.engine.outputs import CompletionOutput, Logprob
+from deepserve.server.reasoning import ReasoningSplitter
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class Delta:
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    text_offset: int = 0  # characters of output before this delta's text
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChoiceTracker:
+    def __init__(self, index: int, holdback: int, reasoning: bool) -> None:
+        self.index = index
+        self.holdback = holdback
+        self.splitter = ReasoningSplitter() if reasoning else None
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.reasoning_tokens = 0
+        self.done = False
+
+    def advance(self, c: CompletionOutput) -> Delta | None:
+        if self.done:
+            return None
+        final = c.finish_reason is not None
+        end = len(c.text) if final else max(self.sent_chars, len(c.text) - self.holdback)
+        delta = Delta(self.index, c.text[self.sent_chars:end], text_offset=self.sent_chars,
+                      token_ids=c.token_ids[self.sent_tokens:])
+        if c.logprobs is not None:
+            delta.logprobs = c.logprobs[self.sent_tokens:len(c.token_ids)]
+        self.sent_chars, self.sent_tokens = end, len(c.token_ids)
+        if self.splitter is not None:
+            if self.splitter.in_reasoning:  # the token that closes </think> still counts as thinking
+                self.reasoning_tokens += len(delta.token_ids)
+            delta.reasoning, delta.content = self.splitter.feed(delta.content)
+            if final:
+                r, t = self.splitter.flush()
+                delta.reasoning, delta.content = delta.reasoning + r, delta.content + t
+        if final:
+            self.done = True
+            delta.finish_reason, delta.stop_reason = c.finish_reason, c.stop_reason
+        elif not (delta.content or delta.reasoning or delta.token_ids):
+            return None
+        return delta
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def _top(position: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    ranked = [(t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= n]
+    return sorted(ranked, key=lambda x: x[1].rank)[:n]
+
+
+def _token_str(lp: Logprob, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"<token {token_id}>"
+
+
+def chat_logprobs(delta: Delta, top_n: int) -> list[dict]:
+    out = []
+    for tid, pos in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        sampled = pos.get(tid) or Logprob(-math.inf)
+        tok = _token_str(sampled, tid)
+        tops = [{"token": (s := _token_str(lp, t)), "logprob": _lp(lp.logprob), "bytes": list(s.encode())}
+                for t, lp in _top(pos, top_n)]
+        out.append({"token": tok, "logprob": _lp(sampled.logprob), "bytes": list(tok.encode()),
+                    "top_logprobs": tops})
+    return out
+
+
+def completion_logprobs(delta: Delta, top_n: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = delta.text_offset
+    for tid, pos in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        sampled = pos.get(tid) or Logprob(-math.inf)
+        tok = _token_str(sampled, tid)
+        tokens.append(tok)
+        token_lps.append(_lp(sampled.logprob))
+        top = {_token_str(lp, t): _lp(lp.logprob) for t, lp in _top(pos, top_n)}
+        top.setdefault(tok, _lp(sampled.logprob))  # OpenAI lists the sampled token among the top too
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int | None) -> dict:
+    u: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "total_tokens": prompt_tokens + completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return u
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{request_id}", "object": kind, "created": created or int(time.time()),
+            "model": model}
+
+
+def chat_chunk_choice(delta: Delta, first: bool, top_n: int | None) -> dict:
+    d: dict = {"role": "assistant"} if first else {}
+    if delta.content or first:
+        d["content"] = delta.content
+    if delta.reasoning:
+        d["reasoning_content"] = delta.reasoning
+    lps = {"content": chat_logprobs(delta, top_n)} if top_n is not None else None
+    return {"index": delta.index, "delta": d, "logprobs": lps, "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason}
+
+
+def completion_chunk_choice(delta: Delta, top_n: int | None) -> dict:
+    lps = completion_logprobs(delta, top_n) if top_n is not None else None
+    return {"index": delta.index, "text": delta.content, "logprobs": lps,
+            "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+
+@dataclass
+class Accumulated:
+    """A whole choice gathered from its deltas (non-streaming responses)."""
+
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    deltas: list[Delta] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: Delta) -> None:
+        self.content += d.content
+        self.reasoning += d.reasoning
+        self.deltas.append(d)
+        self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+    def merged(self) -> Delta:
+        merged = Delta(self.index, self.content, self.reasoning)
+        for d in self.deltas:
+            merged.token_ids += d.token_ids
+            if d.logprobs is not None:
+                merged.logprobs = (merged.logprobs or []) + d.logprobs
+        return merged

@@ -1,0 +1,276 @@
+"""OpenAI request schemas (pydantic v2, strict) and their translation to SamplingParams.
+
+Strict mode on purpose: `"n": 1.5`, `"temperature": "hot"`, `true` for a number, NaN and infinity all
+fail with the field named, instead of being coerced. Unknown fields are rejected too (a typo such as
+`temprature` must not silently sample at the default), except the OpenAI fields listed in
+`_IGNORED`, which clients send routinely and which do not change what we generate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
+
+from deepserve.sampling_params import SamplingParams
+from deepserve.server.errors import APIError, bad_request
+
+MAX_SEED = 2**64 - 1
+MIN_SEED = -(2**63)
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_n: int = 16
+    max_stop: int = 8
+    max_stop_chars: int = 256
+    max_messages: int = 2048
+
+
+def _utf8_clean(s: str) -> str:
+    # JSON "\ud800" escapes decode to lone surrogates that no tokenizer can encode.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains an unpaired UTF-16 surrogate at character {e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8_clean)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Prob = Annotated[FiniteFloat, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, vLLM extras)."""
+
+    model: Annotated[str, Field(max_length=512)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Prob | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0, le=10.0)] | None = None
+    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    # Accepted and ignored: bookkeeping fields of OpenAI's API that do not change generation.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    reasoning_content: Text | None = None  # echoed back by clients of R1; dropped before templating
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    reasoning_effort: str | None = None
+    # Rejected below with a clear message; declared so the error is not "unrecognized argument".
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | list[Text] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: Annotated[str, Field(max_length=512)] | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: Annotated[str, Field(max_length=512)] | None = None
+    tokens: list[TokenId]
+
+
+def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
+    """Bytes of a request body → a validated request, or APIError(400) naming the field."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (invalid byte at offset {e.start})") from None
+    try:
+        data = json.loads(text)  # NaN/Infinity parse to floats and then fail the field's finite check
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno}, column {e.colno}"
+        raise bad_request(f"request body is not valid JSON: {e.msg} ({where})") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if isinstance(req, TokenizeRequest) and (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if not isinstance(req, _SamplingFields):
+        return req
+    _check_common(req, limits)
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req, limits)
+    else:
+        _check_completion(req)
+    return req
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "constrained-str"}
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    # For a union field every member reports; the deepest location is the most specific complaint.
+    err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
+    # Union members appear in `loc` as type tags ("str", "list[int]"); keep only the field path.
+    parts = [str(p) for p in err["loc"] if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    param = ".".join(parts) or None
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
+    msg = err["msg"].removeprefix("Value error, ")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _check_common(req: _SamplingFields, limits: RequestLimits) -> None:
+    if req.n > limits.max_n:
+        raise bad_request(f"n must be <= {limits.max_n}, got {req.n}", param="n")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (it must equal n)", param="best_of")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    stops = stop_list(req)
+    if len(stops) > limits.max_stop:
+        raise bad_request(f"at most {limits.max_stop} stop sequences are allowed, got {len(stops)}", "stop")
+    for s in stops:
+        if not s or len(s) > limits.max_stop_chars:
+            raise bad_request(f"each stop sequence must have 1 to {limits.max_stop_chars} characters", "stop")
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad_request("min_tokens must be <= max_tokens", param="min_tokens")
+
+
+def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
+    if req.chat_template is not None or req.chat_template_kwargs is not None:
+        param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
+        raise bad_request("a chat template cannot be supplied by the request; the model's own is used", param)
+    if req.tools:
+        raise bad_request("tools are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if len(req.messages) > limits.max_messages:
+        raise bad_request(f"at most {limits.max_messages} messages are allowed", param="messages")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        if req.max_tokens != req.max_completion_tokens:
+            raise bad_request("set max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
+        if len(req.prompt) != 1:
+            raise bad_request("send one prompt per request (batched prompts are not supported)", "prompt")
+    if req.prompt == "":
+        raise bad_request("prompt must not be empty", param="prompt")
+
+
+def stop_list(req: _SamplingFields) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str | list):
+        return p[0]
+    return p
+
+
+def max_tokens_of(req: _SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def num_logprobs(req: _SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> SamplingParams:
+    """Only fields the client set are passed, so SamplingParams keeps vLLM's defaults for the rest."""
+    kwargs: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens_of(req) or default_max_tokens,
+        "stop": stop_list(req),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": num_logprobs(req),
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:  # anything our schema let through but SamplingParams refuses
+        raise bad_request(str(e)) from None

@@ -1,0 +1,118 @@
+"""Every HTTP route. Each path must appear in auth.ROUTE_ROLES or auth.PUBLIC_ROUTES; the app-wide
+`require_key` dependency denies anything else (tests assert the two sets agree)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from deepserve.server import protocol as p
+from deepserve.server.auth import authorize
+from deepserve.server.errors import APIError, bad_request
+from deepserve.server.httpio import read_body
+from deepserve.server.metrics import CONTENT_TYPE
+from deepserve.server.serving import chat_prompt, client_addr, run_request
+from deepserve.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def require_key(request: Request) -> None:
+    """Authorize by the route Starlette matched — never by a URL rebuilt from headers."""
+    st = _state(request)
+    route = request.scope.get("route")
+    auth_headers = [v.decode("latin-1") for k, v in request.scope["headers"] if k == b"authorization"]
+    try:
+        request.state.api_key = authorize(st.keys, getattr(route, "path", None), auth_headers)
+    except APIError as e:
+        if st.audit is not None:
+            st.audit.write(key=None, outcome=f"denied_{e.status}", endpoint=request.url.path,
+                           client=client_addr(request), status=e.status, error=e.message)
+        raise
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    st = _state(request)
+    if st.dead_reason is not None:
+        return JSONResponse({"status": "dead", "reason": st.dead_reason}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    ok, reason = _state(request).readiness()
+    return JSONResponse({"status": reason}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    st = _state(request)
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "deepserve",
+             "root": st.engine.config.model.model, "max_model_len": st.engine.max_model_len}
+            for name in st.allowed_models(request.state.api_key)]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await run_request(request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await run_request(request, chat=True)
+
+
+async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
+    st = _state(request)
+    st.check_accepting()
+    req = p.parse_body(await read_body(request, st.settings.max_body_bytes), model, st.settings.limits)
+    st.resolve_model(req.model, request.state.api_key)
+    return st, req
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    st, req = await _parse(request, p.TokenizeRequest)
+    if req.messages is not None:
+        _, ids = chat_prompt(st, p.ChatCompletionRequest(messages=req.messages))
+    else:
+        ids = list(st.engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    st, req = await _parse(request, p.DetokenizeRequest)
+    vocab = st.engine.config.model.hf_config.vocab_size
+    if bad := [t for t in req.tokens if t >= vocab]:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": st.engine.tokenizer.decode(req.tokens)})
+
+
+@router.get("/admin/usage")
+async def usage(request: Request) -> JSONResponse:
+    st = _state(request)
+    keys = {name: {**u, "in_flight": st.limiter.concurrent(name)} for name, u in st.usage.items()}
+    return JSONResponse({"keys": keys, "in_flight": st.in_flight, "engine": st.engine.stats})
+
+
+@router.post("/admin/keys/reload")
+async def reload_keys(request: Request) -> JSONResponse:
+    st = _state(request)
+    if not st.keys.reload():
+        raise APIError(500, "key file reload failed; the previous keys stay in force (see the server log)")
+    return JSONResponse({"status": "ok", "keys": len(st.keys.names())})

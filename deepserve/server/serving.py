@@ -1,0 +1,192 @@
+"""/v1/completions and /v1/chat/completions: validate, admit, generate, respond.
+
+Admission order: accepting (not draining, engine alive) → per-IP limit → body → schema → model
+scope → tokenize and context length → per-key limits (reserve) → global wait queue. Anything that
+fails is a 4xx/503 naming the cause and costs the key nothing. Once admitted, exactly one
+`Generation.finish()` runs (idempotent) however the request ends, which settles the reservation,
+records metrics and usage, and writes the audit record.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deepserve.engine.outputs import RequestOutput
+from deepserve.server import protocol as p
+from deepserve.server.auth import ApiKey
+from deepserve.server.errors import APIError, bad_request
+from deepserve.server.httpio import ClientGone, read_body, unless_disconnected
+from deepserve.server.ratelimit import Admission
+from deepserve.server.state import ServerState
+
+
+@dataclass
+class Generation:
+    st: ServerState
+    key: ApiKey
+    model: str
+    endpoint: str
+    request_id: str
+    prompt_text: str | None
+    prompt_tokens: int
+    admission: Admission
+    arrival: float
+    client: str
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    finished: bool = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        total = sum(len(c.token_ids) for c in out.outputs)
+        new = total - self.completion_tokens
+        self.cached_tokens = out.num_cached_tokens
+        if new <= 0:
+            return
+        m = self.st.metrics
+        if self.first_token_at is None:
+            self.first_token_at = now
+            m.ttft.observe(now - self.arrival)
+            self.st.queue.leave(self.prompt_tokens)
+            if (qt := self.st.engine.queue_time(self.request_id)) is not None:
+                m.queue_time.observe(qt)
+        else:
+            for _ in range(new):
+                m.itl.observe((now - self.last_token_at) / new)
+        self.last_token_at, self.completion_tokens = now, total
+        if out.finished:
+            self.finish_reasons = [c.finish_reason or "abort" for c in out.outputs]
+
+    def finish(self, outcome: str, status: int = 200) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        st = self.st
+        st.in_flight -= 1
+        if self.first_token_at is None:
+            st.queue.leave(self.prompt_tokens)
+        st.limiter.settle(self.admission, self.prompt_tokens + self.completion_tokens)
+        latency = time.monotonic() - self.arrival
+        if outcome == "ok":
+            st.metrics.e2e.observe(latency)
+        st.record(self.key.name, outcome, self.prompt_tokens, self.completion_tokens, self.finish_reasons,
+                  request_id=self.request_id, model=self.model, endpoint=self.endpoint, client=self.client,
+                  status=status, latency_s=round(latency, 6), prompt=self.prompt_text)
+
+
+class _EventStream(StreamingResponse):
+    """A client can vanish before the body iterator's first step, when its `finally` cannot run;
+    this `finally` releases the admission then (finish() is idempotent, abort() too)."""
+
+    def __init__(self, content: Any, gen: Generation, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.gen.finished:
+                self.gen.st.engine.abort(self.gen.request_id)
+                self.gen.finish("aborted", 499)
+
+
+def client_addr(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def chat_prompt(st: ServerState, req: p.ChatCompletionRequest) -> tuple[str, list[int]]:
+    from deepserve.loader.tokenizer import apply_chat_template
+
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(t.text for t in m.content or [])
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    tok = st.engine.tokenizer
+    try:
+        text = apply_chat_template(tok, messages)
+    except Exception as e:  # jinja2 raises its own TemplateError for e.g. non-alternating roles
+        raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
+    return text, list(tok.encode(text, add_special_tokens=False))  # the template wrote bos already
+
+
+def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str | None, list[int]]:
+    prompt = p.single_prompt(req)
+    if isinstance(prompt, str):
+        return prompt, list(st.engine.tokenizer.encode(prompt))
+    return None, list(prompt)
+
+
+def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list]:
+    """Prompt text, prompt ids and the engine's core requests; raises APIError(400)."""
+    text, ids = chat_prompt(st, req) if chat else _completion_prompt(st, req)
+    params = p.to_sampling_params(req, None)
+    if params.max_tokens is not None and params.max_tokens > st.engine.max_model_len:
+        field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+        raise bad_request(f"{field} must be <= the model's maximum context length "
+                          f"({st.engine.max_model_len}), got {params.max_tokens}", field)
+    try:
+        return text, ids, st.engine.prepare(rid, ids, params)
+    except ValueError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise bad_request(str(e), param="messages" if chat else "prompt", code=code) from None
+
+
+async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
+    """Everything before the engine; raises APIError (recorded as a rejection) or returns the run."""
+    arrival = time.monotonic()
+    st: ServerState = request.app.state.server
+    key: ApiKey = request.state.api_key
+    endpoint, client, rid = ("chat" if chat else "completions"), client_addr(request), uuid.uuid4().hex
+    try:
+        st.check_accepting()
+        st.limiter.check_ip(client, st.settings.ip_requests_per_minute)
+        raw = await read_body(request, st.settings.max_body_bytes)
+        req = p.parse_body(raw, p.ChatCompletionRequest if chat else p.CompletionRequest, st.settings.limits)
+        model = st.resolve_model(req.model, key)
+        text, ids, core_requests = _prepare(st, req, chat, rid)
+        max_tokens = core_requests[0].sampling_params.max_tokens
+        adm = st.limiter.admit(key, len(ids) + max_tokens * req.n)
+        try:
+            st.queue.enter(len(ids))
+        except APIError:
+            st.limiter.settle(adm, 0)
+            raise
+    except APIError as e:
+        st.record(key.name, f"rejected_{e.status}", request_id=rid, endpoint=endpoint, client=client,
+                  status=e.status, error=e.message)
+        raise
+    st.in_flight += 1
+    return req, Generation(st, key, model, endpoint, rid, text, len(ids), adm, arrival, client), core_requests
+
+
+async def run_request(request: Request, chat: bool) -> Response:
+    from deepserve.server.streaming import collect, stream_events
+
+    req, gen, core_requests = await admit(request, chat)
+    agen = gen.st.engine.generate(gen.request_id, gen.prompt_text, core_requests)
+    headers = {**gen.admission.headers, "x-request-id": gen.request_id}
+    if req.stream:
+        return _EventStream(stream_events(gen, req, agen, chat), gen, media_type="text/event-stream",
+                            headers={**headers, "Cache-Control": "no-cache"})
+    try:
+        body = await unless_disconnected(request, collect(gen, req, agen, chat))
+    except ClientGone:
+        gen.st.engine.abort(gen.request_id)
+        gen.finish("aborted", 499)
+        return Response(status_code=499)
+    except BaseException as e:  # an engine failure, a bug, or cancellation at shutdown
+        gen.st.engine.abort(gen.request_id)
+        gen.finish("error", getattr(e, "status", 500))
+        raise
+    gen.finish("ok")
+    return JSONResponse(body, headers=headers)

@@ -1,0 +1,119 @@
+"""Turning a request's cumulative outputs into a JSON body (collect) or server-sent events.
+
+A stream ends with `data: [DONE]`, or — when the engine dies mid-stream — with one
+`data: {"error": ...}` event (which the openai client raises as APIError) and no [DONE].
+If the client goes away the generator is cancelled and its `finally` aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deepserve.engine.outputs import RequestOutput
+from deepserve.server import openai_format as f
+from deepserve.server import protocol as p
+from deepserve.server.async_llm import EngineDeadError
+from deepserve.server.errors import APIError, error_body
+from deepserve.server.httpio import SSE_DONE, sse
+from deepserve.server.serving import Generation
+
+logger = logging.getLogger(__name__)
+
+
+def _trackers(gen: Generation, req: Any, chat: bool) -> list[f.ChoiceTracker]:
+    longest = max((len(s) for s in p.stop_list(req)), default=0)
+    holdback = 0 if req.include_stop_str_in_output else max(longest - 1, 0)
+    reasoning = chat and gen.st.settings.reasoning_parser is not None
+    return [f.ChoiceTracker(i, holdback, reasoning) for i in range(req.n)]
+
+
+def _deltas(trackers: list[f.ChoiceTracker], out: RequestOutput) -> list[f.Delta]:
+    deltas = []
+    for c in out.outputs:
+        if (d := trackers[c.index].advance(c)) is not None:
+            deltas.append(d)
+    return deltas
+
+
+def _usage(gen: Generation, trackers: list[f.ChoiceTracker]) -> dict:
+    reasoning = sum(t.reasoning_tokens for t in trackers) if trackers[0].splitter else None
+    return f.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, reasoning)
+
+
+def _dead(e: EngineDeadError) -> APIError:
+    return APIError(503, f"the engine failed while generating: {e}", code="engine_dead")
+
+
+async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput], chat: bool) -> dict:
+    trackers = _trackers(gen, req, chat)
+    acc = [f.Accumulated(i) for i in range(req.n)]
+    try:
+        async for out in agen:
+            gen.observe(out)
+            for d in _deltas(trackers, out):
+                acc[d.index].add(d)
+    except EngineDeadError as e:
+        raise _dead(e) from None
+    top_n = p.num_logprobs(req)
+    body = f.envelope("chat.completion" if chat else "text_completion", gen.request_id, gen.model)
+    body["choices"] = [_chat_choice(a, top_n, trackers) if chat else _completion_choice(a, top_n) for a in acc]
+    body["usage"] = _usage(gen, trackers)
+    return body
+
+
+def _chat_choice(a: f.Accumulated, top_n: int | None, trackers: list[f.ChoiceTracker]) -> dict:
+    message: dict = {"role": "assistant", "content": a.content}
+    if trackers[a.index].splitter is not None:
+        message = {"role": "assistant", "content": a.content or None, "reasoning_content": a.reasoning or None}
+    lps = {"content": f.chat_logprobs(a.merged(), top_n)} if top_n is not None else None
+    return {"index": a.index, "message": message, "logprobs": lps, "finish_reason": a.finish_reason,
+            "stop_reason": a.stop_reason}
+
+
+def _completion_choice(a: f.Accumulated, top_n: int | None) -> dict:
+    lps = f.completion_logprobs(a.merged(), top_n) if top_n is not None else None
+    return {"index": a.index, "text": a.content, "logprobs": lps, "finish_reason": a.finish_reason,
+            "stop_reason": a.stop_reason}
+
+
+async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
+                        chat: bool) -> AsyncIterator[bytes]:
+    trackers = _trackers(gen, req, chat)
+    top_n = p.num_logprobs(req)
+    opts = req.stream_options or p.StreamOptions()
+    base = f.envelope("chat.completion.chunk" if chat else "text_completion", gen.request_id, gen.model)
+    started = [False] * req.n
+    try:
+        async for out in agen:
+            gen.observe(out)
+            for d in _deltas(trackers, out):
+                if chat:
+                    choice = f.chat_chunk_choice(d, not started[d.index], top_n)
+                    started[d.index] = True
+                else:
+                    choice = f.completion_chunk_choice(d, top_n)
+                chunk = {**base, "choices": [choice]}
+                if opts.include_usage:
+                    chunk["usage"] = _usage(gen, trackers) if opts.continuous_usage_stats else None
+                yield sse(chunk)
+        if opts.include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(gen, trackers)})
+        yield SSE_DONE
+        gen.finish("ok")
+    except EngineDeadError as e:
+        err = _dead(e)
+        gen.finish("error", err.status)
+        yield sse(error_body(err.status, err.message, code=err.code))
+    except Exception as e:  # headers are sent: the error can only travel as an event
+        logger.exception("stream %s failed", gen.request_id)
+        gen.st.engine.abort(gen.request_id)
+        gen.finish("error", 500)
+        yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
+    finally:
+        # Reached without finish() only when the client went away (the task was cancelled):
+        # abort in the engine now; nothing here may await.
+        if not gen.finished:
+            gen.st.engine.abort(gen.request_id)
+            gen.finish("aborted", 499)

@@ -1,0 +1,334 @@
+"""End to end against a real server (demo model, engine core process, reasoning parser on):
+the openai client for the OpenAI surface, raw httpx and sockets for auth, validation and disconnects."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from serverkit import ADMIN, METRICS, OTHER_MODEL, USER, auth, metric, wait_until, write_keys
+
+from deepserve.server.audit import verify_chain
+from deepserve.server.auth import hash_key
+
+MODEL = "deepserve-demo"
+MSG = [{"role": "user", "content": "Tell me about paged attention."}]
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    keys = write_keys(str(tmp / "keys.yaml"))
+    audit = str(tmp / "audit.jsonl")
+    s = server_factory(["--api-keys", keys, "--reasoning-parser", "deepseek_r1", "--audit-log", audit,
+                        "--audit-log-prompts", "--max-body-bytes", "200000"])
+    s.keys_path, s.audit_path = keys, audit
+    return s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=USER, max_retries=0, timeout=60)
+
+
+def post(srv, path: str, body, key: str = USER, **kw) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{srv.url}{path}", content=data, headers={**auth(key), **kw.pop("headers", {})},
+                      timeout=60, **kw)
+
+
+# ------------------------------------------------------------------ the OpenAI surface
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_reasoning_and_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_completion_tokens=12, seed=1)
+    choice = r.choices[0]
+    # The random demo model never writes </think>, so with deepseek_r1 everything is reasoning.
+    assert choice.message.model_extra["reasoning_content"]
+    assert choice.message.content is None
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.completion_tokens_details.reasoning_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=MSG, max_tokens=16, seed=7, temperature=0.8)
+    whole = client.chat.completions.create(**kw).choices[0].message.model_extra["reasoning_content"]
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join((c.choices[0].delta.model_extra.get("reasoning_content") or "")
+                       for c in chunks if c.choices)
+    assert streamed == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_n2_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, n=2, logprobs=3, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == 8 == len(c.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 4 for top in c.logprobs.top_logprobs)
+    assert r.usage.completion_tokens == 16
+
+
+def test_completions_stream_n2(client):
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=10, n=2, seed=11, temperature=0.7)
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == whole
+
+
+def test_chat_top_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_stop_string_cuts_text(client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=24, seed=5, temperature=0.9)
+    full = client.completions.create(**kw).choices[0].text
+    # A stop string from the middle of the unconstrained text: same seed, so same text up to it.
+    starts = [i for i in range(4, len(full) - 2) if full[i:i + 2].isalpha()]
+    if not starts:
+        pytest.skip("generated text has no usable stop string")
+    stop = full[starts[len(starts) // 2]: starts[len(starts) // 2] + 2]
+    r = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert r.finish_reason == "stop"
+    assert r.text == full[: full.index(stop)]
+
+
+def test_seed_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=8, seed=1234, temperature=1.0)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_request_id_header_matches_body(srv):
+    r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+
+
+def test_tokenize_detokenize(srv):
+    tok = post(srv, "/tokenize", {"prompt": "hello world", "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+    assert post(srv, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "hello world"
+    chat = post(srv, "/tokenize", {"messages": MSG}).json()
+    assert chat["count"] > tok["count"]
+    assert post(srv, "/detokenize", {"tokens": [10**6]}).json()["error"]["param"] == "tokens"
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 100000000000000000000}', "max_tokens"),
+    (b'{"prompt": "x", "n": 17}', "n"),
+    (b'{"prompt": "x", "n": 1.5}', "n"),
+    (b'{"prompt": "x", "logprobs": 21}', "logprobs"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": "x", "frequency_penalty": -3}', "frequency_penalty"),
+    (b'{"prompt": "x", "stop": ["a","b","c","d","e","f","g","h","i"]}', "stop"),
+    (b'{"prompt": "x", "temprature": 0.5}', "temprature"),
+    (b'{"prompt": [1, -2]}', "prompt.1"),
+    (b'{"prompt": "x", "model": "nope"}', "model"),
+])
+def test_bad_numbers_name_the_field(srv, raw, param):
+    r = post(srv, "/v1/completions", raw)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_validation(srv):
+    bad = [({"messages": MSG, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+           ({"messages": MSG, "chat_template": "{{ evil }}"}, "chat_template"),
+           ({"messages": [{"role": "user", "content": "x" * 10}], "stop": "y" * 300}, "stop"),
+           ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+           ({"messages": []}, "messages")]
+    for body, param in bad:
+        r = post(srv, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_malformed_bodies(srv):
+    for raw in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]", b"", b'{"prompt": "\\ud800"}'):
+        r = post(srv, "/v1/completions", raw)
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_context_length(srv):
+    r = post(srv, "/v1/completions", {"prompt": [5] * 1000, "max_tokens": 100})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_size_limits(srv):
+    r = post(srv, "/v1/completions", {"prompt": "x" * 300_000})
+    assert r.status_code == 413
+    r = httpx.get(f"{srv.url}/health", headers={"x-pad": "a" * 20_000})
+    assert r.status_code == 431
+
+
+# ------------------------------------------------------------------ auth
+
+
+ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
+          ("POST", "/v1/chat/completions", {"messages": MSG, "max_tokens": 1}),
+          ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [5]}),
+          ("GET", "/metrics", None), ("GET", "/admin/usage", None), ("POST", "/admin/keys/reload", None)]
+ALLOWED = {"admin": {r[1] for r in ROUTES},
+           "user": {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"},
+           "metrics": {"/metrics"}}
+
+
+def call(srv, method: str, path: str, body, headers: dict) -> httpx.Response:
+    content = json.dumps(body).encode() if body is not None else None
+    return httpx.request(method, f"{srv.url}{path}", content=content, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES)
+def test_auth_matrix(srv, method, path, body):
+    for headers in ({}, auth("sk-wrong-key-123"), {"Authorization": f"Basic {USER}"}, {"Authorization": USER},
+                    {"X-Api-Key": ADMIN}):
+        assert call(srv, method, path, body, headers).status_code == 401, headers
+    for role, key in (("admin", ADMIN), ("user", USER), ("metrics", METRICS)):
+        status = call(srv, method, path, body, auth(key)).status_code
+        assert (status == 200) == (path in ALLOWED[role]), (role, path, status)
+        if path not in ALLOWED[role]:
+            assert status == 403
+
+
+def test_key_for_another_model(srv):
+    r = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": MSG}, key=OTHER_MODEL)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "model"
+    models = httpx.get(f"{srv.url}/v1/models", headers=auth(OTHER_MODEL)).json()["data"]
+    assert models == []
+
+
+def test_public_probes(srv):
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    assert httpx.get(f"{srv.url}/ready").json() == {"status": "ready"}
+
+
+def raw_status(srv, target: str, extra_headers: str = "", host: str = "127.0.0.1") -> int:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\n{extra_headers}Connection: close\r\n\r\n".encode())
+        return int(s.recv(4096).split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("target", ["/metrics/", "//metrics", "/health/../metrics", "/v1/../metrics",
+                                    "/METRICS", "/metrics%2F", "/health/%2e%2e/metrics", "/ready/../admin/usage",
+                                    "/metrics?x=/health", "/./metrics", "/health%00/metrics",
+                                    "http://127.0.0.1/metrics"])
+def test_path_tricks_never_bypass_auth(srv, target):
+    assert raw_status(srv, target) in (401, 404)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1/health", "localhost:1/../health", "evil.example"])
+def test_host_tricks_never_bypass_auth(srv, host):
+    assert raw_status(srv, "/metrics", host=host) == 401
+    assert raw_status(srv, "/health", host=host) == 200
+
+
+@pytest.mark.parametrize("headers", ["X-Original-URL: /health\r\n",
+                                     "X-Rewrite-URL: /health\r\n", "X-Forwarded-Prefix: /health\r\n",
+                                     "X-Forwarded-For: 127.0.0.1\r\nX-Real-IP: 127.0.0.1\r\n"])
+def test_header_tricks_never_bypass_auth(srv, headers):
+    assert raw_status(srv, "/metrics", headers) == 401
+
+
+def test_duplicate_authorization_headers_refused(srv):
+    extra = f"Authorization: Bearer {ADMIN}\r\nAuthorization: Bearer {ADMIN}\r\n"
+    assert raw_status(srv, "/metrics", extra) == 401
+
+
+# ------------------------------------------------------------------ disconnects, metrics, audit, reload
+
+
+def running(srv) -> float:
+    return metric(httpx.get(f"{srv.url}/metrics", headers=auth(ADMIN)).text, "deepserve:num_requests_running")
+
+
+def aborted(srv) -> int:
+    usage = httpx.get(f"{srv.url}/admin/usage", headers=auth(ADMIN)).json()["keys"]
+    return usage.get("user", {}).get("outcome_aborted", 0)
+
+
+def test_stream_disconnect_aborts(srv):
+    before = aborted(srv)
+    body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=auth(USER), timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
+        next(lines)
+        assert wait_until(lambda: running(srv) == 1, timeout=10)
+    # Closed mid-stream: aborted in the engine within a step, long before 1000 tokens.
+    assert wait_until(lambda: running(srv) == 0, timeout=10)
+    assert wait_until(lambda: aborted(srv) == before + 1, timeout=5)
+    assert post(srv, "/v1/completions", {"prompt": "still", "max_tokens": 2}).status_code == 200
+
+
+def test_non_stream_disconnect_aborts(srv):
+    before = aborted(srv)
+    body = json.dumps({"prompt": "go", "max_tokens": 1000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {USER}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_until(lambda: running(srv) == 1, timeout=10)
+    assert wait_until(lambda: running(srv) == 0, timeout=10)
+    assert wait_until(lambda: aborted(srv) == before + 1, timeout=5)
+
+
+def test_metrics_names(srv):
+    text = httpx.get(f"{srv.url}/metrics", headers=auth(METRICS)).text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        metric(text, f"deepserve:{name}")
+    assert metric(text, "deepserve:generation_tokens_total") > 0
+    assert 'deepserve:key_requests_total{key="user",outcome="ok"}' in text
+    assert 'deepserve:key_generation_tokens_total{key="user"}' in text
+
+
+def test_audit_log_is_chained(srv):
+    count, problem = verify_chain(srv.audit_path)
+    assert problem is None and count > 10
+    records = [json.loads(line) for line in open(srv.audit_path)]
+    ok = [r for r in records if r["outcome"] == "ok"]
+    assert ok and all(r["key"] in ("user", "api-key") and r["model"] == MODEL and r["latency_s"] > 0 for r in ok)
+    assert any(r["key"] == "user" for r in ok) and any(r["key"] == "api-key" for r in ok)
+    assert any("prompt" in r for r in ok)
+    assert any(r["outcome"] == "denied_401" for r in records)
+
+
+def test_sighup_reloads_keys(srv):
+    new_key = "sk-test-added-later-0000"
+    assert httpx.get(f"{srv.url}/v1/models", headers=auth(new_key)).status_code == 401
+    write_keys(srv.keys_path, [{"name": "late", "key_hash": hash_key(new_key), "role": "user"}])
+    os.kill(srv.proc.pid, signal.SIGHUP)
+    assert wait_until(lambda: httpx.get(f"{srv.url}/v1/models", headers=auth(new_key)).status_code == 200, 10)
+    time.sleep(0.1)
+    assert srv.proc.poll() is None

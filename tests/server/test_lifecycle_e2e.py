@@ -1,0 +1,91 @@
+"""Shutdown and failure on real servers: SIGTERM drains (over mTLS) and exits 0; killing the
+engine process ends open streams with an error, turns /health 503 and exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+
+import httpx
+import openai
+import pytest
+from serverkit import ADMIN, auth, wait_until
+
+LONG = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+
+def _openssl(*args: str, cwd: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certs(d: str) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=test-ca", "-days", "1",
+             cwd=d)
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "1", "-extfile", "san.ext", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = str(tmp_path_factory.mktemp("tls"))
+    make_certs(d)
+    return d
+
+
+def ctx(d: str, with_cert: bool) -> ssl.SSLContext:
+    c = ssl.create_default_context(cafile=os.path.join(d, "ca.crt"))
+    if with_cert:
+        c.load_cert_chain(os.path.join(d, "client.crt"), os.path.join(d, "client.key"))
+    return c
+
+
+def test_mtls_then_sigterm_drains_and_exits_0(server_factory, tls_dir):
+    j = lambda name: os.path.join(tls_dir, name)  # noqa: E731
+    good = ctx(tls_dir, with_cert=True)
+    srv = server_factory(["--ssl-keyfile", j("server.key"), "--ssl-certfile", j("server.crt"),
+                          "--ssl-ca-certs", j("ca.crt"), "--ssl-cert-reqs", "2", "--shutdown-timeout", "60"],
+                         scheme="https", verify=good)
+    # Without a client certificate the handshake (or, with TLS 1.3, the first read) fails.
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{srv.url}/health", verify=ctx(tls_dir, with_cert=False), timeout=5)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(srv.url.replace("https", "http") + "/health", timeout=5)  # plain HTTP is not served
+
+    with httpx.Client(verify=good, timeout=60) as c:
+        with c.stream("POST", f"{srv.url}/v1/completions", json=LONG, headers=auth(ADMIN)) as r:
+            lines = r.iter_lines()
+            next(lines)
+            srv.proc.send_signal(signal.SIGTERM)
+            with httpx.Client(verify=good, timeout=10) as probe:
+                assert wait_until(lambda: probe.get(f"{srv.url}/ready").status_code == 503, timeout=10)
+                late = probe.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, headers=auth(ADMIN))
+                assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and len(rest) > 10, rest[-3:]  # it kept streaming after SIGTERM
+    assert srv.proc.wait(timeout=60) == 0, srv.tail()
+
+
+def test_engine_death_ends_streams_with_error(server_factory):
+    srv = server_factory([])
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
+    stream = client.completions.create(model="deepserve-demo", prompt="go", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(srv.engine_pid(), signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in stream:
+            pass
+    health = httpx.get(f"{srv.url}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert srv.proc.wait(timeout=30) == 1, srv.tail()

@@ -1,0 +1,90 @@
+"""Request validation: every bad value is a 400 naming the field; good requests map to SamplingParams."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepserve.server.errors import APIError
+from deepserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestLimits,
+    TokenizeRequest,
+    parse_body,
+    to_sampling_params,
+)
+
+LIMITS = RequestLimits()
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return parse_body(json.dumps({"messages": MSGS, **kw}).encode(), ChatCompletionRequest, LIMITS)
+
+
+def error_param(raw: bytes, model=CompletionRequest) -> str | None:
+    with pytest.raises(APIError) as e:
+        parse_body(raw, model, LIMITS)
+    assert e.value.status == 400
+    return e.value.param
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", "NaN"), ("temperature", "-Infinity"), ("temperature", "3"), ("temperature", "true"),
+    ("temperature", '"0.5"'), ("top_p", "0"), ("top_p", "1.5"), ("top_k", "-2"), ("min_p", "2"),
+    ("presence_penalty", "2.5"), ("repetition_penalty", "0"), ("n", "0"), ("n", "17"), ("n", "2.0"),
+    ("max_tokens", "0"), ("seed", "-9223372036854775809"), ("seed", "1e3"), ("logprobs", "-1"),
+    ("min_tokens", "-1"), ("stop_token_ids", "[-1]"), ("user", '"' + "u" * 300 + '"'),
+])
+def test_bad_number_names_field(field, value):
+    param = error_param(f'{{"prompt": "x", "{field}": {value}}}'.encode())
+    assert param.split(".")[0] == field
+
+
+def test_limits_and_rules():
+    assert error_param(json.dumps({"messages": MSGS, "stop": ["s"] * 9}).encode(), ChatCompletionRequest) == "stop"
+    assert error_param(json.dumps({"messages": MSGS, "stop": "s" * 257}).encode(), ChatCompletionRequest) == "stop"
+    assert error_param(json.dumps({"messages": MSGS, "stream_options": {"include_usage": True}}).encode(),
+                       ChatCompletionRequest) == "stream_options"
+    assert error_param(json.dumps({"messages": MSGS, "tools": [{"type": "function"}]}).encode(),
+                       ChatCompletionRequest) == "tools"
+    assert error_param(json.dumps({"messages": MSGS, "logit_bias": {"1": 5}}).encode(),
+                       ChatCompletionRequest) == "logit_bias"
+    assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
+                       ChatCompletionRequest) == "max_completion_tokens"
+    assert error_param(b'{"prompt": ["a", "b"]}') == "prompt"
+    assert error_param(b'{"prompt": "x", "echo": true}') == "echo"
+    assert error_param(b'{"prompt": "x", "best_of": 3}') == "best_of"
+    assert error_param(b'{"prompt": "x", "min_tokens": 5, "max_tokens": 2}') == "min_tokens"
+    assert error_param(b'{"prompt": "x", "messages": []}', TokenizeRequest) == "messages"
+    assert error_param(b'{}', TokenizeRequest) == "prompt"
+
+
+def test_malformed_json_and_utf8():
+    for raw in (b"{", b"\xc3\x28", b"null", b'"text"', b"[" * 100_000 + b"]" * 100_000):
+        assert error_param(raw) is None
+
+
+def test_configurable_n_limit():
+    raw = b'{"prompt": "x", "n": 20}'
+    assert parse_body(raw, CompletionRequest, RequestLimits(max_n=32)).n == 20
+
+
+def test_sampling_params_mapping():
+    req = chat(max_completion_tokens=7, temperature=0.0, stop="END", logprobs=True, top_logprobs=2, seed=2**64 - 1,
+               ignore_eos=True)
+    sp = to_sampling_params(req, None)
+    assert (sp.max_tokens, sp.temperature, sp.stop, sp.logprobs, sp.seed, sp.ignore_eos) == \
+        (7, 0.0, ["END"], 2, 2**64 - 1, True)
+    assert to_sampling_params(chat(), None).logprobs is None
+    assert to_sampling_params(chat(), None).temperature == 1.0  # vLLM's default kept when unset
+
+
+def test_accepts_openai_client_extras():
+    req = chat(store=False, metadata={"a": "b"}, user="u1", parallel_tool_calls=True,
+               response_format={"type": "text"}, stream=True, stream_options={"include_usage": True})
+    assert req.stream_options.include_usage
+    content_parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert parse_body(json.dumps({"messages": content_parts}).encode(), ChatCompletionRequest, LIMITS)

@@ -1,0 +1,78 @@
+"""`deepserve serve` flags and --config YAML, `deepserve keys`, and settings validation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deepserve.entrypoints.serve import add_keys_parser, add_serve_parser, apply_config_file, settings_from
+from deepserve.server.auth import hash_key, load_key_file
+from deepserve.server.settings import ServerSettings
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_keys_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_vllm_flag_names():
+    ns = parse(["serve", "/models/x", "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "a", "b",
+                "--max-model-len", "4096", "--gpu-memory-utilization", "0.8", "--tensor-parallel-size", "1",
+                "--enable-chunked-prefill", "--no-enable-prefix-caching", "--kv-cache-dtype", "auto",
+                "--dtype", "bfloat16", "--max-num-seqs", "8", "--max-num-batched-tokens", "2048",
+                "--api-key", "sk-abcdefgh", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
+                "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--reasoning-parser", "deepseek_r1",
+                "--shutdown-timeout", "5"])
+    s = settings_from(ns)
+    assert (s.host, s.port, s.served_model_names, s.api_keys, s.ssl_cert_reqs, s.reasoning_parser) == \
+        ("0.0.0.0", 9000, ["a", "b"], ["sk-abcdefgh"], 2, "deepseek_r1")
+    assert ns.model == "/models/x" and ns.max_model_len == 4096 and ns.enable_prefix_caching is False
+    assert ns.func.__name__ == "cmd_serve"
+
+
+def test_config_file_fills_defaults_and_flags_win(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 7000\nmax-model-len: 2048\nserved_model_name: r1\nmax_num_seqs: '16'\n"
+                   "reasoning-parser: deepseek_r1\n")
+    ns = parse(["serve", "--config", str(cfg), "--port", "7100"])
+    apply_config_file(ns, ns._parser)
+    assert (ns.port, ns.max_model_len, ns.served_model_name, ns.max_num_seqs, ns.reasoning_parser) == \
+        (7100, 2048, ["r1"], 16, "deepseek_r1")
+
+
+@pytest.mark.parametrize(("text", "message"), [("prot: 1\n", "unknown key 'prot'"),
+                                               ("port: many\n", "port must be int"), ("- 1\n", "mapping")])
+def test_config_file_errors(tmp_path, text, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    ns = parse(["serve", "--config", str(cfg)])
+    with pytest.raises(ValueError, match=message):
+        apply_config_file(ns, ns._parser)
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"port": 0}, "--port"), ({"max_n": 0}, "--max-n"), ({"shutdown_timeout": -1}, "--shutdown-timeout"),
+    ({"reasoning_parser": "qwen"}, "--reasoning-parser"), ({"ssl_cert_reqs": 2}, "--ssl-cert-reqs"),
+    ({"ssl_keyfile": "k.pem"}, "--ssl-keyfile"), ({"api_keys": ["short"]}, "--api-key"),
+])
+def test_settings_errors_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServerSettings(**kwargs)
+
+
+def test_keys_add_and_list(tmp_path, capsys):
+    path = str(tmp_path / "keys.yaml")
+    ns = parse(["keys", "add", "alice", "--role", "user", "--file", path, "--models", "m1",
+                "--tokens-per-minute", "5000"])
+    assert ns.func(ns) == 0
+    secret = capsys.readouterr().out.strip()
+    (key,) = load_key_file(path)
+    assert key.digest.hex() == hash_key(secret)[7:] and key.tokens_per_minute == 5000
+    ns = parse(["keys", "list", "--file", path])
+    ns.func(ns)
+    listed = capsys.readouterr().out
+    assert "alice\tuser\tmodels=m1\ttokens_per_minute=5000" in listed and secret not in listed
