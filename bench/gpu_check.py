@@ -8,7 +8,16 @@ import sys
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from deepserve import LLM, SamplingParams
 
@@ -19,6 +28,13 @@ VARIANTS = {
     "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2)),
     "qwen2-gqa": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=1)),
 }
+MLA = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64,
+           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+           num_key_value_heads=4)
+VARIANTS.update({
+    "dsv2-lite-like": (DeepseekV2Config, DeepseekV2ForCausalLM, dict(MLA, q_lora_rank=None, topk_method="greedy")),
+    "dsv3-noaux": (DeepseekV3Config, DeepseekV3ForCausalLM, dict(MLA, q_lora_rank=48, n_group=2, topk_group=1)),
+})
 
 
 def prompts() -> list[list[int]]:

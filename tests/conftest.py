@@ -6,8 +6,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when a kernel is
+# decorated, so it must be set before any test imports a kernel module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -82,7 +82,10 @@ class BlockManager:
         and changes nothing when there are not enough free blocks."""
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         held = len(request.block_ids) + len(computed_blocks)
-        num_fresh = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+        num_fresh = -(-(num_computed + num_new_tokens) // self.block_size) - held
+        if num_fresh <= 0 and not computed_blocks:  # the common decode step: the last block has room
+            return True
+        num_fresh = max(0, num_fresh)
         # Hits that sit in the free list leave it when taken, so they count against it too.
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if num_fresh + num_revived > self.num_free_blocks:
@@ -105,6 +108,8 @@ class BlockManager:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         hashes = request.block_hashes
+        if len(hashes) >= num_full:  # most steps fill no block
+            return
         for i in range(len(hashes), num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None:

@@ -106,6 +106,7 @@ class _RequestState:
     completions: list[_Completion]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    final_only: bool = False  # report only the finished output (offline generate), not every step
 
     @property
     def finished(self) -> bool:
@@ -126,11 +127,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def add_request(self, request_id: str, prompt: str | None, core_requests: list[EngineCoreRequest]) -> None:
+    def add_request(self, request_id: str, prompt: str | None, core_requests: list[EngineCoreRequest],
+                    final_only: bool = False) -> None:
         first = core_requests[0]
         params = first.sampling_params
         state = _RequestState(request_id, prompt, first.prompt_token_ids, [],
-                              [None] if params.prompt_logprobs is not None else None)
+                              [None] if params.prompt_logprobs is not None else None, final_only=final_only)
         for index, core in enumerate(core_requests):
             logprobs = [] if params.logprobs is not None else None
             completion = _Completion(index, self._detokenizer(core), logprobs=logprobs)
@@ -169,7 +171,8 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             if completion.finish_reason is not None:
                 del self.child_to_parent[out.request_id]
-            changed[state.request_id] = state
+            if not state.final_only or state.finished:
+                changed[state.request_id] = state
         results = []
         for state in changed.values():
             results.append(state.output())

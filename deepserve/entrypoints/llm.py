@@ -45,7 +45,7 @@ class LLM:
             engine.input_processor.process("check", prompt, p)
         ids = [str(next(self._counter)) for _ in prompt_list]
         for request_id, prompt, p in zip(ids, prompt_list, params, strict=True):
-            engine.add_request(request_id, prompt, p)
+            engine.add_request(request_id, prompt, p, final_only=True)
         return self._run(ids, use_tqdm)
 
     def chat(

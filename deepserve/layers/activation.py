@@ -4,9 +4,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.layers.fusion import compiled_on_cuda
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, 2 * I] (gate then up) -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
+
+
+@compiled_on_cuda
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2 * I] (gate then up) -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

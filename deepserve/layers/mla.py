@@ -48,12 +48,43 @@ class MLAAttention(nn.Module):
                 ) -> torch.Tensor:
         # q_nope: [T, H, Dn], q_pe: [T, H, Dr] (roped), kv_c: [T, C] (normalized), k_pe: [T, Dr] (roped)
         meta = get_forward_context()
-        if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():
-            # The reference loops over host-side sequence lengths, which a graph would freeze.
-            raise RuntimeError("MLA has no CUDA-graph-safe kernel yet; run DeepSeek-V2/V3 with enforce_eager=True "
-                               "(--enforce-eager)")
+        if q_nope.is_cuda:
+            return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
         store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping)
-        fresh = [b for b in range(meta.num_seqs) if meta.seq_lens_cpu[b] == _num_new(meta, b)]
+        return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta, range(meta.num_seqs)).flatten(1)
+
+    def _forward_cuda(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Decoding sequences take the Triton latent-decode kernel (CUDA-graph safe); the others the
+        per-sequence forms below."""
+        from deepserve.kernels.triton_paged_attention import store_mla_cache
+
+        store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping)  # [T, C + Dr]
+        if meta.decode_only:
+            return self._absorbed_decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+        out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)  # [T, H, Dv]
+        if meta.decode_token_idx is not None and meta.decode_token_idx.numel():
+            rows, seqs = meta.decode_token_idx, meta.decode_seq_idx
+            out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
+                                              meta.max_seq_len)
+        rows, sub = select_sequences(meta, meta.prefill_seqs_cpu)
+        out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub, range(sub.num_seqs))
+        return out
+
+    def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        from deepserve.kernels.triton_paged_attention import paged_mla_decode_attention
+
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, Dn] x [H, Dn, C] -> [B, H, C]
+        o_latent = paged_mla_decode_attention(q_latent.contiguous(), q_pe.contiguous(), self.kv_cache, block_tables,
+                                              seq_lens, self.scale, max_seq_len=max_seq_len)  # [B, H, C]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+    def _split_forms(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                     meta: AttentionMetadata, seqs: range) -> torch.Tensor:
+        """Fresh prompts take the expanded form, sequences with cached context the absorbed one."""
+        fresh = [b for b in seqs if meta.seq_lens_cpu[b] == _num_new(meta, b)]
         if len(fresh) == meta.num_seqs:
             out = self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
         elif not fresh:
@@ -65,7 +96,7 @@ class MLAAttention(nn.Module):
             out[rows] = self._expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
             rows, sub = select_sequences(meta, cached)
             out[rows] = self._absorbed(q_nope[rows], q_pe[rows], sub)
-        return out.flatten(1)  # [T, H * Dv]
+        return out  # [T, H, Dv]
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)

@@ -15,6 +15,8 @@ Shapes: T tokens, E hidden size, X routed experts, K experts per token, I expert
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +184,13 @@ class RoutedExperts(nn.Module):
         return F.linear(h, self.w2[e])  # [n, E]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """On CUDA with Triton the fused kernel (no host sync: CUDA-graph safe), elsewhere `forward_batched`."""
+        fused = _fused_moe_kernel() if x.is_cuda else None
+        if fused is not None:  # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
+            return tp_all_reduce(fused(x, self.w13, self.w2, weights, ids))
+        return self.forward_batched(x, weights, ids)
+
+    def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""
         num_tokens, k = ids.shape
         flat = ids.flatten()  # [T*K]
@@ -207,6 +216,16 @@ class RoutedExperts(nn.Module):
             for j in range(ids.shape[1]):
                 out[t] += weights[t, j] * self.expert(int(ids[t, j]), x[t : t + 1])[0].float()
         return tp_all_reduce(out.to(x.dtype))
+
+
+@functools.cache
+def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
+    """kernels.fused_moe.fused_moe, or None where Triton is not installed (looked up once)."""
+    try:
+        from deepserve.kernels.fused_moe import fused_moe
+    except ImportError:
+        return None
+    return fused_moe
 
 
 class DeepseekMoE(nn.Module):

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve.layers.fusion import compiled_on_cuda
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """The rope settings of a config, whether it uses transformers 5's `rope_parameters` or the
@@ -128,9 +130,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D], k: [T, Hkv, D]; rotates the first rotary_dim of each head
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2] each
-        rotate = _rotate_interleaved if self.interleaved else _rotate
-        return rotate(q, cos, sin, self.rotary_dim), rotate(k, cos, sin, self.rotary_dim)
+        return _apply_rope(positions, q, k, self.cos_sin, self.rotary_dim, self.interleaved)
+
+
+@compiled_on_cuda
+def _apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+                interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2] each
+    rotate = _rotate_interleaved if interleaved else _rotate
+    return rotate(q, cos, sin, rotary_dim), rotate(k, cos, sin, rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -108,8 +108,9 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    # The MLA and MoE paths are torch references with host-side loops; graphs come with their kernels.
-    supports_cuda_graphs = False
+    # On CUDA, decode steps run the Triton latent-decode and fused-MoE kernels: no host syncs, so the
+    # runner captures them in CUDA graphs like the dense models.
+    supports_cuda_graphs = True
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -29,10 +29,15 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     sample_indices: list[int] = []
     for i, sched in enumerate(out.scheduled):
         request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
-        input_ids.extend(request.token_ids[start:end])
-        positions.extend(range(start, end))
         blocks = request.block_ids
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if end - start == 1:  # decode: the common case, kept free of generator overhead
+            input_ids.append(request.token_ids[start])
+            positions.append(start)
+            slots.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
         if sched.samples:

@@ -155,11 +155,13 @@ class ModelRunner:
             request, k = sched.request, sched.request.sampling_params.prompt_logprobs
             first_row = row_start
             row_start += sched.num_new_tokens
+            if k is None:
+                continue
             # Position p predicts prompt token p + 1; request.prompt_logprobs holds positions done
             # (a recompute after preemption does not report them again).
             lo = max(sched.start, len(request.prompt_logprobs))
             hi = min(sched.start + sched.num_new_tokens, request.num_prompt_tokens - 1)
-            if k is None or lo >= hi:
+            if lo >= hi:
                 continue
             rows = hidden[first_row + lo - sched.start : first_row + hi - sched.start]
             targets = torch.tensor(request.prompt_token_ids[lo + 1 : hi + 1], device=hidden.device)
