@@ -175,10 +175,12 @@ class EngineArgs:
 def _resolve_device(device: str) -> str:
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
-    if device == "auto":
-        import torch
+    import torch
 
+    if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
     return device
 
 

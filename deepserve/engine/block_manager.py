@@ -127,6 +127,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         request.block_ids = []
+        request.block_hashes = []  # they describe the blocks just released
 
     def _take_fresh_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)

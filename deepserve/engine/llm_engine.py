@@ -34,15 +34,17 @@ class LLMEngine:
         return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, final_only: bool = False) -> None:
+                    arrival_time: float | None = None, final_only: bool = False,
+                    prompt_text: str | None = None) -> None:
         """Raises ValueError for a request the engine cannot serve; nothing else is affected.
 
-        final_only: step() reports the request once, when it finishes (offline generate)."""
+        final_only: step() reports the request once, when it finishes (offline generate).
+        prompt_text: the text to report as the prompt when `prompt` is token ids (chat)."""
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         core_requests = self.input_processor.process(request_id, prompt, params, arrival_time)
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, core_requests,
-                                          final_only)
+        text = prompt if isinstance(prompt, str) else prompt_text
+        self.output_processor.add_request(request_id, text, core_requests, final_only)
         for core_request in core_requests:
             self.core.add_request(core_request)
 

@@ -46,7 +46,7 @@ class InputProcessor:
             child = params.clone()
             child.n = 1
             if params.seed is not None:
-                child.seed = params.seed + index  # distinct, reproducible samples
+                child.seed = (params.seed + index) % 2**64  # distinct, reproducible, still 64 bits
             wait_for = children[0].request_id if children else None
             children.append(EngineCoreRequest(child_request_id(index, request_id), token_ids, child,
                                               self.eos_token_ids, arrival, wait_for))
@@ -58,6 +58,10 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name} ({k}) must be <= the vocabulary size ({self.vocab_size})")
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:
             if room < 1:
@@ -66,6 +70,9 @@ class InputProcessor:
             params.max_tokens = room
         elif params.max_tokens > room:
             raise ValueError(_too_long(len(token_ids), params.max_tokens, self.max_model_len))
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens}, "
+                             f"what is left of max_model_len={self.max_model_len} after the prompt)")
         return params
 
 

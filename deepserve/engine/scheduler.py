@@ -80,7 +80,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Never more running requests than budget tokens: each must get at least one token a step.
+        max_running = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             request = self.waiting[0]
             if request.wait_for is not None and not _prompt_computed(request.wait_for):
                 deferred.append(self.waiting.popleft())

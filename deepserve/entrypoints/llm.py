@@ -41,11 +41,11 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
         # Validate every request before adding any, so one bad prompt leaves the engine untouched.
-        for prompt, p in zip(prompt_list, params, strict=True):
+        for (prompt, _), p in zip(prompt_list, params, strict=True):
             engine.input_processor.process("check", prompt, p)
         ids = [str(next(self._counter)) for _ in prompt_list]
-        for request_id, prompt, p in zip(ids, prompt_list, params, strict=True):
-            engine.add_request(request_id, prompt, p, final_only=True)
+        for request_id, (prompt, text), p in zip(ids, prompt_list, params, strict=True):
+            engine.add_request(request_id, prompt, p, final_only=True, prompt_text=text)
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -61,12 +61,10 @@ class LLM:
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": tokenizer.encode(
-                apply_chat_template(tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {})),
-                add_special_tokens=False)}
-            for conv in conversations
-        ]
+        texts = [apply_chat_template(tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {}))
+                 for conv in conversations]
+        # The template writes the special tokens itself; encoding must not add a second BOS.
+        prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False), "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -87,16 +85,19 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], str | None]]:
+    """(what the engine gets, the text to report as the prompt) per prompt."""
     if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     out = []
     for p in prompts:
+        text = p if isinstance(p, str) else None
         if isinstance(p, dict):
-            p = p.get("prompt_token_ids", p.get("prompt"))
+            text = p.get("prompt")
+            p = p.get("prompt_token_ids", text)
         if not isinstance(p, str | list):
             raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
-        out.append(p)
+        out.append((p, text))
     return out
 
 

@@ -9,6 +9,7 @@ is also the reference the compiled kernel computes.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -16,25 +17,41 @@ from typing import TypeVar
 import torch
 
 F = TypeVar("F", bound=Callable)
+logger = logging.getLogger(__name__)
 
 
 def compiled_on_cuda(fn: F) -> F:
     """`fn` compiled (dynamic shapes, whole graph) when its first tensor argument is on a GPU."""
     compiled: Callable | None = None
 
+    failed = False
+
     @functools.wraps(fn)
     def wrapper(*args: object) -> object:
-        nonlocal compiled
+        nonlocal compiled, failed
         first = args[0]
-        if not (isinstance(first, torch.Tensor) and first.is_cuda) or not _enabled():
+        if failed or not (isinstance(first, torch.Tensor) and first.is_cuda) or not _enabled():
             return fn(*args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(*args)
+            compiled = torch.compile(fn, dynamic=True)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # a compiler failure must cost speed, never a request
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            failed = True
+            logger.warning("torch.compile of %s failed (%s: %s); running it eagerly", fn.__name__,
+                           type(exc).__name__, exc)
+            return fn(*args)
 
     return wrapper  # type: ignore[return-value]
 
 
 @functools.cache
 def _enabled() -> bool:
+    import torch._dynamo.config as dynamo_config
+
+    # Each (model shape, layer kind) specializes once; a process serving one model needs a few, a
+    # test process that builds many models more than the default limit of 8.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     return os.environ.get("DEEPSERVE_TORCH_COMPILE", "1") != "0"

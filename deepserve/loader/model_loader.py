@@ -16,19 +16,48 @@ logger = logging.getLogger(__name__)
 
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     model_class = get_model_class(config.hf_config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_class(config.hf_config)
-    finally:
-        torch.set_default_dtype(previous)
+    if device.type == "cpu":
+        _check_host_memory(_build(model_class, config, torch.device("meta"), dtype), dtype)
+    model = _build(model_class, config, device, dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         loaded = model.load_weights(iterate_safetensors(config.model))
         check_all_loaded(model, loaded | _tied(model))
     return model.eval()
+
+
+def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_class(config.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _check_host_memory(meta_model: nn.Module, dtype: torch.dtype) -> None:
+    """Refuse, with the numbers, a model that cannot fit in this machine's free memory."""
+    need = sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    available = _available_host_bytes()
+    if available is not None and need > 0.9 * available:
+        raise ValueError(
+            f"the model's weights need {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and this "
+            f"machine has {available / 2**30:.1f} GiB free; run it on a GPU (--device cuda), with a smaller "
+            "dtype (--dtype bfloat16), or pick a smaller model"
+        )
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _tied(model: nn.Module) -> set[str]:

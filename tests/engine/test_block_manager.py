@@ -99,3 +99,12 @@ def test_usage_and_disabled_caching():
     bm.free(a)
     assert bm.get_computed_blocks(make_request([1, 2, 3], "b")) == []
     assert bm.cached_blocks == {}
+
+
+def test_freeing_forgets_the_hash_chain_so_a_recompute_registers_again():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    req = make_request([1, 2, 3, 4, 5], "a")
+    compute_all(bm, req)
+    assert len(req.block_hashes) == 2
+    bm.free(req)  # as a preemption does
+    assert req.block_hashes == [] and req.block_ids == []

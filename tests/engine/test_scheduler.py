@@ -169,3 +169,13 @@ def test_stats_count_prefix_hits_in_tokens():
     stats = sched.stats()
     assert stats.prefix_cache_queries_total == 18 and stats.prefix_cache_hits_total == 8
     assert stats.num_running == 2
+
+
+def test_never_more_running_requests_than_budget_tokens():
+    sched = make_scheduler(budget=2, max_seqs=8)
+    for rid in "abcd":
+        add(sched, rid, 1)
+    assert step(sched) == [("a", 1), ("b", 1)]
+    # a and b decode; c and d wait instead of starving behind them.
+    assert step(sched) == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]

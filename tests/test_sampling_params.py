@@ -1,0 +1,75 @@
+"""SamplingParams validates once, naming the field; the input processor re-checks what it fills in."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from deepserve.config import EngineConfig, ModelConfig
+from deepserve.engine.processors import InputProcessor
+from deepserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("n", 0), ("max_tokens", 0),
+    ("min_p", 1.5), ("presence_penalty", math.nan), ("repetition_penalty", 0.0),
+    ("seed", 2**64), ("logprobs", -1), ("min_tokens", -1), ("n", 1.5), ("top_k", True),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams(temprature=0.5)
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+def test_stop_may_be_one_string_and_defaults_are_vllms():
+    p = SamplingParams(stop="###")
+    assert p.stop == ["###"] and p.max_tokens == 16 and p.temperature == 1.0 and p.top_k == -1
+
+
+class _Config:
+    vocab_size = 100
+
+
+def processor(max_model_len: int = 32) -> InputProcessor:
+    config = EngineConfig(ModelConfig("m", None, _Config(), "float32", max_model_len), None, None, None)
+    return InputProcessor(config, None, frozenset([1]))
+
+
+def test_filled_in_max_tokens_is_checked_against_min_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        processor().process("r", [5] * 10, SamplingParams(max_tokens=None, min_tokens=30))
+    (req,) = processor().process("r", [5] * 10, SamplingParams(max_tokens=None, min_tokens=3))
+    assert req.sampling_params.max_tokens == 22  # the rest of the context
+
+
+def test_too_long_prompt_names_the_limit():
+    with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
+        processor().process("r", [5] * 30, SamplingParams(max_tokens=5))
+
+
+def test_logprobs_beyond_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="logprobs"):
+        processor().process("r", [5], SamplingParams(logprobs=101))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        processor().process("r", [5, 100], SamplingParams())
+
+
+def test_n_children_get_distinct_seeds_that_stay_64_bit():
+    children = processor().process("r", [5], SamplingParams(n=3, seed=2**64 - 1))
+    assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]
+    assert [c.sampling_params.seed for c in children] == [2**64 - 1, 0, 1]
+    assert [c.wait_for for c in children] == [None, "0_r", "0_r"]
