@@ -9,9 +9,10 @@ Wire format: a 4-byte big-endian length, then a msgpack map whose "type" names o
 dataclasses below; decoding checks the type and its fields (no pickle, nothing executable). The
 socket is a unix socket in a fresh 0700 directory, accepted only from the child we spawned.
 
-Invariants: messages are handled before the next step, so an abort lands within one step; the child
-exits when the parent's end closes (the parent died); the parent sees EOF when the child dies and
-reports it through `on_dead`.
+Invariants: messages are handled before the next step, so an abort lands within one step; a request
+the core refuses (a bad request that slipped past the API server's checks) is reported back in
+`StepOutputs.failed` and everyone else keeps running; the child exits when the parent's end closes
+(the parent died); the parent sees EOF when the child dies and reports it through `on_dead`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class StepOutputs:
     outputs: list[dict[str, Any]]  # EngineCoreOutput.to_dict()
     stats: dict[str, Any]  # SchedulerStats fields
     queue_times: dict[str, float] = field(default_factory=dict)  # request id → seconds before first token
+    # request id → {"error": message, "invalid": the request's own fault (ValueError), not the engine's}
+    failed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,18 +137,14 @@ def _drain(inbox: queue.Queue, block: bool) -> list[Any]:
         return msgs
 
 
-def _handle(core: Any, msgs: list[Any], added_at: dict[str, float]) -> bool:
-    """Apply messages to the core; False on Shutdown."""
-    from deepserve.engine.core import EngineCoreRequest
-
+def _handle(core: Any, msgs: list[Any], added_at: dict[str, float], failed: dict[str, dict]) -> bool:
+    """Apply messages to the core; False on Shutdown. Requests the core refuses land in `failed`."""
     for msg in msgs:
         if isinstance(msg, Shutdown):
             return False
         if isinstance(msg, AddRequests):
             for d in msg.requests:
-                req = EngineCoreRequest.from_dict(d)
-                core.add_request(req)
-                added_at[req.request_id] = time.monotonic()
+                _add(core, d, added_at, failed)
         elif isinstance(msg, AbortRequests):
             core.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
@@ -153,12 +152,27 @@ def _handle(core: Any, msgs: list[Any], added_at: dict[str, float]) -> bool:
     return True
 
 
+def _add(core: Any, d: dict[str, Any], added_at: dict[str, float], failed: dict[str, dict]) -> None:
+    from deepserve.engine.core import EngineCoreRequest
+
+    rid = str(d.get("request_id")) if isinstance(d, dict) else "?"
+    try:
+        req = EngineCoreRequest.from_dict(d)
+        core.add_request(req)
+    except Exception as e:  # one bad request must never take down everyone else's
+        logger.warning("refused request %s: %s: %s", rid, type(e).__name__, e)
+        failed[rid] = {"error": str(e) or type(e).__name__, "invalid": isinstance(e, ValueError)}
+        return
+    added_at[req.request_id] = time.monotonic()
+
+
 def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
     added_at: dict[str, float] = {}  # request id → when it reached us, until its first output
     last_sent = 0.0
     while True:
         msgs = _drain(inbox, block=not core.has_unfinished_requests())
-        if not _handle(core, msgs, added_at):
+        failed: dict[str, dict] = {}
+        if not _handle(core, msgs, added_at, failed):
             return 0
         start = time.monotonic()
         outputs = core.step() if core.has_unfinished_requests() else []
@@ -167,7 +181,7 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
         now = time.monotonic()
         if outputs or msgs or now - last_sent > _SEND_EVERY:
             stats = asdict(core.stats())
-            sock.sendall(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times)))
+            sock.sendall(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times, failed)))
             last_sent = now
 
 

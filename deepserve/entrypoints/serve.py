@@ -99,7 +99,7 @@ def settings_from(ns: argparse.Namespace) -> ServerSettings:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.cli import engine_args_from
-    from deepserve.server.api_server import run_server
+    from deepserve.server.api_server import bind_listener, run_server
     from deepserve.server.async_llm import AsyncLLM
     from deepserve.server.state import ServerState
 
@@ -107,8 +107,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         apply_config_file(ns, ns._parser)
     settings = settings_from(ns)
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
-    engine = AsyncLLM.from_engine_args(engine_args_from(ns, ns.model))
-    return run_server(ServerState(settings, engine, names))
+    sock = bind_listener(settings.host, settings.port)  # before the engine: a taken port fails fast
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from(ns, ns.model))
+    except BaseException:
+        sock.close()
+        raise
+    return run_server(ServerState(settings, engine, names), sock)
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

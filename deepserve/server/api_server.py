@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -153,9 +155,27 @@ def uvicorn_config(app: FastAPI, state: ServerState) -> uvicorn.Config:
     )
 
 
-def run_server(state: ServerState) -> int:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts: a taken port fails fast, in one line
+    (ValueError), and no other process can take the port between this check and serving."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart past TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use; pick another with --port") from None
+        raise ValueError(f"cannot listen on {host} port {port}: {e.strerror or e}; check --host and --port") \
+            from None
+    return sock
+
+
+def run_server(state: ServerState, sock: socket.socket | None = None) -> int:
+    sock = sock or bind_listener(state.settings.host, state.settings.port)
     app = build_app(state)
     server = DrainingServer(uvicorn_config(app, state), state)
     state.request_exit = server.request_exit
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code

@@ -26,6 +26,15 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine core refused or dropped this one request; it and the engine carry on serving others.
+    `invalid`: the request was at fault (a 400), not the engine (a 500)."""
+
+    def __init__(self, message: str, invalid: bool) -> None:
+        super().__init__(message)
+        self.invalid = invalid
+
+
 @dataclass
 class _Stream:
     core_ids: list[str]
@@ -119,6 +128,12 @@ class AsyncLLM:
         return bool(self.streams) and time.monotonic() - self.client.last_message > timeout
 
     def _on_outputs(self, msg: StepOutputs) -> None:
+        for cid, why in msg.failed.items():
+            # The request's generate() raises this, and its `finally` aborts any siblings (n > 1).
+            stream = self.streams.get(self._parent_of.get(cid, ""))
+            if stream is not None and stream.error is None:
+                stream.error = RequestFailedError(str(why.get("error")), bool(why.get("invalid")))
+                stream.event.set()
         outputs = [EngineCoreOutput.from_dict(d) for d in msg.outputs]
         for cid, seconds in msg.queue_times.items():
             stream = self.streams.get(self._parent_of.get(cid, ""))

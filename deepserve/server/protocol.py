@@ -9,7 +9,8 @@ fail with the field named, instead of being coerced. Unknown fields are rejected
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
@@ -20,6 +21,7 @@ from deepserve.server.errors import APIError, bad_request
 MAX_SEED = 2**64 - 1
 MIN_SEED = -(2**63)
 MAX_LOGPROBS = 20
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's and vLLM's default
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,15 @@ def num_logprobs(req: _SamplingFields) -> int | None:
     return req.logprobs
 
 
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def field_named_in(message: str) -> str | None:
+    """The first sampling field a validation message names ("min_tokens (9) must be <= max_tokens
+    (4)" → min_tokens), so a 400 raised below the schema can still point at the field."""
+    return next((w for w in re.findall(r"[a-z_]+", message) if w in _PARAM_NAMES), None)
+
+
 def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> SamplingParams:
     """Only fields the client set are passed, so SamplingParams keeps vLLM's defaults for the rest."""
     kwargs: dict[str, Any] = {
@@ -273,4 +284,4 @@ def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> 
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:  # anything our schema let through but SamplingParams refuses
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), param=field_named_in(str(e))) from None

@@ -129,7 +129,10 @@ def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str |
 def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list]:
     """Prompt text, prompt ids and the engine's core requests; raises APIError(400)."""
     text, ids = chat_prompt(st, req) if chat else _completion_prompt(st, req)
-    params = p.to_sampling_params(req, None)
+    # Without max_tokens chat may run to the end of the context; completions stop at 16 (as OpenAI and
+    # vLLM do), or sooner when the context has less room, and the engine reports a full context.
+    default = None if chat else max(1, min(p.COMPLETION_MAX_TOKENS, st.engine.max_model_len - len(ids)))
+    params = p.to_sampling_params(req, default)
     if params.max_tokens is not None and params.max_tokens > st.engine.max_model_len:
         field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         raise bad_request(f"{field} must be <= the model's maximum context length "
@@ -137,8 +140,15 @@ def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | Non
     try:
         return text, ids, st.engine.prepare(rid, ids, params)
     except ValueError as e:
-        code = "context_length_exceeded" if "context length" in str(e) else None
-        raise bad_request(str(e), param="messages" if chat else "prompt", code=code) from None
+        if "context length" in str(e):
+            raise bad_request(str(e), param="messages" if chat else "prompt",
+                              code="context_length_exceeded") from None
+        raise invalid_request(str(e), chat) from None
+
+
+def invalid_request(message: str, chat: bool) -> APIError:
+    """A 400 for what the engine refused: the field its message names, else the prompt."""
+    return bad_request(message, param=p.field_named_in(message) or ("messages" if chat else "prompt"))
 
 
 async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:

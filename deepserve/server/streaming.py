@@ -1,7 +1,9 @@
 """Turning a request's cumulative outputs into a JSON body (collect) or server-sent events.
 
-A stream ends with `data: [DONE]`, or — when the engine dies mid-stream — with one
-`data: {"error": ...}` event (which the openai client raises as APIError) and no [DONE].
+A stream ends with `data: [DONE]`, or — when the engine dies or refuses the request mid-stream — with
+one `data: {"error": ...}` event (which the openai client raises as APIError) and no [DONE]. A chunk
+is sent only when it carries something: text, reasoning, the role, a finish reason or logprobs; while
+text is held back (a possible stop string, a partial character) nothing is sent.
 If the client goes away the generator is cancelled and its `finally` aborts the request in the engine.
 """
 
@@ -14,10 +16,10 @@ from typing import Any
 from deepserve.engine.outputs import RequestOutput
 from deepserve.server import openai_format as f
 from deepserve.server import protocol as p
-from deepserve.server.async_llm import EngineDeadError
+from deepserve.server.async_llm import EngineDeadError, RequestFailedError
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import SSE_DONE, sse
-from deepserve.server.serving import Generation
+from deepserve.server.serving import Generation, invalid_request
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ def _dead(e: EngineDeadError) -> APIError:
     return APIError(503, f"the engine failed while generating: {e}", code="engine_dead")
 
 
+def _refused(e: RequestFailedError, chat: bool) -> APIError:
+    if e.invalid:
+        return invalid_request(str(e), chat)
+    return APIError(500, f"the engine could not run this request: {e}")
+
+
 async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput], chat: bool) -> dict:
     trackers = _trackers(gen, req, chat)
     acc = [f.Accumulated(i) for i in range(req.n)]
@@ -56,6 +64,8 @@ async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
                 acc[d.index].add(d)
     except EngineDeadError as e:
         raise _dead(e) from None
+    except RequestFailedError as e:
+        raise _refused(e, chat) from None
     top_n = p.num_logprobs(req)
     body = f.envelope("chat.completion" if chat else "text_completion", gen.request_id, gen.model)
     body["choices"] = [_chat_choice(a, top_n, trackers) if chat else _completion_choice(a, top_n) for a in acc]
@@ -89,8 +99,11 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
         async for out in agen:
             gen.observe(out)
             for d in _deltas(trackers, out):
+                first = chat and not started[d.index]
+                if not (first or d.content or d.reasoning or d.finish_reason or top_n is not None):
+                    continue  # text held back: an empty delta tells the client nothing
                 if chat:
-                    choice = f.chat_chunk_choice(d, not started[d.index], top_n)
+                    choice = f.chat_chunk_choice(d, first, top_n)
                     started[d.index] = True
                 else:
                     choice = f.completion_chunk_choice(d, top_n)
@@ -100,12 +113,12 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
                 yield sse(chunk)
         if opts.include_usage:
             yield sse({**base, "choices": [], "usage": _usage(gen, trackers)})
+        gen.finish("ok")  # before [DONE]: a client that reads metrics or usage next sees this request
         yield SSE_DONE
-        gen.finish("ok")
-    except EngineDeadError as e:
-        err = _dead(e)
+    except (EngineDeadError, RequestFailedError) as e:
+        err = _dead(e) if isinstance(e, EngineDeadError) else _refused(e, chat)
         gen.finish("error", err.status)
-        yield sse(error_body(err.status, err.message, code=err.code))
+        yield sse(err.body())
     except Exception as e:  # headers are sent: the error can only travel as an event
         logger.exception("stream %s failed", gen.request_id)
         gen.st.engine.abort(gen.request_id)

@@ -119,6 +119,61 @@ def test_seed_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_completions_default_to_16_tokens(srv):
+    r = post(srv, "/v1/completions", {"prompt": "no limit given", "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_n2_with_the_largest_seed(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, n=2, seed=2**64 - 1)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+
+
+def test_bad_request_never_kills_the_engine(srv):
+    # No max_tokens: chat may run to the end of the context, which is shorter than min_tokens.
+    for stream in (False, True):
+        r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                               "min_tokens": 100000, "stream": stream})
+        if r.status_code == 200:  # refused once the stream had started: one error event, no [DONE]
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert "[DONE]" not in r.text
+            error = events[-1]["error"]
+        else:
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+        assert error["param"] == "min_tokens" and "min_tokens" in error["message"], error
+    r = post(srv, "/v1/completions", {"prompt": "hi", "min_tokens": 20})  # above the default 16
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    assert post(srv, "/v1/chat/completions", {"messages": MSG, "max_tokens": 3}).status_code == 200
+
+
+def sse_chunks(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_stream_sends_no_empty_chunks(srv):
+    # A long stop string holds back 19 characters, so the first tokens produce no text to send.
+    body = {"prompt": "The quick brown fox", "max_tokens": 24, "seed": 5, "temperature": 0.9,
+            "ignore_eos": True, "stop": ["QQQQQQQQQQQQQQQQQQQQ"]}
+    whole = post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    chunks = sse_chunks(post(srv, "/v1/completions", {**body, "stream": True}))
+    assert all(c["choices"][0]["text"] or c["choices"][0]["finish_reason"] for c in chunks), chunks
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    chat = {"messages": MSG, "max_tokens": 24, "seed": 5, "stream": True, "stop": ["QQQQQQQQQQQQQQQQQQQQ"]}
+    chunks = sse_chunks(post(srv, "/v1/chat/completions", chat))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    for c in chunks:
+        choice = c["choices"][0]
+        assert any(choice["delta"].get(k) for k in ("role", "content", "reasoning_content")) \
+            or choice["finish_reason"], chunks
+
+
 def test_request_id_header_matches_body(srv):
     r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
@@ -311,6 +366,42 @@ def test_metrics_names(srv):
     assert metric(text, "deepserve:generation_tokens_total") > 0
     assert 'deepserve:key_requests_total{key="user",outcome="ok"}' in text
     assert 'deepserve:key_generation_tokens_total{key="user"}' in text
+
+
+def sample(text: str, name: str, labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_move_with_the_usage_reported(srv, client):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{srv.url}/metrics", headers=auth(METRICS)).text
+        ok = 'key="user",outcome="ok"'
+        return {"prompt": metric(text, "deepserve:prompt_tokens_total"),
+                "generation": metric(text, "deepserve:generation_tokens_total"),
+                "user_ok": sample(text, "deepserve:key_requests_total", ok),
+                "user_requests": sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                     if line.startswith('deepserve:key_requests_total{key="user",')),
+                "user_prompt": sample(text, "deepserve:key_prompt_tokens_total", 'key="user"'),
+                "user_generation": sample(text, "deepserve:key_generation_tokens_total", 'key="user"'),
+                "running": metric(text, "deepserve:num_requests_running")}
+
+    before = scrape()
+    usages = [client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=7).usage,
+              client.completions.create(model=MODEL, prompt="two of them", max_tokens=5, n=2).usage]
+    stream = client.completions.create(model=MODEL, prompt="streamed", max_tokens=6, stream=True,
+                                       stream_options={"include_usage": True})
+    usages.append([c for c in stream][-1].usage)
+    after = scrape()
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    assert completion > 0
+    assert after["prompt"] - before["prompt"] == prompt == after["user_prompt"] - before["user_prompt"]
+    assert after["generation"] - before["generation"] == completion
+    assert after["user_generation"] - before["user_generation"] == completion
+    assert after["user_ok"] - before["user_ok"] == 3 == after["user_requests"] - before["user_requests"]
+    assert wait_until(lambda: scrape()["running"] == 0, timeout=10)
 
 
 def test_audit_log_is_chained(srv):

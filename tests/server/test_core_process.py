@@ -1,8 +1,11 @@
 """The engine-core wire protocol and loop, with a fake core: typed msgpack frames, no pickle,
-aborts handled before the next step, and a clean exit when the API server's end closes."""
+aborts handled before the next step, a refused request reported without stopping the others, and
+a clean exit when the API server's end closes. One test runs the real engine process."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import queue
 import socket
 import threading
@@ -10,6 +13,7 @@ import threading
 import msgpack
 import pytest
 
+from deepserve.config import EngineArgs
 from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from deepserve.engine.core_process import (
     AbortRequests,
@@ -24,6 +28,7 @@ from deepserve.engine.core_process import (
 )
 from deepserve.engine.scheduler import SchedulerStats
 from deepserve.sampling_params import SamplingParams
+from deepserve.server.async_llm import AsyncLLM, RequestFailedError
 
 
 class FakeCore:
@@ -35,6 +40,8 @@ class FakeCore:
         self.log: list[str] = []
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id.startswith("crash"):
+            raise RuntimeError("runner bug")
         self.requests[req.request_id] = []
         self.max_tokens[req.request_id] = req.sampling_params.max_tokens
 
@@ -122,3 +129,62 @@ def test_loop_exits_when_api_server_disappears():
     ours.close()  # the API server died
     assert serve_core(FakeCore(), theirs, inbox) == 0
     theirs.close()
+
+
+def start_loop(core: FakeCore) -> tuple[socket.socket, threading.Thread, dict]:
+    ours, theirs = socket.socketpair()
+    inbox = queue.Queue()
+    threading.Thread(target=_reader, args=(theirs, inbox), daemon=True).start()
+    result: dict = {}
+    loop = threading.Thread(target=lambda: result.setdefault("rc", serve_core(core, theirs, inbox)), daemon=True)
+    loop.start()
+    ours.settimeout(10)
+    return ours, loop, result
+
+
+def test_refused_request_is_reported_and_the_loop_serves_on():
+    core = FakeCore()
+    ours, loop, result = start_loop(core)
+    frames = ours.makefile("rb")
+    bad = request("bad", 4).to_dict()
+    bad["sampling_params"]["min_tokens"] = 100  # > max_tokens: SamplingParams refuses it in the child
+    ours.sendall(encode(AddRequests([bad, request("crash", 2).to_dict(), request("good", 2).to_dict()])))
+    failed, finished = {}, []
+    while "good" not in finished:
+        msg = read_frame(frames)
+        failed.update(msg.failed)
+        finished += [o["request_id"] for o in msg.outputs if o["finish_reason"]]
+    assert failed["bad"]["invalid"] is True and "min_tokens" in failed["bad"]["error"]
+    assert failed["crash"] == {"error": "runner bug", "invalid": False}
+    assert set(core.max_tokens) == {"good"}
+    ours.sendall(encode(AddRequests([request("after", 1).to_dict()])))
+    while not any(o["request_id"] == "after" and o["finish_reason"] for o in read_frame(frames).outputs):
+        pass
+    ours.sendall(encode(Shutdown()))
+    loop.join(timeout=10)
+    assert result["rc"] == 0
+
+
+def test_real_engine_process_refuses_one_request_and_serves_the_next():
+    """The request reaches the real engine child (as if every API check missed it): only that
+    request fails, as invalid, and the engine keeps serving."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    async def run() -> None:
+        llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, cpu_kv_cache_gib=0.02))
+        await llm.start()
+        try:
+            bad = llm.prepare("bad", [5, 6, 7], SamplingParams(max_tokens=4))
+            bad[0].sampling_params.min_tokens = 10**5
+            with pytest.raises(RequestFailedError, match="min_tokens") as e:
+                async for _ in llm.generate("bad", None, bad):
+                    pass
+            assert e.value.invalid and not llm.streams
+            good = llm.prepare("good", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True, n=2))
+            outs = [o async for o in llm.generate("good", None, good)]
+            assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [4, 4]
+            assert llm.dead_reason is None and llm.client.proc.poll() is None
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(run())

@@ -11,6 +11,7 @@ from serverkit import ADMIN, auth, wait_until, write_keys
 from deepserve.server.auth import hash_key
 
 LIMITED, TOKENS, CONC = "sk-test-limited-0000", "sk-test-tokens-0000", "sk-test-conc-0000"
+DEFAULTS = "sk-test-defaults-0000"
 LONG = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
 
@@ -20,6 +21,7 @@ def srv(server_factory, tmp_path_factory):
         {"name": "limited", "key_hash": hash_key(LIMITED), "role": "user", "requests_per_minute": 2},
         {"name": "tokens", "key_hash": hash_key(TOKENS), "role": "user", "tokens_per_minute": 300},
         {"name": "conc", "key_hash": hash_key(CONC), "role": "user", "max_concurrent": 1},
+        {"name": "defaults", "key_hash": hash_key(DEFAULTS), "role": "user", "tokens_per_minute": 1000},
     ])
     return server_factory(["--api-keys", keys, "--max-num-seqs", "1", "--max-waiting-requests", "1"])
 
@@ -62,6 +64,20 @@ def test_tokens_per_minute_reserve_then_settle(srv):
     assert r.headers["x-ratelimit-limit-tokens"] == "300"
     too_big = complete(srv, TOKENS, max_tokens=400)
     assert too_big.status_code == 429 and "lower max_tokens" in too_big.json()["error"]["message"]
+
+
+def test_reservation_uses_the_default_max_tokens(srv):
+    # Completions default to 16 tokens, so 16 is what is reserved; chat defaults to the rest of the
+    # 1024-token context, more than this key's 1000 tokens per minute.
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "ignore_eos": True},
+                   headers=auth(DEFAULTS), timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 16
+    assert r.headers["x-ratelimit-remaining-tokens"] == str(1000 - usage["prompt_tokens"] - 16)
+    chat = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=auth(DEFAULTS), timeout=60)
+    assert chat.status_code == 429 and "lower max_tokens" in chat.json()["error"]["message"]
 
 
 def test_concurrency_limit(srv):

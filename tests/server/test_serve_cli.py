@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+from serverkit import ROOT
 
 from deepserve.entrypoints.serve import add_keys_parser, add_serve_parser, apply_config_file, settings_from
 from deepserve.server.auth import hash_key, load_key_file
@@ -76,3 +82,19 @@ def test_keys_add_and_list(tmp_path, capsys):
     ns.func(ns)
     listed = capsys.readouterr().out
     assert "alice\tuser\tmodels=m1\ttokens_per_minute=5000" in listed and secret not in listed
+
+
+def test_port_in_use_fails_fast_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                            "--port", str(port), "--api-key", "sk-test-admin-0000"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode != 0
+    assert f"port {port} on 127.0.0.1 is in use; pick another with --port" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout and "engine" not in r.stderr.lower(), r.stderr
+    assert time.monotonic() - t0 < 60
