@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: correctness first, then the timed workloads. Each step logs to $OUT and a
 # failure in one step does not stop the next. Usage: bash bench/h200_run.sh [steps...]
-# steps: env kernels moe gpucheck w1-qwen w1-llm w2-llm hf-llm w1-v2lite (default: all but w1-v2lite)
+# steps: env kernels moe gpucheck gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,6 +29,8 @@ for s in $steps; do
     w1-llm) run w1-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-llm.json" ;;
     w2-llm) run w2-llm $DS bench latency --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w2-llm.json" ;;
     hf-llm) run hf-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --num-seqs 64 --max-output-len 256 --baseline hf --output-json "$OUT/hf-llm.json" ;;
+    w2-v2lite) run w2-v2lite $DS bench latency --model deepseek-v2-lite --load-format dummy --max-model-len 4096 --output-json "$OUT/w2-v2lite.json" ;;
+    gputests) run gputests python3 -m pytest -q -x tests/kernels tests/layers/test_sampler.py tests/layers/test_mla.py ;;
     w1-v2lite) run w1-v2lite $DS bench throughput --model deepseek-v2-lite --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-v2lite.json" ;;
   esac
 done
