@@ -62,6 +62,8 @@ class MLAAttention(nn.Module):
         store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping)  # [T, C + Dr]
         if meta.decode_only:
             return self._absorbed_decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+        if meta.prefill_seqs_cpu is None:  # metadata without the decode/prefill split: all per sequence
+            return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta, range(meta.num_seqs))
         out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)  # [T, H, Dv]
         if meta.decode_token_idx is not None and meta.decode_token_idx.numel():
             rows, seqs = meta.decode_token_idx, meta.decode_seq_idx
