@@ -58,9 +58,26 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
     }
 
 
-def _weight_bytes(engine) -> int:
-    model = engine.core.runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _weight_bytes(engine) -> float:
+    return weight_bytes_read_per_step(engine.core.runner.model)
+
+
+def weight_bytes_read_per_step(model) -> float:
+    """Weight bytes one single-sequence decode step reads: every parameter once, except the input
+    embedding (one row; counted when tied, as the LM head reads it) and, for mixture-of-experts
+    layers, only the top-k of the routed experts."""
+    from deepserve.layers.moe import RoutedExperts
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None) or getattr(model, "embed", None)
+    head = getattr(model, "lm_head", None) or getattr(model, "head", None)
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        size = sum(p.numel() * p.element_size() for p in experts.parameters())
+        total -= size * (1 - top_k / experts.w13.shape[0])
+    return total
 
 
 def _kv_bytes_per_token(engine) -> float:
