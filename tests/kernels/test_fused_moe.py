@@ -12,27 +12,16 @@ shapes include tiles that do not divide H or I and fewer tokens than one block.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, so before the kernels import
-pytest.importorskip("triton")
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
-MODULE = "deepserve.kernels.fused_moe"
-if not ON_GPU and MODULE in sys.modules:  # imported earlier without the interpreter: decorate again
-    importlib.reload(sys.modules[MODULE])
-fm = importlib.import_module(MODULE)
+fm = import_kernels("deepserve.kernels.fused_moe")
 
 from deepserve.layers.moe import MoEGate, RoutedExperts, RoutingConfig  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-pytestmark = [pytest.mark.gpu] if ON_GPU else []
+pytestmark = MARKS
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 MC = fm.MoEConfig
 

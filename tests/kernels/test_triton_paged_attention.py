@@ -13,29 +13,19 @@ rows with seq_len 0 stand for CUDA-graph padding and must come back as zeros.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, so before the kernels import
-pytest.importorskip("triton")
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
-MODULE = "deepserve.kernels.triton_paged_attention"
-if not ON_GPU and MODULE in sys.modules:  # imported earlier without the interpreter: decorate again
-    importlib.reload(sys.modules[MODULE])
-tpa = importlib.import_module(MODULE)
+tpa = import_kernels("deepserve.kernels.triton_paged_attention")
 
 from deepserve.kernels.mla_attention import mla_attention_ref  # noqa: E402
 from deepserve.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from deepserve.runner.forward_context import AttentionMetadata  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-pytestmark = [pytest.mark.gpu] if ON_GPU else []
+pytestmark = MARKS
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 
