@@ -268,7 +268,9 @@ def _store_rows_kernel(
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     offs = tl.arange(0, BLOCK)
-    mask = (offs < WIDTH) & (slot >= 0)
+    # The slot test is broadcast to a block-shaped tensor before the &: newer Triton interpreters reject
+    # a mask made from a scalar comparison.
+    mask = (offs < WIDTH) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)
     vals = tl.load(src_ptr + t * stride_src_t + h * stride_src_h + offs, mask=mask)
     dst = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok + h * stride_head
     tl.store(cache_ptr + dst + offs, vals.to(cache_ptr.dtype.element_ty), mask=mask)
