@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from deepserve.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

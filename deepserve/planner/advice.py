@@ -1,0 +1,70 @@
+"""What would fit when a plan does not: more GPUs, an fp8 KV cache, a shorter context — each with numbers.
+
+Every suggestion is a full re-plan with one setting changed, so its figures are as exact as the plan's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepserve.planner.gpus import GIB
+
+_TP_SIZES = (2, 4, 8)  # GPUs in one node; beyond 8, pipeline stages span nodes
+_PP_SIZES = (2, 4, 8)
+
+
+def advise(failed) -> list[dict]:
+    from deepserve.planner.estimate import plan
+
+    req = failed.request
+    out: list[dict] = []
+    more = _more_gpus(failed, plan)
+    if more is not None:
+        out.append(more)
+    if req.kv_cache_dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        alt = _try(plan, dataclasses.replace(req, kv_cache_dtype="fp8", max_model_len=failed.max_model_len))
+        if alt is not None and alt.fits:
+            out.append(_entry("fp8 KV cache", "--kv-cache-dtype fp8", alt,
+                              f"halves KV bytes per token to {alt.kv_bytes_per_token:,}"))
+    if failed.kv_tokens >= req.block_size:
+        shorter = failed.kv_tokens  # whole blocks, so exactly one sequence of this length fits
+        out.append({"change": "shorter context", "flags": f"--max-model-len {shorter}", "num_gpus": failed.num_gpus,
+                    "max_sequences": 1, "max_model_len": shorter,
+                    "detail": f"{failed.kv_tokens:,} KV tokens fit per GPU: one sequence of {shorter:,} tokens"})
+    else:
+        out.append({"change": "shorter context", "flags": None, "num_gpus": failed.num_gpus, "max_sequences": 0,
+                    "max_model_len": 0,
+                    "detail": f"no context length helps: weights {failed.weights_bytes / GIB:.1f} GiB + activations "
+                              f"and graphs {(failed.activation_bytes + failed.cuda_graph_bytes) / GIB:.1f} GiB "
+                              f"leave {failed.kv_cache_bytes / GIB:.1f} GiB of the {failed.budget_bytes / GIB:.1f} "
+                              "GiB budget for the KV cache"})
+    return out
+
+
+def _more_gpus(failed, plan) -> dict | None:
+    req = failed.request
+    candidates = [(tp, req.pipeline_parallel_size) for tp in _TP_SIZES if tp > req.tensor_parallel_size]
+    candidates += [(max(8, req.tensor_parallel_size), pp) for pp in _PP_SIZES if pp > req.pipeline_parallel_size]
+    for tp, pp in candidates:
+        alt = _try(plan, dataclasses.replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                             max_model_len=failed.max_model_len))
+        if alt is not None and alt.fits:
+            flags = f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
+            where = "one node" if tp * pp <= 8 else f"{pp} nodes of {tp} GPUs"
+            return _entry("more GPUs", flags, alt, f"{tp * pp} GPUs ({where}); weights "
+                          f"{alt.weights_bytes / GIB:.1f} GiB per GPU")
+    return None
+
+
+def _try(plan, req):
+    try:
+        return plan(req, advise=False)
+    except ValueError:  # e.g. heads not divisible by that tensor-parallel size
+        return None
+
+
+def _entry(change: str, flags: str, alt, detail: str) -> dict:
+    return {"change": change, "flags": flags, "num_gpus": alt.num_gpus, "max_sequences": alt.max_sequences,
+            "max_model_len": alt.max_model_len,
+            "detail": f"{detail}; {alt.kv_tokens:,} KV tokens, {alt.max_sequences:,} sequences of "
+                      f"{alt.max_model_len:,}"}

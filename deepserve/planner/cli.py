@@ -1,0 +1,74 @@
+"""`deepserve plan MODEL`: the memory per GPU, what fits, and the `deepserve serve` line to run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+from deepserve.planner.gpus import GIB, GPUS
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="capacity plan: memory per GPU, sequences that fit, serve flags")
+    p.add_argument("model", help="checkpoint folder, its config.json, or a preset (e.g. deepseek-v2-lite)")
+    p.add_argument("--gpu", default="h200", help=f"{', '.join(GPUS)}, or a size in GiB (default: h200)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), bf16 or fp8")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true", help="plan without the CUDA-graph reserve")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from deepserve.planner.estimate import PlanRequest, plan
+
+    result = plan(PlanRequest(
+        model=ns.model, gpu=ns.gpu, tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size, max_model_len=ns.max_model_len,
+        kv_cache_dtype=ns.kv_cache_dtype, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_num_seqs=ns.max_num_seqs, block_size=ns.block_size, max_num_batched_tokens=ns.max_num_batched_tokens,
+        enforce_eager=ns.enforce_eager,
+    ))
+    print(json.dumps(result.to_dict(), indent=2) if ns.json else format_plan(result))
+    return 0 if result.fits else 1  # scripts can gate a rollout on it
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def format_plan(p) -> str:
+    f = p.formulas
+    lines = [
+        f"model        {p.model} ({p.architecture}, {p.num_params / 1e9:.2f} B parameters, {p.dtype})",
+        f"GPUs         {p.num_gpus} × {p.gpu} ({p.gpu_memory_bytes / GIB:.1f} GiB), TP {p.request.tensor_parallel_size}"
+        f" × PP {p.request.pipeline_parallel_size}; KV cache {p.kv_cache_dtype}, max_model_len {p.max_model_len:,}",
+        "",
+        "per GPU",
+        f"  budget       {_gib(p.budget_bytes)}  GPU memory × {p.request.gpu_memory_utilization:g}",
+        f"  weights      {_gib(p.weights_bytes)}  {f['weights']}",
+        f"  activations  {_gib(p.activation_bytes)}  {f['activations']}",
+        f"  CUDA graphs  {_gib(p.cuda_graph_bytes)}  {f['cuda_graphs']}",
+        f"  KV cache     {_gib(p.kv_cache_bytes)}  {f['kv_cache']}",
+        f"  KV per token {p.kv_bytes_per_token:,} bytes  {f['kv_bytes_per_token']}",
+        "",
+        f"KV tokens that fit   {p.kv_tokens:,} ({p.num_blocks:,} blocks of {p.request.block_size})",
+        f"sequences of {p.max_model_len:,}  {p.max_sequences:,}"
+        + (f" (the scheduler runs at most --max-num-seqs {p.request.max_num_seqs})" if p.fits else ""),
+        "",
+    ]
+    if p.fits:
+        lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
+    else:
+        lines += ["does NOT fit: not one sequence of max_model_len has room in the KV cache. What would:"]
+        lines += [f"  - {a['change']}: {a['flags'] or '(none)'} — {a['detail']}" for a in p.advice]
+    lines += [f"note: {w}" for w in p.warnings]
+    return "\n".join(lines)

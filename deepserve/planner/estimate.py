@@ -1,0 +1,214 @@
+"""The planner's arithmetic: per-GPU memory, KV tokens that fit, sequences that fit, the serve flags.
+
+Budget per GPU = total × gpu_memory_utilization, as in ModelRunner._profile_gpu_blocks; the KV cache gets
+what the weights, the activations of the profiling step and the CUDA-graph reserve leave of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass, field
+
+from deepserve.planner.gpus import MIB, gpu_memory_bytes
+from deepserve.planner.shapes import ModelShape, model_shape, resolve_model
+
+_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+DEFAULT_BATCHED_TOKENS = 8192  # the engine's chunked-prefill budget (config.DEFAULT_CHUNKED_TOKEN_BUDGET)
+GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside torch's allocator
+
+FORMULAS = {
+    "weights": "parameters and buffers of this rank's layers × dtype bytes (engine classes on the meta device)",
+    "kv_bytes_per_token": "Σ over this stage's layers of kv_cache_shape(1 block, 1 token) × KV dtype bytes: "
+                          "MLA = kv_lora_rank + qk_rope_head_dim (latent, replicated on every TP rank); "
+                          "MHA/GQA = 2 × kv_heads/TP (at least 1) × head_dim",
+    "activations": "T × (4·hidden + attn_width + 2·ffn_width) × dtype bytes + max_num_seqs × vocab × 4, "
+                   "T = min(max_num_batched_tokens, max_model_len); ffn_width per rank (MoE: (top_k + shared) "
+                   "× expert width), attn_width = q + k + v columns per rank (MLA: q, latent and expanded k/v)",
+    "cuda_graphs": "0 with --enforce-eager, else max_num_seqs × (vocab × 4 + 8·hidden × dtype bytes "
+                   "+ 4·⌈max_model_len/block_size⌉) + 512 MiB (CUDA context, graph pool)",
+    "kv_cache": "GPU memory × gpu_memory_utilization − weights − activations − cuda_graphs",
+}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    gpu: str = "h200"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    model: str
+    architecture: str
+    num_params: int
+    gpu: str
+    gpu_memory_bytes: int
+    num_gpus: int
+    dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    weights_bytes: int          # per GPU (the binding pipeline stage)
+    kv_bytes_per_token: int     # per GPU
+    activation_bytes: int
+    cuda_graph_bytes: int
+    budget_bytes: int
+    kv_cache_bytes: int         # may be negative: then nothing fits
+    num_blocks: int
+    kv_tokens: int
+    max_sequences: int          # sequences of max_model_len that fit at once
+    fits: bool
+    serve_command: list[str]
+    warnings: list[str] = field(default_factory=list)
+    advice: list[dict] = field(default_factory=list)
+    formulas: dict[str, str] = field(default_factory=lambda: dict(FORMULAS))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["request"] = dataclasses.asdict(self.request)
+        out["serve_command_line"] = shlex.join(self.serve_command)
+        return out
+
+
+def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
+    _check(req)
+    name, hf_config, is_preset = resolve_model(req.model)
+    dtype = _resolve_dtype(req.dtype, hf_config)
+    kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
+    shape = model_shape(req.model, dtype, req.tensor_parallel_size)
+    max_len = _max_model_len(req.max_model_len, shape)
+    gpu_name, total = gpu_memory_bytes(req.gpu)
+    budget = int(total * req.gpu_memory_utilization)
+    act = _activations(shape, req, max_len, _DTYPE_BYTES[dtype])
+    graphs = _graphs(shape, req, max_len, _DTYPE_BYTES[dtype], hf_config)
+    # Each pipeline stage sizes its own cache; the stage with the fewest KV tokens decides.
+    best = None
+    for weights, kv_elems in _stages(shape, req.pipeline_parallel_size):
+        kv_per_token = kv_elems * kv_elem
+        free = budget - weights - act - graphs
+        blocks = max(0, free) // (kv_per_token * req.block_size)
+        if best is None or blocks < best[3]:
+            best = (weights, kv_per_token, free, blocks)
+    weights, kv_per_token, free, blocks = best
+    tokens = blocks * req.block_size
+    result = Plan(
+        request=req, model=name, architecture=shape.architecture, num_params=shape.num_params, gpu=gpu_name,
+        gpu_memory_bytes=total, num_gpus=req.tensor_parallel_size * req.pipeline_parallel_size, dtype=dtype,
+        kv_cache_dtype=req.kv_cache_dtype, max_model_len=max_len, weights_bytes=weights,
+        kv_bytes_per_token=kv_per_token, activation_bytes=act, cuda_graph_bytes=graphs, budget_bytes=budget,
+        kv_cache_bytes=free, num_blocks=blocks, kv_tokens=tokens, max_sequences=tokens // max_len,
+        fits=tokens // max_len >= 1, serve_command=_serve_command(req, name, max_len, is_preset),
+    )
+    result.warnings = _engine_warnings(req)
+    if advise and not result.fits:
+        from deepserve.planner.advice import advise as make_advice
+
+        result.advice = make_advice(result)
+    return result
+
+
+def _check(req: PlanRequest) -> None:
+    if req.tensor_parallel_size < 1 or req.pipeline_parallel_size < 1:
+        raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be >= 1")
+    if not 0.0 < req.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {req.gpu_memory_utilization}")
+    if req.kv_cache_dtype != "auto" and req.kv_cache_dtype not in _KV_BYTES:
+        raise ValueError(f"--kv-cache-dtype must be auto, bf16 or fp8, got {req.kv_cache_dtype!r}")
+    if req.dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {req.dtype!r}")
+    if req.max_num_seqs < 1 or req.block_size < 1:
+        raise ValueError("--max-num-seqs and --block-size must be >= 1")
+
+
+def _resolve_dtype(dtype: str, hf_config) -> str:
+    from deepserve.loader.hf_config import resolve_dtype
+
+    return resolve_dtype(_DTYPES[dtype], hf_config, "cuda")  # the planner plans for GPUs
+
+
+def _max_model_len(requested: int | None, shape: ModelShape) -> int:
+    if requested is None:
+        return shape.max_position_embeddings
+    if not 1 <= requested <= shape.max_position_embeddings:
+        raise ValueError(f"--max-model-len must be in 1..{shape.max_position_embeddings} (the model's "
+                         f"max_position_embeddings), got {requested}")
+    return requested
+
+
+def _stages(shape: ModelShape, pp: int) -> list[tuple[int, int]]:
+    n = len(shape.layer_weight_bytes)
+    if pp > n:
+        raise ValueError(f"--pipeline-parallel-size {pp} is larger than the model's {n} layers")
+    sizes = [n // pp + (i < n % pp) for i in range(pp)]
+    out, start = [], 0
+    for i, size in enumerate(sizes):
+        weights = sum(shape.layer_weight_bytes[start:start + size])
+        weights += shape.first_stage_bytes * (i == 0) + shape.last_stage_bytes * (i == pp - 1)
+        out.append((weights, sum(shape.layer_kv_elems[start:start + size])))
+        start += size
+    return out
+
+
+def _activations(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int) -> int:
+    tokens = min(req.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS, max_len)
+    per_token = 4 * shape.hidden_size + shape.attn_width + 2 * shape.ffn_width
+    return tokens * per_token * dtype_bytes + req.max_num_seqs * shape.vocab_size * 4
+
+
+def _graphs(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int, hf_config) -> int:
+    from deepserve.models.registry import get_model_class
+
+    if req.enforce_eager or not getattr(get_model_class(hf_config), "supports_cuda_graphs", True):
+        return 0
+    block_table = 4 * -(-max_len // req.block_size)
+    per_seq = shape.vocab_size * 4 + 8 * shape.hidden_size * dtype_bytes + block_table
+    return req.max_num_seqs * per_seq + GRAPH_FIXED_BYTES
+
+
+def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) -> list[str]:
+    cmd = ["deepserve", "serve", model]
+    if req.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(req.tensor_parallel_size)]
+    if req.pipeline_parallel_size > 1:
+        cmd += ["--pipeline-parallel-size", str(req.pipeline_parallel_size)]
+    cmd += ["--max-model-len", str(max_len), "--gpu-memory-utilization", f"{req.gpu_memory_utilization:g}",
+            "--max-num-seqs", str(req.max_num_seqs)]
+    if req.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", req.kv_cache_dtype]
+    if req.dtype != "auto":
+        cmd += ["--dtype", _DTYPES[req.dtype]]
+    if req.block_size != 16:
+        cmd += ["--block-size", str(req.block_size)]
+    if req.enforce_eager:
+        cmd += ["--enforce-eager"]
+    if is_preset:
+        cmd += ["--load-format", "dummy"]  # a preset is a shape without weights
+    return cmd
+
+
+def _engine_warnings(req: PlanRequest) -> list[str]:
+    """What this version of the engine would still refuse: the plan is right, the engine is behind it."""
+    from deepserve.config import CacheConfig, ParallelConfig
+
+    warnings = []
+    for build in (lambda: ParallelConfig(req.tensor_parallel_size, req.pipeline_parallel_size),
+                  lambda: CacheConfig(kv_cache_dtype=req.kv_cache_dtype)):
+        try:
+            build()
+        except ValueError as exc:
+            warnings.append(f"this deepserve version refuses it at startup: {exc}")
+    return warnings

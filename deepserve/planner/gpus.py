@@ -1,0 +1,34 @@
+"""GPU memory sizes, in bytes, as the driver reports them (nvidia-smi's MiB total).
+
+The marketing figure ("141 GB") is decimal and slightly above what CUDA can hand out; the engine sizes its
+cache from `torch.cuda.mem_get_info()`'s total, so the planner uses the same number.
+"""
+
+from __future__ import annotations
+
+MIB = 2**20
+GIB = 2**30
+
+GPUS: dict[str, int] = {
+    "h200": 143_771 * MIB,     # H200 SXM, 141 GB HBM3e
+    "h100": 81_559 * MIB,      # H100 SXM/PCIe, 80 GB
+    "a100-80g": 81_920 * MIB,  # A100 80 GB
+    "a100-40g": 40_960 * MIB,  # A100 40 GB
+    "h20": 97_871 * MIB,       # H20, 96 GB
+    "l40s": 46_068 * MIB,      # L40S, 48 GB GDDR6
+}
+
+
+def gpu_memory_bytes(gpu: str) -> tuple[str, int]:
+    """(display name, bytes) for a GPU name from GPUS or a size in GiB such as "80" or "80GiB"."""
+    key = gpu.strip().lower()
+    if key in GPUS:
+        return key, GPUS[key]
+    number = key.removesuffix("gib").removesuffix("gb").strip()
+    try:
+        gib = float(number)
+    except ValueError:
+        raise ValueError(f"unknown --gpu {gpu!r}; use one of {', '.join(GPUS)} or a size in GiB such as 80") from None
+    if gib <= 0:
+        raise ValueError(f"--gpu size must be positive, got {gpu!r}")
+    return f"{gib:g} GiB", int(gib * GIB)

@@ -1,0 +1,105 @@
+{{- define "deepserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{ end }}
+{{- end }}
+
+{{- define "deepserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "deepserve.labels" -}}
+{{ include "deepserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{- define "deepserve.scheme" -}}{{ if .Values.tls.enabled }}HTTPS{{ else }}HTTP{{ end }}{{- end }}
+
+{{/* The server container, shared by the Deployment and the LeaderWorkerSet leader. */}}
+{{- define "deepserve.container" -}}
+- name: deepserve
+  image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args:
+    - {{ .Values.model.path | quote }}
+    - --config
+    - /etc/deepserve/serve.yaml
+    {{- range .Values.engine.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  ports:
+    - name: http
+      containerPort: {{ .Values.server.port }}
+  startupProbe:
+    httpGet: {path: /health, port: http, scheme: {{ include "deepserve.scheme" . }}}
+    periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+    failureThreshold: {{ .Values.probes.startup.failureThreshold }}
+  readinessProbe:
+    httpGet: {path: /ready, port: http, scheme: {{ include "deepserve.scheme" . }}}
+    periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+    failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+  livenessProbe:
+    httpGet: {path: /health, port: http, scheme: {{ include "deepserve.scheme" . }}}
+    periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+    failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+  lifecycle:
+    preStop:
+      # The server drains by itself on SIGTERM; this pause only lets Service endpoints forget the pod first.
+      exec: {command: ["sleep", "{{ .Values.server.preStopSleep }}"]}
+  resources: {{- toYaml .Values.resources | nindent 4 }}
+  securityContext:
+    allowPrivilegeEscalation: false
+    readOnlyRootFilesystem: true
+    capabilities: {drop: ["ALL"]}
+  volumeMounts:
+    - {name: config, mountPath: /etc/deepserve/serve.yaml, subPath: serve.yaml, readOnly: true}
+    - {name: keys, mountPath: /etc/deepserve/keys, readOnly: true}
+    {{- if .Values.tls.enabled }}
+    - {name: tls, mountPath: /etc/deepserve/tls, readOnly: true}
+    {{- end }}
+    - {name: models, mountPath: {{ .Values.model.mountPath }}, readOnly: true}
+    - {name: tmp, mountPath: /tmp}
+    - {name: dshm, mountPath: /dev/shm}
+{{- end }}
+
+{{- define "deepserve.podSpec" -}}
+# SIGTERM → drain for --shutdown-timeout; the kubelet must wait for preStop + the drain + a margin.
+terminationGracePeriodSeconds: {{ add .Values.server.shutdownTimeout .Values.server.preStopSleep 15 }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  fsGroup: 10001
+  seccompProfile: {type: RuntimeDefault}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+containers:
+{{- include "deepserve.container" . | nindent 2 }}
+volumes:
+  - name: config
+    configMap: {name: {{ include "deepserve.fullname" . }}}
+  - name: keys
+    secret: {secretName: {{ .Values.auth.keysSecret }}}
+  {{- if .Values.tls.enabled }}
+  - name: tls
+    secret: {secretName: {{ .Values.tls.secretName }}}
+  {{- end }}
+  - name: models
+    persistentVolumeClaim: {claimName: {{ .Values.model.pvcName }}, readOnly: true}
+  - name: tmp
+    emptyDir: {}
+  - name: dshm
+    emptyDir: {medium: Memory, sizeLimit: {{ .Values.shmSize }}}
+{{- end }}

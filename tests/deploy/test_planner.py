@@ -1,0 +1,121 @@
+"""The capacity planner against hand-computed figures (BENCHMARKS.md shapes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepserve.entrypoints.cli import main
+from deepserve.planner import PlanRequest, plan
+from deepserve.planner.gpus import GIB, gpu_memory_bytes
+
+
+@pytest.mark.parametrize("model, kv_bytes", [
+    ("deepseek-llm-7b", 2 * 32 * 128 * 30 * 2),     # MHA: 2 (k, v) × 32 heads × 128 × 30 layers × bf16 = 491,520
+    ("r1-distill-qwen-7b", 2 * 4 * 128 * 28 * 2),   # GQA: 4 kv heads = 57,344
+    ("deepseek-v2-lite", (512 + 64) * 27 * 2),      # MLA latent 576 × 27 layers = 31,104
+    ("deepseek-v3", (512 + 64) * 61 * 2),           # 61 layers (the MTP layer is skipped) = 70,272
+])
+def test_bf16_kv_bytes_per_token(model, kv_bytes):
+    assert plan(PlanRequest(model, max_model_len=4096)).kv_bytes_per_token == kv_bytes
+    assert kv_bytes in (491_520, 57_344, 31_104, 70_272)
+
+
+@pytest.mark.parametrize("model, billions", [
+    ("deepseek-llm-7b", 6.91), ("r1-distill-qwen-7b", 7.62), ("deepseek-v2-lite", 15.71), ("deepseek-v3", 671.03),
+])
+def test_parameter_counts_match_benchmarks_md(model, billions):
+    assert round(plan(PlanRequest(model, max_model_len=4096)).num_params / 1e9, 2) == billions
+
+
+def test_weights_are_parameters_plus_the_rope_tables_the_engine_allocates():
+    def extra(model):
+        p = plan(PlanRequest(model, max_model_len=4096))
+        return p.weights_bytes - 2 * p.num_params  # bf16 parameters; the rest is float32 buffers
+
+    # Llama/Qwen2 keep one float32 cos/sin table [max_position_embeddings, head_dim] per layer
+    assert extra("deepseek-llm-7b") == 30 * 4096 * 128 * 4
+    assert extra("r1-distill-qwen-7b") == 28 * 131072 * 128 * 4  # 1.75 GiB at 128k positions
+    # DeepSeek-V2 shares one [163840, rope 64] table between its layers (+ small MoE buffers)
+    assert 163840 * 64 * 4 <= extra("deepseek-v2-lite") < 64 * 2**20
+
+
+def test_tensor_parallel_splits_heads_but_not_the_mla_latent():
+    dense = [plan(PlanRequest("deepseek-llm-7b", tensor_parallel_size=tp, max_model_len=4096)) for tp in (1, 2)]
+    assert dense[1].kv_bytes_per_token == 491_520 // 2
+    # halved but for what every rank keeps whole: norms and the rope tables
+    assert dense[0].weights_bytes / 2 < dense[1].weights_bytes < dense[0].weights_bytes * 0.51
+    mla = plan(PlanRequest("deepseek-v2-lite", tensor_parallel_size=2, max_model_len=4096))
+    assert mla.kv_bytes_per_token == 31_104  # the latent is replicated on every rank
+    gqa = plan(PlanRequest("r1-distill-qwen-7b", tensor_parallel_size=8, max_model_len=4096))
+    assert gqa.kv_bytes_per_token == 2 * 1 * 128 * 28 * 2  # 4 kv heads over 8 ranks: one (replicated) per rank
+
+
+def test_fp8_kv_halves_the_cache_and_both_preset_spellings_work():
+    a = plan(PlanRequest("deepseek-r1-distill-qwen-7b", max_model_len=4096, kv_cache_dtype="fp8"))
+    b = plan(PlanRequest("r1-distill-qwen-7b", max_model_len=4096))
+    assert a.model == b.model == "r1-distill-qwen-7b"
+    assert a.kv_bytes_per_token * 2 == b.kv_bytes_per_token
+
+
+def test_tokens_and_sequences_follow_the_budget_arithmetic():
+    p = plan(PlanRequest("deepseek-llm-7b", gpu="h100", max_model_len=4096))
+    _, total = gpu_memory_bytes("h100")
+    assert p.budget_bytes == int(total * 0.9)
+    free = p.budget_bytes - p.weights_bytes - p.activation_bytes - p.cuda_graph_bytes
+    assert p.kv_tokens == free // (491_520 * 16) * 16
+    assert p.max_sequences == p.kv_tokens // 4096 and p.fits
+    # activations: T = min(8192, 4096) tokens × (4·4096 + 3·4096 + 2·11008) × 2 bytes + 256 × 102400 × 4
+    assert p.activation_bytes == 4096 * (4 * 4096 + 3 * 4096 + 2 * 11008) * 2 + 256 * 102400 * 4
+    assert p.serve_command == ["deepserve", "serve", "deepseek-llm-7b", "--max-model-len", "4096",
+                               "--gpu-memory-utilization", "0.9", "--max-num-seqs", "256", "--load-format", "dummy"]
+
+
+def test_does_not_fit_says_what_would():
+    p = plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096))
+    assert not p.fits and p.max_sequences == 0
+    advice = {a["change"]: a for a in p.advice}
+    assert advice["more GPUs"]["flags"] == "--tensor-parallel-size 2"
+    assert advice["more GPUs"]["max_sequences"] == plan(
+        PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096, tensor_parallel_size=2)).max_sequences > 0
+    shorter = advice["shorter context"]
+    assert shorter["flags"] == f"--max-model-len {p.kv_tokens}" and 0 < p.kv_tokens < 4096
+    assert plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=p.kv_tokens)).fits
+    # V3 in bf16 (the engine dequantizes FP8): 8 × H200 is not enough; 2 nodes of 8 are
+    v3 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=32768))
+    assert not v3.fits and v3.weights_bytes > v3.budget_bytes
+    assert v3.advice[0]["flags"] == "--tensor-parallel-size 8 --pipeline-parallel-size 2"
+    assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]
+
+
+def test_checkpoint_folder_and_config_json(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                architectures=["LlamaForCausalLM"], torch_dtype="bfloat16").save_pretrained(tmp_path)
+    by_folder = plan(PlanRequest(str(tmp_path), gpu="24"))
+    by_file = plan(PlanRequest(str(tmp_path / "config.json"), gpu="24"))
+    assert by_folder.kv_bytes_per_token == by_file.kv_bytes_per_token == 2 * 2 * 64 * 2 * 2
+    assert by_folder.max_model_len == 2048 and "--load-format" not in by_folder.serve_command
+
+
+def test_cli_json_shape_and_exit_codes(capsys):
+    assert main(["plan", "deepseek-v2-lite", "--gpu", "a100-80g", "--max-model-len", "8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("model", "gpu", "num_gpus", "weights_bytes", "kv_bytes_per_token", "activation_bytes",
+                "cuda_graph_bytes", "kv_tokens", "max_sequences", "fits", "serve_command_line", "advice",
+                "formulas", "warnings"):
+        assert key in out
+    assert out["fits"] is True and out["kv_bytes_per_token"] == 31_104
+    assert out["serve_command_line"].startswith("deepserve serve deepseek-v2-lite --max-model-len 8192")
+    assert main(["plan", "deepseek-llm-7b", "--gpu", "16", "--max-model-len", "4096"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "deepseek-llm-7b", "--gpu", "t4"]) == 2
+    assert "unknown --gpu" in capsys.readouterr().err
+
+
+def test_gpu_sizes():
+    assert gpu_memory_bytes("80") == ("80 GiB", 80 * GIB)
+    assert gpu_memory_bytes("H200")[1] > gpu_memory_bytes("h20")[1] > gpu_memory_bytes("a100-80g")[1]
