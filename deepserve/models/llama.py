@@ -34,7 +34,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         tp = get_tp_world_size()
         hidden = config.hidden_size
@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, num_kv_heads, qkv_bias)
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -57,9 +57,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
+    def __init__(self, config: Any, biases: tuple[bool, bool], rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, *biases)
+        self.self_attn = LlamaAttention(config, *biases, rotary_emb)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -79,7 +79,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, biases) for _ in range(config.num_hidden_layers))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # [max_position, head_dim] in float32: 64 MiB at 131k positions, so built once, not per layer.
+        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, biases, rotary_emb) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
