@@ -83,9 +83,12 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
             raise ValueError(
-                "tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet; use 1"
+                f"pipeline_parallel_size > 1 is not supported yet (got {self.pipeline_parallel_size}); use 1 "
+                "and split the model with --tensor-parallel-size instead"
             )
 
 
@@ -95,6 +98,13 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+
+    def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            # Refused here, before any process starts, rather than by a layer on some rank.
+            from deepserve.runner.tp_check import check_tp_divides
+
+            check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size)
 
 
 @dataclass

@@ -91,6 +91,10 @@ class EngineCore:
         from deepserve.runner.model_runner import ModelRunner
 
         config = args.create_engine_config()
+        if config.parallel.tensor_parallel_size > 1:
+            from deepserve.runner.executor import MultiprocExecutor
+
+            return cls(config, MultiprocExecutor(config))
         return cls(config, ModelRunner(config))
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -122,6 +122,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden  # [S, V]
 
     @torch.inference_mode()
+    def execute_without_sampling(self, out: SchedulerOutput) -> None:
+        """What a tensor-parallel worker runs each step: every collective `execute` runs, in the same
+        order (forward, LM head over the sampling rows, prompt-logprob rows), without the sampler."""
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        _, hidden = self._forward(out, inputs)
+        if hidden is not None:
+            self._prompt_logprobs(out, hidden)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         inputs = prepare_inputs(out, self.block_size, self.device)
         logits, hidden = self._forward(out, inputs)

@@ -1,0 +1,51 @@
+"""Which tensor_parallel_size a model can be split into, checked before any process starts.
+
+Torch-free on purpose: `EngineConfig` calls it while validating, in the API server's process too.
+The rules mirror what the layers slice: query heads, the MLP's and the experts' intermediate sizes
+are split evenly; key/value heads are split evenly or, when there are fewer than ranks, replicated
+(each kv head on tp / kv_heads ranks, as QKVParallelLinear does). The vocab need not divide: the
+vocab-parallel embedding pads its last slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _split_sizes(hf_config: Any) -> dict[str, int]:
+    """config.json field -> the size every rank must get an equal share of."""
+    sizes = {"num_attention_heads": hf_config.num_attention_heads}
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        value = getattr(hf_config, name, None)
+        if name == "moe_intermediate_size" and not getattr(hf_config, "n_routed_experts", None):
+            continue  # a dense model may carry the field without using it
+        if value:
+            sizes[name] = value
+    return sizes
+
+
+def _kv_heads(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def tp_problems(hf_config: Any, tp: int) -> list[str]:
+    """Why `tp` does not fit this model, one line per field; empty when it fits."""
+    problems = [f"{name} ({size}) is not divisible by tensor_parallel_size ({tp})"
+                for name, size in _split_sizes(hf_config).items() if size % tp]
+    kv = _kv_heads(hf_config)
+    if kv % tp and tp % kv:
+        problems.append(f"num_key_value_heads ({kv}) is neither divisible by nor a divisor of "
+                        f"tensor_parallel_size ({tp}), so kv heads can be neither split nor replicated evenly")
+    return problems
+
+
+def fitting_tp_sizes(hf_config: Any, limit: int = 64) -> list[int]:
+    return [t for t in range(1, limit + 1) if not tp_problems(hf_config, t)]
+
+
+def check_tp_divides(hf_config: Any, tp: int) -> None:
+    problems = tp_problems(hf_config, tp)
+    if problems:
+        fits = ", ".join(map(str, fitting_tp_sizes(hf_config)))
+        raise ValueError(f"--tensor-parallel-size {tp} does not fit this model: {'; '.join(problems)}. "
+                         f"Sizes that fit: {fits}")

@@ -1,0 +1,117 @@
+"""A rank that dies or freezes ends the engine with an error naming it, within a bounded time; a
+tensor_parallel_size that does not fit the model is refused before any process starts; workers
+never outlive their engine."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from deepserve import SamplingParams
+from deepserve.config import EngineArgs
+from deepserve.runner.executor import TensorParallelError
+from tests.parallel.conftest import GREEDY, PROMPTS, make_llm, shutdown
+
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+def _worker(llm, rank: int):
+    return llm.llm_engine.core.runner.workers.procs[rank]
+
+
+def test_shards_are_split_across_ranks(llama_path):
+    llm = make_llm(llama_path, 2)
+    try:
+        model = llm.llm_engine.core.runner.runner.model
+        # q: 4 heads of 16 -> 2 per rank; k and v: 2 kv heads -> 1 per rank
+        assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 16 + 16, 64)
+        assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
+    finally:
+        shutdown(llm)
+
+
+def test_killed_worker_between_steps_is_named(llama_path):
+    llm = make_llm(llama_path, 2)
+    try:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        proc = _worker(llm, 1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        with pytest.raises(TensorParallelError, match=r"rank 1 exited \(exit code -9\)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(TensorParallelError, match="rank 1"):  # the engine stays failed
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        shutdown(llm)
+
+
+def test_worker_killed_mid_generation_is_named_quickly(llama_path):
+    llm = make_llm(llama_path, 2)
+    try:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)  # warm: the kill lands inside the long run
+        proc = _worker(llm, 1)
+        threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1 exited"):
+            llm.generate(PROMPTS, LONG, use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        shutdown(llm)
+
+
+def test_frozen_worker_is_named_after_the_timeout(llama_path, monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_TP_TIMEOUT_S", "4")
+    llm = make_llm(llama_path, 2)
+    try:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        os.kill(_worker(llm, 1).pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] stopped responding"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        shutdown(llm)  # SIGKILL ends a stopped process too
+
+
+def test_workers_exit_when_the_llm_is_collected(llama_path):
+    llm = make_llm(llama_path, 2)
+    proc = _worker(llm, 1)
+    del llm
+    gc.collect()
+    proc.join(10)
+    assert proc.exitcode == 0  # a clean exit on the stop signal, not a kill
+
+
+@pytest.mark.parametrize(("field", "overrides", "fits"), [
+    ("num_attention_heads", dict(num_attention_heads=6, num_key_value_heads=6), "1, 2, 3, 6"),
+    ("num_key_value_heads", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96), "1, 3, 6"),
+    ("intermediate_size", dict(intermediate_size=98), "1, 2"),
+])
+def test_non_dividing_tp_is_refused_naming_the_field(llama_path, field, overrides, fits):
+    tp = 4 if field != "num_key_value_heads" else 2
+    args = EngineArgs(model=llama_path, device="cpu", tensor_parallel_size=tp, hf_overrides=overrides)
+    pattern = rf"{field} \(\d+\) is .*tensor_parallel_size \({tp}\).*Sizes that fit: {fits}$"
+    with pytest.raises(ValueError, match=pattern):
+        args.create_engine_config()
+
+
+def test_moe_intermediate_size_is_checked():
+    from types import SimpleNamespace
+
+    from deepserve.runner.tp_check import tp_problems
+
+    cfg = SimpleNamespace(num_attention_heads=8, intermediate_size=64, moe_intermediate_size=12, n_routed_experts=4)
+    assert tp_problems(cfg, 8) == ["moe_intermediate_size (12) is not divisible by tensor_parallel_size (8)"]
+    assert tp_problems(cfg, 4) == []
+
+
+def test_pipeline_parallel_is_refused_clearly():
+    from deepserve.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
