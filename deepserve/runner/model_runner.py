@@ -71,12 +71,11 @@ class ModelRunner:
         _, total = torch.cuda.mem_get_info(self.device)
         available = total * self.config.cache.gpu_memory_utilization - peak
         num_blocks = int(available // per_block)
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache: the model and activations take {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
-                "or use more GPUs (--tensor-parallel-size)"
-            )
+        # One sequence of max_model_len must fit; the engine refuses to start otherwise, with the values.
+        needed_blocks = -(-self.config.model.max_model_len // self.block_size)
+        if num_blocks < needed_blocks:
+            raise ValueError(_out_of_memory_message(peak, total, per_block, needed_blocks, num_blocks,
+                                                    self.config, self.block_size))
         return num_blocks
 
     def _profile_run(self) -> None:
@@ -177,6 +176,25 @@ class ModelRunner:
             ids, lps, ranks = compute_token_logprobs(self.model.compute_logits(rows).float(), targets, k)
             result[request.request_id] = _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
         return result
+
+
+def _out_of_memory_message(peak: int, total: int, per_block: int, needed_blocks: int, num_blocks: int,
+                           config: EngineConfig, block_size: int) -> str:
+    """What does not fit, and the values of the flags that would make it fit."""
+    gib = 2**30
+    fits_len = max(0, num_blocks) * block_size
+    util_needed = (peak + needed_blocks * per_block) / total
+    advice = [f"lower --max-model-len to {fits_len}" if fits_len > 0 else None,
+              f"raise --gpu-memory-utilization to {util_needed:.2f}" if util_needed <= 0.98 else None,
+              "use more GPUs (--tensor-parallel-size)"]
+    return (
+        f"the KV cache does not fit: the weights and the largest step's activations take {peak / gib:.1f} GiB "
+        f"of the {config.cache.gpu_memory_utilization:.2f} x {total / gib:.1f} GiB allowed, leaving room for "
+        f"{max(0, num_blocks) * block_size} tokens of KV cache, and one sequence of --max-model-len "
+        f"{config.model.max_model_len} needs {needed_blocks * per_block / gib:.2f} GiB; "
+        + ", or ".join(a for a in advice if a)
+        + " (deepserve plan MODEL shows the whole budget)"
+    )
 
 
 def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
