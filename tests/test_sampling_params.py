@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from deepserve.config import EngineConfig, ModelConfig
+from deepserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepserve.engine.processors import InputProcessor
 from deepserve.sampling_params import SamplingParams
 
@@ -42,7 +42,8 @@ class _Config:
 
 
 def processor(max_model_len: int = 32) -> InputProcessor:
-    config = EngineConfig(ModelConfig("m", None, _Config(), "float32", max_model_len), None, None, None)
+    config = EngineConfig(ModelConfig("m", None, _Config(), "float32", max_model_len), CacheConfig(),
+                          SchedulerConfig(max_model_len=max_model_len), ParallelConfig())
     return InputProcessor(config, None, frozenset([1]))
 
 
