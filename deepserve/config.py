@@ -81,10 +81,25 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Multi-node (docs/parallel.md): tensor_parallel_size / nnodes ranks on each node; node 0 runs the
+    # engine and hosts torch.distributed's rendezvous (TCPStore) at master_addr:master_port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must be >= 1 and divide --tensor-parallel-size "
+                             f"{self.tensor_parallel_size} (ranks per node = tensor_parallel_size / nnodes)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] "
+                             f"for --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address, reachable "
+                             "from every node)")
         if self.pipeline_parallel_size != 1:
             raise ValueError(
                 f"pipeline_parallel_size > 1 is not supported yet (got {self.pipeline_parallel_size}); use 1 "
@@ -127,6 +142,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     load_format: str = "auto"
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
@@ -178,7 +197,8 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes,
+                                    self.node_rank, self.master_addr, self.master_port),
         )
 
 

@@ -30,12 +30,36 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=d.swap_space)
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--nnodes", type=int, default=d.nnodes,
+                   help="nodes the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)")
+    g.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this node's index; 0 runs the engine (and the server), k > 0 only serves its ranks")
+    g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=d.master_port,
+                   help="the torch.distributed rendezvous port on node 0 (needed with --nnodes > 1)")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
 
 
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
+    """The EngineArgs of the flags. On a node other than 0 (--node-rank k) there is no engine to
+    build: this runs the node's tensor-parallel ranks until node 0 stops, then exits the command."""
+    args = _engine_args(ns, model)
+    if args.node_rank != 0:
+        raise SystemExit(_run_worker_node(args))
+    return args
+
+
+def _run_worker_node(args: EngineArgs) -> int:
+    from deepserve.runner.worker import run_node
+
+    config = args.create_engine_config()  # the same checks node 0 makes, before joining
+    backend = "nccl" if config.model.device == "cuda" else "gloo"
+    return run_node(config.parallel, backend)
+
+
+def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
     return EngineArgs(
         model=model, tokenizer=ns.tokenizer, dtype=ns.dtype, seed=ns.seed, max_model_len=ns.max_model_len,
         block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
@@ -43,6 +67,7 @@ def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_chunked_prefill=ns.enable_chunked_prefill,
         enable_prefix_caching=ns.enable_prefix_caching, swap_space=ns.swap_space,
         kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
         enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
     )

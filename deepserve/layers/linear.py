@@ -1,7 +1,9 @@
 """Tensor-parallel linear layers. Each owns its shard and its one collective (DESIGN.md principle 7).
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies its slice
-of a full checkpoint tensor, so the checkpoint loader never needs to know about parallelism.
+of a full checkpoint tensor, so the checkpoint loader never needs to know about parallelism. The
+tensor may be a `loader.checkpoint.LazyTensor`: the loaders only `narrow` / slice it before the copy,
+so a rank reads just its slice from the file; a real tensor works the same.
 Weights are stored as [out_features, in_features], like nn.Linear and the checkpoints.
 """
 

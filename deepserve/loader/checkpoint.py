@@ -1,7 +1,10 @@
 """Checkpoint loading: safetensors shards (with or without their index) and dummy weights.
 
-Each parameter's `weight_loader` takes the full checkpoint tensor and copies its own slice
-(tensor parallelism, merged q/k/v and gate/up), so this file knows nothing about layouts.
+Each parameter's `weight_loader` takes the checkpoint tensor and copies its own slice (tensor
+parallelism, merged q/k/v and gate/up), so this file knows nothing about layouts. The tensors come
+as `LazyTensor`s: `narrow` and basic slicing stay lazy, and only the slice a rank keeps is read from
+the file (safetensors' `get_slice`); anything else (a torch op, a Tensor method) reads the whole
+tensor, so a loader written for full tensors still works.
 """
 
 from __future__ import annotations
@@ -33,11 +36,107 @@ def checkpoint_files(model_path: str) -> list[str]:
     return [os.path.join(model_path, n) for n in names]
 
 
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: shape and dtype are known, `narrow(dim, start, length)` and
+    `t[a:b]` / `t[:, a:b]` return a smaller LazyTensor, and the bytes are read only when a torch
+    function or a Tensor method needs them (`param.data.copy_(t)`), and then only the window."""
+
+    def __init__(self, source: object, shape: tuple[int, ...], dtype: torch.dtype,
+                 window: tuple[tuple[int, int], ...] | None = None) -> None:
+        self._source = source  # safetensors' slice object: `source[a:b, c:d]` reads that window
+        self._full_shape = tuple(shape)
+        self._window = window if window is not None else tuple((0, n) for n in shape)
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(b - a for a, b in self._window)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._window)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        dim = dim % self.ndim
+        a, b = self._window[dim]
+        if start < 0 or length < 0 or a + start + length > b:
+            raise IndexError(f"narrow({dim}, {start}, {length}) is out of range for shape {tuple(self.shape)}")
+        window = list(self._window)
+        window[dim] = (a + start, a + start + length)
+        return LazyTensor(self._source, self._full_shape, self.dtype, tuple(window))
+
+    def __getitem__(self, key: object) -> LazyTensor | torch.Tensor:
+        keys = key if isinstance(key, tuple) else (key,)
+        if len(keys) <= self.ndim and all(isinstance(k, slice) and k.step in (None, 1) for k in keys):
+            out = self
+            for dim, k in enumerate(keys):
+                start, stop, _ = k.indices(out.shape[dim])
+                out = out.narrow(dim, start, max(0, stop - start))
+            return out
+        return self.materialize()[key]
+
+    def materialize(self) -> torch.Tensor:
+        return self._source[tuple(slice(a, b) for a, b in self._window)]
+
+    def __getattr__(self, name: str) -> object:
+        # Any other Tensor attribute (.float(), .view(...), .t()): read the window and ask it.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_materialize_all(args), **_materialize_all(kwargs or {}))
+
+    def __repr__(self) -> str:
+        return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype}, window={self._window})"
+
+
+def _materialize_all(x: object) -> object:
+    if isinstance(x, LazyTensor):
+        return x.materialize()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_materialize_all(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _materialize_all(v) for k, v in x.items()}
+    return x
+
+
+def materialize(x: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """The tensor itself, or the window a LazyTensor stands for, read now."""
+    return x.materialize() if isinstance(x, LazyTensor) else x
+
+
 def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, LazyTensor) for every tensor of every shard; a tensor is read when a loader uses it."""
     for path in checkpoint_files(model_path):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+        f = safe_open(path, framework="pt")  # kept open by the slices that refer to it
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            s = f.get_slice(name)
+            shape, dtype = tuple(s.get_shape()), _DTYPES.get(s.get_dtype())
+            if dtype is None or not shape:  # an exotic dtype or a scalar: read it as it is
                 yield name, f.get_tensor(name)
+            else:
+                yield name, LazyTensor(s, shape, dtype)  # type: ignore[misc]
 
 
 def load_named_weights(

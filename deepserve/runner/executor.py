@@ -10,6 +10,13 @@ Failure is bounded: a dead worker is seen before each command and, mid-step, as 
 failing; a frozen one as the process group timeout (DEEPSERVE_TP_TIMEOUT_S). Either way the error
 names the rank. Workers stop when the executor is garbage-collected, at interpreter exit, or when
 this process dies (they watch it).
+
+Multi-node (`nnodes > 1`): this process is node 0 and spawns only its own tensor_parallel_size /
+nnodes - 1 workers; the other nodes' ranks join the rendezvous at master_addr:master_port from
+`deepserve serve --node-rank k` (worker.run_node). Every worker then waits inside the control
+broadcast (no semaphores across hosts), shutdown broadcasts "stop", and a rank on another node is
+named when its heartbeat counter in the rendezvous store stops moving for
+DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import weakref
 from typing import Any
@@ -53,17 +61,24 @@ class _Workers:
     """The spawned processes and what they share with rank 0 (no reference to the executor, so
     that the finalizer can hold it)."""
 
-    def __init__(self, world: int, port: int, backend: str, timeout_s: float) -> None:
+    def __init__(self, world: int, port: int, backend: str, timeout_s: float, addr: str = "127.0.0.1",
+                 nnodes: int = 1) -> None:
         ctx = mp.get_context("spawn")
+        local = world // nnodes
+        self.multinode = nnodes > 1
         self.stop = ctx.Event()
-        self.go = [ctx.Semaphore(0) for _ in range(world)]  # index = rank; go[0] unused
+        self.go = [ctx.Semaphore(0) for _ in range(local)]  # index = rank; go[0] unused
         self.progress = ctx.Array("q", world, lock=False)  # commands each worker finished (1 = loaded)
         self.heartbeat = ctx.Array("d", world, lock=False)
+        self.group: Any = None  # the control group, once rank 0 has joined
+        self.healthy = False  # every rank loaded and none failed: shutdown may broadcast "stop"
+        self.remote: _RemoteHeartbeats | None = None
         self.procs = {}
-        for rank in range(1, world):
+        for rank in range(1, local):
+            go = None if self.multinode else self.go[rank]
             p = ctx.Process(target=worker.worker_main, name=f"deepserve-tp{rank}", daemon=True,
-                            args=(rank, world, port, backend, timeout_s, self.go[rank], self.stop,
-                                  self.progress, self.heartbeat))
+                            args=(rank, world, port, backend, timeout_s, go, self.stop,
+                                  self.progress, self.heartbeat, addr, local, self.multinode))
             p.start()
             self.procs[rank] = p
 
@@ -75,11 +90,50 @@ class _Workers:
         return [r for r in self.procs if self.heartbeat[r] and now - self.heartbeat[r] > STALE_HEARTBEAT_S]
 
     def wake(self) -> None:
+        if self.multinode:
+            return  # they wait inside the control broadcast
         for rank in self.procs:
             self.go[rank].release()
 
 
+class _RemoteHeartbeats:
+    """Watches the heartbeat counters the other nodes' ranks bump in the rendezvous store."""
+
+    def __init__(self, addr: str, port: int, ranks: list[int], stale_s: float) -> None:
+        self.ranks, self.stale_s = ranks, stale_s
+        self.store = worker.store_client(addr, port)
+        now = time.monotonic()
+        self.last_poll = now
+        self.seen = {r: (-1, now) for r in ranks}  # rank -> (counter, when it last changed)
+        self.closed = False
+        threading.Thread(target=self._poll_loop, name="deepserve-tp-heartbeats", daemon=True).start()
+
+    def _poll_loop(self) -> None:
+        while not self.closed:
+            try:
+                for r in self.ranks:
+                    value = self.store.add(worker.heartbeat_key(r), 0)
+                    if value != self.seen[r][0]:
+                        self.seen[r] = (value, time.monotonic())
+                self.last_poll = time.monotonic()
+            except Exception:  # the store went away with the process group: shutting down
+                return
+            time.sleep(worker.HEARTBEAT_INTERVAL_S)
+
+    def stale(self) -> list[int]:
+        # Measured against the last poll, so a poller starved of the GIL never accuses anyone.
+        return [r for r, (_, t) in self.seen.items() if self.last_poll - t > self.stale_s]
+
+
 def _shutdown(workers: _Workers) -> None:
+    if workers.remote is not None:
+        workers.remote.closed = True
+    if workers.multinode and workers.healthy:
+        workers.healthy = False
+        try:
+            worker.broadcast_object({"op": "stop"}, workers.group)  # every rank, on every node
+        except Exception as e:
+            logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
     workers.stop.set()
     workers.wake()
     for rank in workers.frozen():
@@ -100,22 +154,37 @@ class MultiprocExecutor:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group (another tensor-parallel "
                                "engine?); shut it down first (`del llm`) — one tensor-parallel engine per process")
-        self.world = config.parallel.tensor_parallel_size
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ValueError(f"node {par.node_rank} does not run the engine: start it with `deepserve serve ... "
+                             f"--node-rank {par.node_rank}`, which serves only its ranks (docs/parallel.md)")
+        self.world = par.tensor_parallel_size
+        self.local_world = self.world // par.nnodes
         self.timeout_s = _env_seconds("DEEPSERVE_TP_TIMEOUT_S", 300.0)
         self.failed: TensorParallelError | None = None
         backend = "nccl" if config.model.device == "cuda" else "gloo"
-        port = _free_port()
-        self.workers = _Workers(self.world, port, backend, self.timeout_s)
+        addr = par.master_addr if par.nnodes > 1 else "127.0.0.1"
+        port = par.master_port or _free_port()
+        self.workers = _Workers(self.world, port, backend, self.timeout_s, addr, par.nnodes)
         self._finalizer = weakref.finalize(self, _shutdown, self.workers)  # also runs at exit
         try:
             if backend == "nccl":
                 import torch
 
                 torch.cuda.set_device(0)
-            self.group = worker.init_group(0, self.world, port, backend, self.timeout_s)
+            if par.nnodes > 1:
+                logger.info("node 0: waiting for %d node(s) at %s:%d (ranks %d..%d)", par.nnodes - 1, addr, port,
+                            self.local_world, self.world - 1)
+            self.group = worker.init_group(0, self.world, addr, port, backend, self.timeout_s, par.nnodes > 1)
+            self.workers.group = self.group
+            if par.nnodes > 1:
+                self.workers.remote = _RemoteHeartbeats(
+                    addr, port, list(range(self.local_world, self.world)),
+                    _env_seconds("DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S", 10.0))
             worker.broadcast_object(config, self.group)
             self.runner = ModelRunner(worker.runner_config(config))
             self._wait_loaded(_env_seconds("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0))
+            self.workers.healthy = True
         except BaseException:
             self.shutdown()
             raise
@@ -126,7 +195,7 @@ class MultiprocExecutor:
 
     def _wait_loaded(self, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
-        while min(self.workers.progress[r] for r in self.workers.procs) < 1:
+        while min((self.workers.progress[r] for r in self.workers.procs), default=1) < 1:
             self._check_alive("loading the model")
             if time.monotonic() > deadline:
                 late = [r for r in self.workers.procs if self.workers.progress[r] < 1]
@@ -134,18 +203,36 @@ class MultiprocExecutor:
                                           f"{limit_s:.0f} s (DEEPSERVE_TP_LOAD_TIMEOUT_S)")
             time.sleep(0.05)
 
+    def _remote_stale(self) -> list[int]:
+        return self.workers.remote.stale() if self.workers.remote is not None else []
+
     def _check_alive(self, doing: str) -> None:
         dead = self.workers.dead()
         if dead:
-            self.failed = TensorParallelError(
+            self._fail(TensorParallelError(
                 "; ".join(f"tensor-parallel rank {r} exited (exit code {c}) while {doing}" for r, c in dead.items())
-                + "; its error, if any, is in this process's stderr. The engine cannot continue: restart it")
-            raise self.failed
+                + "; its error, if any, is in this process's stderr. The engine cannot continue: restart it"))
+        stale = self._remote_stale()
+        if stale:
+            remote = self.workers.remote
+            self._fail(TensorParallelError(
+                "; ".join(f"tensor-parallel rank {r} (node {r // self.local_world}) sent no heartbeat for "
+                          f"{remote.stale_s:.0f} s" for r in stale)
+                + f" (DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S) while {doing}: its process or node died, or the network "
+                  "to it is down; its error, if any, is in that node's log. The engine cannot continue: restart "
+                  "every node"))
+
+    def _fail(self, error: TensorParallelError) -> None:
+        self.failed = error
+        self.workers.healthy = False
+        raise error
 
     def _diagnose(self, doing: str, error: BaseException) -> TensorParallelError:
-        # A dead peer's exit code can lag the collective's failure by a moment.
-        deadline = time.monotonic() + 3.0
-        while not (self.workers.dead() or self.workers.frozen()) and time.monotonic() < deadline:
+        # A dead peer's exit code (or a remote one's missing heartbeats) lags the collective's failure.
+        wait = 3.0 + (self.workers.remote.stale_s + 1.0 if self.workers.remote is not None else 0.0)
+        deadline = time.monotonic() + wait
+        while not (self.workers.dead() or self.workers.frozen() or self._remote_stale()) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         try:
             self._check_alive(doing)
@@ -168,6 +255,7 @@ class MultiprocExecutor:
         except TensorParallelError:
             raise
         except Exception as e:  # a collective failed or timed out
+            self.workers.healthy = False
             self.failed = self._diagnose(doing, e)
             raise self.failed from e
         return result

@@ -7,11 +7,19 @@ Lifecycle (rank 0's side is executor.py):
      semaphore, receive one command, run it, until `stop` is set or rank 0's process is gone.
 Waiting on a semaphore, not inside a collective, keeps an idle engine from tripping the process
 group's timeout: the timeout then bounds only a step in flight.
+
+Multi-node (`nnodes > 1`, docs/parallel.md): rank 0 cannot wake a process on another host through a
+semaphore, so every worker waits for its next command inside the broadcast of a control group (gloo)
+whose timeout is effectively unbounded; the model's collectives stay on the default group and keep
+the bounded timeout. A worker on another node reports liveness by bumping a counter in
+torch.distributed's rendezvous store (`heartbeat_key`); rank 0 names a rank whose counter stops.
+Node k > 0 runs `run_node`: its ranks serve commands until rank 0 broadcasts "stop" (or is gone).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -25,14 +33,39 @@ import torch.distributed as dist
 from deepserve.config import EngineConfig
 
 HEARTBEAT_INTERVAL_S = 0.5
+IDLE_TIMEOUT = timedelta(days=365)  # the multi-node control group: an idle engine waits in it
+
+logger = logging.getLogger(__name__)
 
 
-def init_group(rank: int, world: int, port: int, backend: str, timeout_s: float) -> Any:
+def init_group(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,
+               multinode: bool = False) -> Any:
     """Join the default group; return the group that carries control messages (gloo, on the host)."""
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    if multinode:
+        return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     # Object broadcasts and the block-count reduction are host-side; under NCCL they get a gloo twin.
     return dist.new_group(backend="gloo") if backend == "nccl" else None
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"deepserve/heartbeat/{rank}"
+
+
+def store_client(addr: str, port: int, timeout_s: float = 30.0) -> Any:
+    """A client of the rendezvous store that rank 0's process group hosts at addr:port."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _store_beat(addr: str, port: int, rank: int) -> None:
+    try:
+        store = store_client(addr, port)
+        while True:
+            store.add(heartbeat_key(rank), 1)
+            time.sleep(HEARTBEAT_INTERVAL_S)
+    except Exception:  # the store is gone: rank 0 has stopped; the command loop finds out too
+        return
 
 
 def broadcast_object(obj: Any, group: Any) -> Any:
@@ -85,22 +118,78 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
 
 
 def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
-                go: Any, stop: Any, progress: Any, heartbeat: Any) -> None:
-    threading.Thread(target=_beat, args=(heartbeat, rank), daemon=True).start()
+                go: Any, stop: Any, progress: Any, heartbeat: Any, addr: str = "127.0.0.1",
+                local_world: int | None = None, multinode: bool = False) -> None:
+    """One rank other than 0. `go` None (multi-node): wait for commands inside the control broadcast
+    and stop on the "stop" command; `progress` / `heartbeat` None: a rank on another node."""
+    if heartbeat is not None:
+        threading.Thread(target=_beat, args=(heartbeat, rank), daemon=True).start()
+    local_world = local_world or world
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % local_world)
     else:
         # Ranks share the host's cores; without this each would start one thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    group = init_group(rank, world, port, backend, timeout_s)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    group = init_group(rank, world, addr, port, backend, timeout_s, multinode)
+    if multinode:
+        threading.Thread(target=_store_beat, args=(addr, port, rank), daemon=True).start()
     config = broadcast_object(None, group)
     from deepserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(runner_config(config))
     done = 1
-    progress[rank] = done  # loaded
-    while _wait_for_go(go, stop):
-        run_command(runner, broadcast_object(None, group), group)
-        done += 1
-        progress[rank] = done
+    if progress is not None:
+        progress[rank] = done  # loaded
+    if go is None:
+        while (msg := broadcast_object(None, group))["op"] != "stop":
+            run_command(runner, msg, group)
+            done += 1
+            if progress is not None:
+                progress[rank] = done
+    else:
+        while _wait_for_go(go, stop):
+            run_command(runner, broadcast_object(None, group), group)
+            done += 1
+            progress[rank] = done
     dist.destroy_process_group()
+
+
+def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,
+                 local_world: int) -> int:
+    try:
+        worker_main(rank, world, port, backend, timeout_s, None, None, None, None, addr, local_world, True)
+    except Exception as e:
+        logger.error("tensor-parallel rank %d: lost the engine on node 0 (%s:%d): %s: %s",
+                     rank, addr, port, type(e).__name__, e)
+        return 1
+    return 0
+
+
+def _remote_rank_process(*args: Any) -> None:
+    raise SystemExit(_remote_rank(*args))
+
+
+def run_node(parallel: Any, backend: str, timeout_s: float | None = None) -> int:
+    """Node `parallel.node_rank` > 0 of a multi-node engine: run its tensor_parallel_size / nnodes
+    ranks (the first in this process, the others spawned) until node 0 stops; 0 on a clean stop."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("DEEPSERVE_TP_TIMEOUT_S", 300.0))
+    world, local = parallel.tensor_parallel_size, parallel.tensor_parallel_size // parallel.nnodes
+    first = parallel.node_rank * local
+    addr, port = parallel.master_addr, parallel.master_port
+    logger.info("node %d: ranks %d..%d of %d, rendezvous at %s:%d", parallel.node_rank, first,
+                first + local - 1, world, addr, port)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_remote_rank_process, name=f"deepserve-tp{r}", daemon=True,
+                         args=(r, world, addr, port, backend, timeout_s, local))
+             for r in range(first + 1, first + local)]
+    for p in procs:
+        p.start()
+    code = _remote_rank(first, world, addr, port, backend, timeout_s, local)
+    for p in procs:
+        p.join(30.0 if code == 0 else 5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+        code = code or (p.exitcode != 0)
+    return int(code)
