@@ -76,7 +76,7 @@ class _Workers:
         self.procs = {}
         for rank in range(1, local):
             go = None if self.multinode else self.go[rank]
-            p = ctx.Process(target=worker.worker_main, name=f"deepserve-tp{rank}", daemon=True,
+            p = ctx.Process(target=worker.worker_process, name=f"deepserve-tp{rank}", daemon=True,
                             args=(rank, world, port, backend, timeout_s, go, self.stop,
                                   self.progress, self.heartbeat, addr, local, self.multinode))
             p.start()

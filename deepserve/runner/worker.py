@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -117,9 +118,19 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
     return not stop.is_set()
 
 
+def worker_process(*args: Any) -> None:
+    """Spawn target of a rank on node 0. After a clean stop it leaves at once, without tearing down
+    gloo: that teardown raced rank 0's own once in CI and aborted the worker (SIGABRT), and the
+    operating system closes the sockets anyway."""
+    worker_main(*args, destroy_group=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
                 go: Any, stop: Any, progress: Any, heartbeat: Any, addr: str = "127.0.0.1",
-                local_world: int | None = None, multinode: bool = False) -> None:
+                local_world: int | None = None, multinode: bool = False, destroy_group: bool = True) -> None:
     """One rank other than 0. `go` None (multi-node): wait for commands inside the control broadcast
     and stop on the "stop" command; `progress` / `heartbeat` None: a rank on another node."""
     if heartbeat is not None:
@@ -151,7 +162,8 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
             run_command(runner, broadcast_object(None, group), group)
             done += 1
             progress[rank] = done
-    dist.destroy_process_group()
+    if destroy_group:
+        dist.destroy_process_group()
 
 
 def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,
