@@ -28,15 +28,6 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
-@dataclass
-class RequestTimes:
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-
-
 class Request:
     def __init__(
         self,
@@ -63,12 +54,10 @@ class Request:
         # Sibling whose prompt must be computed before this one is admitted, so that n > 1
         # completions share the prompt's cached blocks instead of computing them n times.
         self.wait_for = wait_for
-        # Filled by the runner when sampling_params.logprobs is set: per output token,
-        # [(token_id, logprob, rank), ...] with the sampled token first.
-        self.output_logprobs: list[list[tuple[int, float, int]]] = []
-        self.prompt_logprobs: list[list[tuple[int, float, int]]] = []  # for prompt tokens 1..P-1
-        self.cumulative_logprob = 0.0
-        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
+        # Prompt logprobs computed so far, one entry per prompt token 1..P-1: [(token_id, logprob, rank),
+        # ...] with the actual token first; the runner skips positions already here after a recompute.
+        self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +128,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
 
     @property
     def num_tokens(self) -> int:
