@@ -128,6 +128,9 @@ def cmd_demo_model(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description="Serve DeepSeek models.")
     parser.add_argument("--log-level", default="WARNING")
+    from deepserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"deepserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts, offline")
