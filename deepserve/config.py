@@ -100,11 +100,11 @@ class ParallelConfig:
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address, reachable "
                              "from every node)")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size > 1 is not supported yet (got {self.pipeline_parallel_size}); use 1 "
-                "and split the model with --tensor-parallel-size instead"
-            )
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError(f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size}) runs on one node only "
+                             "for now; use --nnodes 1, or split across nodes with --tensor-parallel-size alone")
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,13 @@ class EngineConfig:
     parallel: ParallelConfig
 
     def __post_init__(self) -> None:
-        if self.parallel.tensor_parallel_size > 1:
-            # Refused here, before any process starts, rather than by a layer on some rank.
-            from deepserve.runner.tp_check import check_tp_divides
+        # Refused here, before any process starts, rather than by a layer on some rank.
+        from deepserve.runner.tp_check import check_pp_fits, check_tp_divides
 
+        if self.parallel.tensor_parallel_size > 1:
             check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size)
+        if self.parallel.pipeline_parallel_size > 1:
+            check_pp_fits(self.model.hf_config, self.parallel.pipeline_parallel_size)
 
 
 @dataclass

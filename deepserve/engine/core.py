@@ -91,7 +91,7 @@ class EngineCore:
         from deepserve.runner.model_runner import ModelRunner
 
         config = args.create_engine_config()
-        if config.parallel.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
             from deepserve.runner.executor import MultiprocExecutor
 
             return cls(config, MultiprocExecutor(config))

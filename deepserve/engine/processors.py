@@ -21,6 +21,7 @@ from deepserve.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self.max_model_len = config.model.max_model_len
+        self.pipeline_parallel = config.parallel.pipeline_parallel_size > 1
         self.vocab_size = config.model.hf_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
@@ -58,6 +59,8 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if self.pipeline_parallel and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with pipeline_parallel_size > 1 yet")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

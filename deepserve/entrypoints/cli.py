@@ -30,6 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=d.swap_space)
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--nnodes", type=int, default=d.nnodes,
                    help="nodes the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)")
     g.add_argument("--node-rank", type=int, default=d.node_rank,
@@ -67,6 +68,7 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, enable_chunked_prefill=ns.enable_chunked_prefill,
         enable_prefix_caching=ns.enable_prefix_caching, swap_space=ns.swap_space,
         kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
         enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),

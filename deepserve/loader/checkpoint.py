@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -137,6 +138,24 @@ def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
             else:
                 yield name, LazyTensor(s, shape, dtype)  # type: ignore[misc]
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def stage_weights(weights: Iterable[tuple[str, torch.Tensor]], start: int, end: int,
+                  owned_prefixes: dict[str, bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors a pipeline stage owns: decoder layers [start, end), and names under each
+    prefix of `owned_prefixes` mapped to True (embedding, final norm, LM head). The others are skipped
+    unread (a LazyTensor reads nothing until used)."""
+    owned_prefixes = owned_prefixes or {}
+    for name, tensor in weights:
+        m = _LAYER.search(name)
+        if m is not None and not start <= int(m.group(1)) < end:
+            continue
+        if any(name.startswith(p) and not owned for p, owned in owned_prefixes.items()):
+            continue
+        yield name, tensor
 
 
 def load_named_weights(

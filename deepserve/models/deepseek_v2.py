@@ -33,12 +33,17 @@ from deepserve.layers.mla import MLAAttention
 from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
+from deepserve.loader.checkpoint import stage_weights
 from deepserve.loader.fp8 import dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
-from deepserve.runner.distributed import get_tp_world_size
+from deepserve.runner.distributed import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 
 # The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
 # not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands in for a module another pipeline stage owns: no parameters, never called."""
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -120,19 +125,33 @@ class DeepseekV2ForCausalLM(nn.Module):
         routing = RoutingConfig.from_hf(config) if getattr(config, "n_routed_experts", None) else None
         rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, rope_parameters(config),
                                  interleaved=rope_interleaved(config))
-        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Under pipeline parallelism this stage builds only layers [start, end), the first stage the
+        # embedding, the last the final norm and head; the others are parameterless placeholders.
+        self.start_layer, self.end_layer = stage_layers(config.num_hidden_layers)
+        self.first, self.last = is_first_stage(), is_last_stage()
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.first else PPMissingLayer()
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, routing) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, rotary, routing) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else PPMissingLayer()
+        self.head = ParallelLMHead(config.vocab_size, config.hidden_size) if self.last else PPMissingLayer()
+        if config.tie_word_embeddings and self.first and self.last:
             self.head.weight = self.embed.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [T] -> [T, E]
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage returns hidden [T, E]; an earlier one (hidden, residual) for the next stage,
+        which passes them as `intermediate`."""
+        if self.first:
+            x, residual = self.embed(input_ids), None  # [T] -> [T, E]
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, residual = layer(positions, x, residual)
+        if not self.last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x  # [T, E]
 
@@ -141,13 +160,19 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = skip_mtp_layers(weights, self.config.num_hidden_layers)
+        tied = self.config.tie_word_embeddings
+        split_head = tied and self.last and not self.first  # the last stage's head: its own copy of the embedding
+        if split_head:
+            weights = ((("lm_head.weight" if n == "model.embed_tokens.weight" else n), t) for n, t in weights)
+        weights = stage_weights(weights, self.start_layer, self.end_layer, {
+            "model.embed_tokens.": self.first, "model.norm.": self.last, "lm_head.": self.last})
         block = fp8_block_size(self.config)
         if block is not None:
             weights = dequantize_fp8_weights(weights, block)  # to float32; each loader casts to the model dtype
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+            if name.endswith("rotary_emb.inv_freq") or (tied and not split_head and name == "lm_head.weight"):
                 continue
             target, shard_id = param_name(name)
             param = params.get(target)

@@ -19,7 +19,7 @@ from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from deepserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters
-from deepserve.runner.distributed import get_tp_world_size
+from deepserve.runner.distributed import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 
 
 class LlamaMLP(nn.Module):
@@ -75,22 +75,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands in for a module another pipeline stage owns: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Under pipeline parallelism this stage builds only layers [start, end), the first stage the
+        # embedding and the last the final norm; the others are parameterless placeholders.
+        self.start_layer, self.end_layer = stage_layers(config.num_hidden_layers)
+        self.first, self.last = is_first_stage(), is_last_stage()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.first
+                             else PPMissingLayer())
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # [max_position, head_dim] in float32: 64 MiB at 131k positions, so built once, not per layer.
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, biases, rotary_emb) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, biases, rotary_emb) if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, E]
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage returns hidden [T, E]; an earlier one (hidden, residual) for the next stage,
+        which passes them as `intermediate`."""
+        if self.first:
+            x, residual = self.embed_tokens(input_ids), None  # [T, E]
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, residual = layer(positions, x, residual)
+        if not self.last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -106,8 +125,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_biases(config))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if self.model.last
+                        else PPMissingLayer())
+        if config.tie_word_embeddings and self.model.first and self.model.last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
@@ -116,14 +136,22 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [T] -> hidden [T, E]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, intermediate)  # [T] -> hidden [T, E]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, E] -> [N, V]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from deepserve.loader.checkpoint import load_named_weights
+        from deepserve.loader.checkpoint import load_named_weights, stage_weights
 
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
+        m, tied = self.model, self.config.tie_word_embeddings
+        split_head = tied and m.last and not m.first  # the last stage's head: its own copy of the embedding
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if tied and not split_head else ())
+        if split_head:
+            weights = ((("lm_head.weight" if n == "model.embed_tokens.weight" else n), t) for n, t in weights)
+        weights = stage_weights(weights, m.start_layer, m.end_layer, {
+            "model.embed_tokens.": m.first, "model.norm.": m.last, "lm_head.": m.last})
         return load_named_weights(self, weights, self.stacked_params, skip)

@@ -11,6 +11,11 @@ failing; a frozen one as the process group timeout (DEEPSERVE_TP_TIMEOUT_S). Eit
 names the rank. Workers stop when the executor is garbage-collected, at interpreter exit, or when
 this process dies (they watch it).
 
+Pipeline parallelism (docs/parallel.md): the world is tensor_parallel_size x pipeline_parallel_size
+ranks, rank = stage * tp + tp_rank; every rank makes the per-stage tensor-parallel groups after the
+config broadcast, and stages pass activations point to point inside the forward (model_runner.py);
+the last stage sends the sampling rows' logits to rank 0, which samples.
+
 Multi-node (`nnodes > 1`): this process is node 0 and spawns only its own tensor_parallel_size /
 nnodes - 1 workers; the other nodes' ranks join the rendezvous at master_addr:master_port from
 `deepserve serve --node-rank k` (worker.run_node). Every worker then waits inside the control
@@ -147,6 +152,9 @@ def _shutdown(workers: _Workers) -> None:
             p.join(2.0)
     if dist.is_initialized():
         dist.destroy_process_group()
+    from deepserve.runner.distributed import reset_model_parallel
+
+    reset_model_parallel()
 
 
 class MultiprocExecutor:
@@ -158,7 +166,12 @@ class MultiprocExecutor:
         if par.node_rank != 0:
             raise ValueError(f"node {par.node_rank} does not run the engine: start it with `deepserve serve ... "
                              f"--node-rank {par.node_rank}`, which serves only its ranks (docs/parallel.md)")
-        self.world = par.tensor_parallel_size
+        if par.pipeline_parallel_size > 1:
+            from deepserve.runner.tp_check import check_pp_fits
+
+            check_pp_fits(config.model.hf_config, par.pipeline_parallel_size)
+        self.pipeline = par.pipeline_parallel_size > 1
+        self.world = par.tensor_parallel_size * par.pipeline_parallel_size
         self.local_world = self.world // par.nnodes
         self.timeout_s = _env_seconds("DEEPSERVE_TP_TIMEOUT_S", 300.0)
         self.failed: TensorParallelError | None = None
@@ -182,6 +195,7 @@ class MultiprocExecutor:
                     addr, port, list(range(self.local_world, self.world)),
                     _env_seconds("DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S", 10.0))
             worker.broadcast_object(config, self.group)
+            worker.init_model_parallel(config)
             self.runner = ModelRunner(worker.runner_config(config))
             self._wait_loaded(_env_seconds("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0))
             self.workers.healthy = True
@@ -269,5 +283,9 @@ class MultiprocExecutor:
                   lambda: self.runner.initialize_cache(num_blocks))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.pipeline and any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
+            # Refused before any rank hears of the step, so the engine stays usable.
+            raise ValueError("prompt_logprobs is not supported with pipeline_parallel_size > 1 yet; "
+                             "use tensor_parallel_size alone for requests that ask for it")
         self.steps += 1
         return self._run(describe_step(out), f"running step {self.steps}", lambda: self.runner.execute(out))

@@ -15,6 +15,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.loader.model_loader import load_model
+from deepserve.runner import distributed as pdist
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.forward_context import forward_context
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
@@ -114,11 +115,43 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):
             logits = self.graphs.run(inputs)  # [B, V], one row per sequence
             return (logits[inputs.sample_rows] if inputs.sample_indices else None), None
+        if pdist.get_pp_world_size() > 1:
+            return self._forward_stage(inputs), None
         with forward_context(inputs.attn):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, E]
         if not inputs.sample_indices:
             return None, hidden
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden  # [S, V]
+
+    def _forward_stage(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This pipeline stage's part of the step: receive (hidden, residual) [T, E] each from the
+        previous stage (same tp_rank), run this stage's layers, send them on; the last stage computes
+        the sampling rows' logits [S, V] and its tp_rank 0 sends them to rank 0. Rank 0 returns the
+        logits (None when nothing samples), every other rank None."""
+        stage, pp = pdist.get_pp_rank(), pdist.get_pp_world_size()
+        intermediate = None
+        if stage > 0:
+            shape = (int(inputs.input_ids.shape[0]), self.config.model.hf_config.hidden_size)
+            intermediate = (pdist.pp_recv(shape, self.dtype, self.device, stage - 1),
+                            pdist.pp_recv(shape, self.dtype, self.device, stage - 1))
+        with forward_context(inputs.attn):
+            out = self.model(inputs.input_ids, inputs.positions, intermediate)
+        if stage < pp - 1:
+            pdist.pp_send(out[0], stage + 1)
+            pdist.pp_send(out[1], stage + 1)
+        if not inputs.sample_indices:
+            return None
+        rows = len(inputs.sample_indices)
+        if stage == pp - 1:
+            logits = self.model.compute_logits(out[inputs.sample_rows]).float()  # [S, V]
+            if pdist.get_tp_rank() == 0:
+                torch.distributed.send(logits.contiguous(), 0)
+            return None
+        if torch.distributed.get_rank() == 0:
+            logits = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+            torch.distributed.recv(logits, (pp - 1) * pdist.get_tp_world_size())
+            return logits
+        return None
 
     @torch.inference_mode()
     def execute_without_sampling(self, out: SchedulerOutput) -> None:

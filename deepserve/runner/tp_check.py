@@ -49,3 +49,19 @@ def check_tp_divides(hf_config: Any, tp: int) -> None:
         fits = ", ".join(map(str, fitting_tp_sizes(hf_config)))
         raise ValueError(f"--tensor-parallel-size {tp} does not fit this model: {'; '.join(problems)}. "
                          f"Sizes that fit: {fits}")
+
+
+def pp_problems(hf_config: Any, pp: int) -> list[str]:
+    """Why `pp` pipeline stages do not fit this model: every stage needs at least one decoder layer."""
+    layers = hf_config.num_hidden_layers
+    if layers < pp:
+        return [f"num_hidden_layers ({layers}) is less than pipeline_parallel_size ({pp}): every stage needs "
+                "at least one layer"]
+    return []
+
+
+def check_pp_fits(hf_config: Any, pp: int) -> None:
+    problems = pp_problems(hf_config, pp)
+    if problems:
+        raise ValueError(f"--pipeline-parallel-size {pp} does not fit this model: {'; '.join(problems)}. "
+                         f"Sizes that fit: 1..{hf_config.num_hidden_layers}")

@@ -50,6 +50,14 @@ def init_group(rank: int, world: int, addr: str, port: int, backend: str, timeou
     return dist.new_group(backend="gloo") if backend == "nccl" else None
 
 
+def init_model_parallel(config: EngineConfig) -> None:
+    """Under pipeline parallelism, every rank (0 included, in this order, right after the config
+    broadcast) makes the per-stage tensor-parallel groups; under tensor parallelism alone, nothing."""
+    from deepserve.runner.distributed import init_model_parallel as init
+
+    init(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
+
+
 def heartbeat_key(rank: int) -> str:
     return f"deepserve/heartbeat/{rank}"
 
@@ -145,6 +153,7 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
     if multinode:
         threading.Thread(target=_store_beat, args=(addr, port, rank), daemon=True).start()
     config = broadcast_object(None, group)
+    init_model_parallel(config)
     from deepserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(runner_config(config))

@@ -110,8 +110,14 @@ def test_moe_intermediate_size_is_checked():
     assert tp_problems(cfg, 4) == []
 
 
-def test_pipeline_parallel_is_refused_clearly():
+def test_unsupported_pipeline_parallel_is_refused_clearly(llama_path):
+    from deepserve import LLM
     from deepserve.config import ParallelConfig
 
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
+        ParallelConfig(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="one node only"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, master_port=29500)
+    # 2 layers cannot make 3 stages: refused before any process starts, naming the field.
+    with pytest.raises(ValueError, match=r"num_hidden_layers \(2\) is less than pipeline_parallel_size \(3\)"):
+        LLM(llama_path, device="cpu", pipeline_parallel_size=3)
