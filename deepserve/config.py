@@ -87,6 +87,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node only)
+    # The tensor-parallel ranks split the routed experts (whole experts per rank) instead of each
+    # expert's intermediate size (docs/parallel.md).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -116,10 +119,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Refused here, before any process starts, rather than by a layer on some rank.
-        from deepserve.runner.tp_check import check_pp_fits, check_tp_divides
+        from deepserve.runner.tp_check import EXPERT_PARALLEL_ATTR, check_pp_fits, check_tp_divides
 
         if self.parallel.tensor_parallel_size > 1:
-            check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size)
+            check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size,
+                             self.parallel.enable_expert_parallel)
+        # The model's layers see only the hf_config (which travels to every rank with this config).
+        setattr(self.model.hf_config, EXPERT_PARALLEL_ATTR, self.parallel.enable_expert_parallel)
         if self.parallel.pipeline_parallel_size > 1:
             check_pp_fits(self.model.hf_config, self.parallel.pipeline_parallel_size)
 
@@ -148,6 +154,7 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
@@ -200,7 +207,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes,
-                                    self.node_rank, self.master_addr, self.master_port),
+                                    self.node_rank, self.master_addr, self.master_port,
+                                    self.enable_expert_parallel),
         )
 
 

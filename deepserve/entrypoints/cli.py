@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable from every node")
     g.add_argument("--master-port", type=int, default=d.master_port,
                    help="the torch.distributed rendezvous port on node 0 (needed with --nnodes > 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="the tensor-parallel ranks split the MoE routed experts (whole experts per rank) "
+                        "instead of each expert's intermediate size")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
@@ -70,6 +73,7 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
         pipeline_parallel_size=ns.pipeline_parallel_size,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
+        enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
         enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
     )

@@ -11,6 +11,12 @@ then the K weights are renormalized (norm_topk_prob) and multiplied by routed_sc
 
 Shapes: T tokens, E hidden size, X routed experts, K experts per token, I expert intermediate size
 (this rank's share), G groups.
+
+Expert parallelism (--enable-expert-parallel) places the routed experts instead of splitting them: the
+tensor-parallel ranks each hold X / tp whole experts, rank r experts [r X/tp, (r+1) X/tp). The hidden
+states are replicated on every rank and every rank routes identically, so each rank computes what its own
+experts add for every token (assignments to other ranks' experts are dropped) and the same one all-reduce
+as under tensor parallelism sums the ranks' partial outputs. Shared experts stay tensor-parallel.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from deepserve.runner.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
+from deepserve.runner.tp_check import EXPERT_PARALLEL_ATTR
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -42,6 +49,9 @@ class RoutingConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    # Not routing but placement: split the experts across the tensor-parallel ranks rather than each
+    # expert's intermediate size. Carried here because it is what DeepseekMoE receives.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.topk_method not in TOPK_METHODS:
@@ -83,6 +93,7 @@ class RoutingConfig:
             topk_group=getattr(hf_config, "topk_group", None) or 1,
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
+            expert_parallel=bool(getattr(hf_config, EXPERT_PARALLEL_ATTR, False)),
         )
 
 
@@ -147,57 +158,121 @@ class MLP(nn.Module):
 class RoutedExperts(nn.Module):
     """Every routed expert's SwiGLU weights stacked: w13 [X, 2I, E] (w1 rows, then w3 rows), w2 [X, E, I].
 
-    Tensor parallelism splits I, so each rank computes a partial sum that one all-reduce completes."""
+    Tensor parallelism splits I, so each rank computes a partial sum that one all-reduce completes.
+    Expert parallelism (expert_parallel with tp > 1) keeps I whole and gives each rank X / tp experts,
+    [expert_start, expert_start + X / tp): the stacked parameters hold only those, indexed by local id,
+    and each rank's partial sum covers only the assignments to its experts; the same all-reduce completes it."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: bool = False,
+                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__()
-        self.tp_rank, tp = get_tp_rank(), get_tp_world_size()
-        if intermediate_size % tp:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size")
-        self.inter = intermediate_size // tp
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        # tp_rank / tp_size: this rank's place, by default the tensor-parallel group's (explicit for tests)
+        self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
+        self.tp_size = get_tp_world_size() if tp_size is None else tp_size
+        self.num_experts = num_experts  # X, the whole model's
+        self.expert_parallel = expert_parallel and self.tp_size > 1
+        if self.expert_parallel:
+            if num_experts % self.tp_size:
+                raise ValueError(f"n_routed_experts ({num_experts}) is not divisible by tensor_parallel_size "
+                                 f"({self.tp_size}) under --enable-expert-parallel")
+            self.num_local = num_experts // self.tp_size
+            self.expert_start = self.tp_rank * self.num_local
+            self.inter_rank, self.inter_ranks = 0, 1  # I is not split
+        else:
+            if intermediate_size % self.tp_size:
+                raise ValueError(
+                    f"moe_intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size")
+            self.num_local, self.expert_start = num_experts, 0
+            self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
+        self.inter = intermediate_size // self.inter_ranks
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
 
+    def _local(self, expert: int) -> int | None:
+        """The local index of global expert `expert`, None when another rank holds it."""
+        local = expert - self.expert_start
+        return local if 0 <= local < self.num_local else None
+
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
         # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E]; None: transformers' fused [X, 2I, E]
-        n, r = self.inter, self.tp_rank
+        n, r = self.inter, self.inter_rank
         if shard_id is None:
+            loaded = loaded.narrow(0, self.expert_start, self.num_local)  # this rank's experts (all without EP)
             for member in (0, 1):
-                part = loaded.narrow(1, member * n * get_tp_world_size() + r * n, n)
+                part = loaded.narrow(1, member * n * self.inter_ranks + r * n, n)
                 default_weight_loader(param.data.narrow(1, member * n, n), part)
             return
         expert, member = shard_id
-        default_weight_loader(param.data[expert].narrow(0, member * n, n), loaded.narrow(0, r * n, n))
+        local = self._local(expert)
+        if local is not None:  # another rank's expert is never read
+            default_weight_loader(param.data[local].narrow(0, member * n, n), loaded.narrow(0, r * n, n))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         # shard_id: expert with loaded [E, I]; None: transformers' fused [X, E, I]
         n = self.inter
         if shard_id is None:
-            default_weight_loader(param, loaded.narrow(2, self.tp_rank * n, n))
-        else:
-            default_weight_loader(param.data[shard_id], loaded.narrow(1, self.tp_rank * n, n))
+            loaded = loaded.narrow(0, self.expert_start, self.num_local)
+            default_weight_loader(param, loaded.narrow(2, self.inter_rank * n, n))
+            return
+        local = self._local(shard_id)
+        if local is not None:
+            default_weight_loader(param.data[local], loaded.narrow(1, self.inter_rank * n, n))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert e (the global id without expert parallelism)."""
         h = F.silu(F.linear(x, self.w13[e, : self.inter])) * F.linear(x, self.w13[e, self.inter :])  # [n, I]
         return F.linear(h, self.w2[e])  # [n, E]
+
+    def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids [T, K] -> (local ids [T, K], mine [T, K] bool); local ids of others' are garbage."""
+        local = ids - self.expert_start
+        return local, (local >= 0) & (local < self.num_local)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """On CUDA with Triton the fused kernel (no host sync: CUDA-graph safe), elsewhere `forward_batched`."""
         fused = _fused_moe_kernel() if x.is_cuda else None
-        if fused is not None:  # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
-            return tp_all_reduce(fused(x, self.w13, self.w2, weights, ids))
+        if fused is not None:
+            return tp_all_reduce(self.forward_fused(fused, x, weights, ids))
         return self.forward_batched(x, weights, ids)
+
+    def forward_fused(self, fused: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (not all-reduced) through `fused` (kernels.fused_moe's signature)."""
+        # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
+        if not self.expert_parallel:
+            return fused(x, self.w13, self.w2, weights, ids)
+        local, mine = self.local_ids(ids)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # No host sync while capturing: others' assignments go to local expert 0 with weight 0.
+            return fused(x, self.w13, self.w2, torch.where(mine, weights, 0.0), torch.where(mine, local, 0))
+        # Eager (tensor-parallel ranks always run eager): only this rank's assignments, one per row (K = 1).
+        num_tokens, k = ids.shape
+        picked = mine.flatten().nonzero().squeeze(1)  # [N]: flat (token, slot) indices of my assignments
+        if picked.numel() == 0:
+            return torch.zeros_like(x)
+        y = fused(x[picked // k], self.w13, self.w2, weights.flatten()[picked, None],
+                  local.flatten()[picked, None])  # [N, E]
+        out = torch.zeros(num_tokens * k, x.shape[-1], dtype=y.dtype, device=x.device)  # [T*K, E]
+        out[picked] = y
+        return out.view(num_tokens, k, -1).sum(1)  # a fixed-order sum over the slots, as the kernel does
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""
+        return tp_all_reduce(self.partial_batched(x, weights, ids))
+
+    def partial_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`forward_batched` before the all-reduce: this rank's partial sum."""
         num_tokens, k = ids.shape
-        flat = ids.flatten()  # [T*K]
+        local, mine = self.local_ids(ids)
+        # Others' assignments get the id num_local: they sort last and the loop stops before them.
+        flat = torch.where(mine, local, self.num_local).flatten()  # [T*K]
         order = flat.argsort(stable=True)  # [T*K]: assignments sorted by expert id
         tokens = order // k  # [T*K]: the token of each sorted assignment
         sorted_weights = weights.flatten()[order]  # [T*K]
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()  # the loop needs sizes on the host
+        # the loop needs sizes on the host
+        counts = torch.bincount(flat, minlength=self.num_local + 1)[: self.num_local].tolist()
         out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, E]
         start = 0
         for e, n in enumerate(counts):
@@ -207,14 +282,16 @@ class RoutedExperts(nn.Module):
             y = self.expert(e, x[rows]).float() * sorted_weights[start : start + n, None]  # [n, E]
             out.index_add_(0, rows, y)
             start += n
-        return tp_all_reduce(out.to(x.dtype))
+        return out.to(x.dtype)
 
     def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Token by token, expert by expert: what `forward` must equal."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, E]
         for t in range(ids.shape[0]):
             for j in range(ids.shape[1]):
-                out[t] += weights[t, j] * self.expert(int(ids[t, j]), x[t : t + 1])[0].float()
+                local = self._local(int(ids[t, j]))
+                if local is not None:  # another rank's expert: its rank adds it
+                    out[t] += weights[t, j] * self.expert(local, x[t : t + 1])[0].float()
         return tp_all_reduce(out.to(x.dtype))
 
 
@@ -232,7 +309,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig) -> None:
         super().__init__()
         self.gate = MoEGate(hidden_size, cfg)
-        self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size)
+        self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size, cfg.expert_parallel)
         self.shared_experts = MLP(hidden_size, intermediate_size * num_shared) if num_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
