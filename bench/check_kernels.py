@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -24,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import bench_env
 import torch
 
 if not torch.cuda.is_available():
@@ -252,14 +251,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # a copy without git
-        commit = ""
-    return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                torch=torch.__version__, triton=triton.__version__, commit=commit or None,
-                block_size=BLOCK_SIZE, peak_gbs=PEAK_GBS)
+    return bench_env.environment(device, block_size=BLOCK_SIZE, peak_gbs=PEAK_GBS)
 
 
 def main() -> int:
