@@ -10,6 +10,7 @@ PROCESS_START = time.perf_counter()
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from deepserve.bench import workloads
     from deepserve.entrypoints.cli import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2)")
@@ -19,7 +20,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--num-seqs", type=int, default=256)
     tp.add_argument("--max-input-len", type=int, default=1024)
     tp.add_argument("--max-output-len", type=int, default=1024)
-    tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N", help="a W4 grid point instead of W1")
+    grid = ", ".join(",".join(map(str, point)) for point in workloads.W4_GRID)
+    tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N",
+                    help=f"a fixed-shape workload instead of W1; BENCHMARKS.md's W4 grid: {grid}")
     tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
     tp.add_argument("--baseline-batch-size", type=int, default=64)
     tp.add_argument("--output-json", default=None)

@@ -50,9 +50,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached full blocks that prefixes the request's tokens.
 
