@@ -1,5 +1,6 @@
-"""GPU correctness on tiny random checkpoints: greedy tokens on CUDA (CUDA graphs on, and eager)
-equal the CPU reference path, for every dense architecture variant. Prints one line per case
+"""GPU correctness on tiny random checkpoints: greedy tokens on CUDA (CUDA graphs on, eager, chunked
+prefill) equal the CPU reference path, for every architecture variant; with two or more GPUs also
+tensor parallelism (NCCL), pipeline parallelism and expert parallelism. Prints one line per case
 and exits non-zero on a mismatch. Run on a GPU machine: python bench/gpu_check.py"""
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ def greedy(path: str, device: str, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def parallel_cases(name: str) -> list[tuple[str, dict]]:
+    """Multi-GPU layouts (NCCL), only where the machine has the GPUs for them."""
+    gpus = torch.cuda.device_count()
+    cases = [("cuda-tp2", {"tensor_parallel_size": 2}), ("cuda-pp2", {"pipeline_parallel_size": 2})]
+    if name.startswith("ds"):  # MoE: the ranks split the routed experts
+        cases.append(("cuda-tp2-ep", {"tensor_parallel_size": 2, "enable_expert_parallel": True}))
+    if gpus >= 4:
+        cases.append(("cuda-tp2-pp2", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}))
+    return cases if gpus >= 2 else []
+
+
 def main() -> int:
     failures = 0
     for name, (config_cls, model_cls, extra) in VARIANTS.items():
@@ -60,8 +72,13 @@ def main() -> int:
             model.save_pretrained(path)
             want = greedy(path, "cpu")
             for label, kw in [("cuda-graphs", {}), ("cuda-eager", {"enforce_eager": True}),
-                              ("cuda-chunked", {"max_num_batched_tokens": 32})]:
-                got = greedy(path, "cuda", **kw)
+                              ("cuda-chunked", {"max_num_batched_tokens": 32})] + parallel_cases(name):
+                try:
+                    got = greedy(path, "cuda", **kw)
+                except Exception as e:  # one broken layout must not hide the others' results
+                    failures += 1
+                    print(f"{name:10s} {label:13s} ERROR {type(e).__name__}: {e}")
+                    continue
                 same = sum(g == w for g, w in zip(got, want, strict=True))
                 ok = same == len(want)
                 failures += not ok

@@ -2,6 +2,7 @@
 # One device call: correctness first, then the timed workloads. Each step logs to $OUT and a
 # failure in one step does not stop the next. Usage: bash bench/h200_run.sh [steps...]
 # steps: env kernels moe gpucheck gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
+#        profile:MODEL:BATCH:PROMPT_LEN:TEMPERATURE (bench/profile_step.py)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ run() {  # name, command...
   timeout 900 "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/$name.log"
-  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'Throughput|TTFT|HF transformers|OK|MISMATCH|PASS|FAIL' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'Throughput|TTFT|HF transformers|OK|MISMATCH|ERROR|PASS|FAIL|SUMMARY' "$OUT/$name.log" | tail -n 3 | tr '\n' ' ')")
 }
 for s in $steps; do
   case $s in
@@ -31,6 +32,9 @@ for s in $steps; do
     hf-llm) run hf-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --num-seqs 64 --max-output-len 256 --baseline hf --output-json "$OUT/hf-llm.json" ;;
     w2-v2lite) run w2-v2lite $DS bench latency --model deepseek-v2-lite --load-format dummy --max-model-len 4096 --output-json "$OUT/w2-v2lite.json" ;;
     gputests) run gputests python3 -m pytest -q -x tests/kernels tests/layers/test_sampler.py tests/layers/test_mla.py ;;
+    profile:*) IFS=: read -r _ model batch plen temp <<< "$s"
+      run "profile-$model-b$batch" python3 bench/profile_step.py --model "$model" --batch "$batch" \
+        --prompt-len "$plen" --temperature "$temp" --out "$OUT" ;;
     w1-v2lite) run w1-v2lite $DS bench throughput --model deepseek-v2-lite --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-v2lite.json" ;;
   esac
 done

@@ -1,0 +1,166 @@
+"""Where one decode step's time goes, on a GPU, for one model shape and batch size.
+
+For a batch of B requests in steady decode (prompt length L, dummy weights) it prints:
+- wall ms per engine step (LLMEngine.step, everything included);
+- the host-side phases inside it (scheduler, input preparation, graph launch, sampling metadata,
+  sampler launch, waiting for the sampled tokens, scheduler update, output processing), timed with
+  perf_counter around the engine's own functions;
+- GPU ms of one decode CUDA-graph replay (CUDA events over back-to-back replays), so
+  wall - replay = what the GPU spends idle or sampling;
+- the top kernels of one graph replay and of one eager step (torch.profiler), written to $OUT.
+
+Usage: python bench/profile_step.py --model deepseek-llm-7b --batch 1 --prompt-len 1024 [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+import deepserve.runner.model_runner as model_runner_module
+from deepserve import LLM, SamplingParams
+from deepserve.layers.sampling_metadata import SamplingMetadata
+
+PHASES: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PHASES[name] += time.perf_counter() - start
+    return wrapper
+
+
+def instrument(llm: LLM) -> None:
+    engine = llm.llm_engine
+    core = engine.core
+    runner = core.runner
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    core.scheduler.update_from_output = timed("update", core.scheduler.update_from_output)
+    engine.output_processor.process = timed("output_processor", engine.output_processor.process)
+    model_runner_module.prepare_inputs = timed("prepare_inputs", model_runner_module.prepare_inputs)
+    SamplingMetadata.build = timed("sampling_metadata", SamplingMetadata.build)
+    runner.sampler = timed("sampler_launch", runner.sampler)
+    runner.execute = timed("execute", runner.execute)
+    if runner.graphs is not None:
+        runner.graphs.run = timed("graph_launch", runner.graphs.run)
+
+
+def start_decoding(llm: LLM, batch: int, prompt_len: int, temperature: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    engine = llm.llm_engine
+    model = engine.config.model
+    params = SamplingParams(temperature=temperature, max_tokens=model.max_model_len - prompt_len - 1, ignore_eos=True)
+    vocab = min(10000, model.hf_config.vocab_size)
+    for i in range(batch):
+        engine.add_request(f"p{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+    while engine.core.scheduler.waiting or any(
+            r.num_output_tokens < 2 for r in engine.core.scheduler.running):
+        engine.step()
+
+
+def graph_replay_ms(llm: LLM, batch: int) -> float | None:
+    graphs = llm.llm_engine.core.runner.graphs
+    if graphs is None:
+        return None
+    size = min(s for s in graphs.sizes if s >= batch)
+    graph = graphs.graphs[size]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_table(fn, steps: int, path: str) -> list[tuple[str, float, int]]:
+    """(kernel name, device µs per step, calls per step), largest first; the full table goes to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    rows = []
+    for evt in prof.key_averages():
+        dev = getattr(evt, "self_device_time_total", None)
+        if dev is None:
+            dev = evt.self_cuda_time_total
+        if dev > 0:
+            rows.append((evt.key, dev / steps, evt.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    with open(path, "w") as f:
+        for name, us, calls in rows:
+            f.write(f"{us:10.1f} us {calls:5d}x  {name}\n")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ns = ap.parse_args()
+    tag = f"{ns.model}-b{ns.batch}"
+    llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
+              max_num_seqs=max(ns.batch, 1), skip_tokenizer_init=True)
+    start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
+    engine = llm.llm_engine
+
+    sync()
+    start = time.perf_counter()
+    for _ in range(ns.steps):
+        engine.step()
+    wall_ms = (time.perf_counter() - start) * 1e3 / ns.steps
+
+    instrument(llm)
+    for _ in range(ns.steps):
+        engine.step()
+    phases = {k: round(v * 1e3 / ns.steps, 3) for k, v in PHASES.items()}
+    replay = graph_replay_ms(llm, ns.batch)
+
+    top_graph = []
+    graphs = engine.core.runner.graphs
+    if graphs is not None:
+        size = min(s for s in graphs.sizes if s >= ns.batch)
+        top_graph = kernel_table(graphs.graphs[size].replay, 5, f"{ns.out}/{tag}-graph-kernels.txt")
+    engine.core.runner.graphs = None  # eager steps from here on
+    top_eager = kernel_table(engine.step, 3, f"{ns.out}/{tag}-eager-kernels.txt")
+
+    result = {"model": ns.model, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
+              "wall_ms_per_step": round(wall_ms, 3), "graph_replay_ms": replay and round(replay, 3),
+              "host_phases_ms": phases,
+              "graph_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_graph[:15]],
+              "eager_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_eager[:25]]}
+    with open(f"{ns.out}/{tag}-profile.json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step, graph replay {replay} ms, phases {phases}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
