@@ -69,6 +69,14 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, temperature: float) ->
         engine.step()
 
 
+def timed_steps(engine, steps: int) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def graph_replay_ms(llm: LLM, batch: int) -> float | None:
     graphs = llm.llm_engine.core.runner.graphs
     if graphs is None:
@@ -130,11 +138,14 @@ def main() -> int:
     start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
     engine = llm.llm_engine
 
-    sync()
-    start = time.perf_counter()
-    for _ in range(ns.steps):
-        engine.step()
-    wall_ms = (time.perf_counter() - start) * 1e3 / ns.steps
+    wall_ms = timed_steps(engine, ns.steps)
+
+    # Same state, same host work, graphs off then on again: any difference is GPU time.
+    graphs = engine.core.runner.graphs
+    engine.core.runner.graphs = None
+    eager_ms = timed_steps(engine, ns.steps)
+    engine.core.runner.graphs = graphs
+    graph_again_ms = timed_steps(engine, ns.steps)
 
     instrument(llm)
     for _ in range(ns.steps):
@@ -151,14 +162,17 @@ def main() -> int:
     top_eager = kernel_table(engine.step, 3, f"{ns.out}/{tag}-eager-kernels.txt")
 
     result = {"model": ns.model, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
-              "wall_ms_per_step": round(wall_ms, 3), "graph_replay_ms": replay and round(replay, 3),
+              "wall_ms_per_step": round(wall_ms, 3),
+              "eager_wall_ms_per_step": round(eager_ms, 3), "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
+              "graph_replay_ms": replay and round(replay, 3),
               "host_phases_ms": phases,
               "graph_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_graph[:15]],
               "eager_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_eager[:25]]}
     with open(f"{ns.out}/{tag}-profile.json", "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step, graph replay {replay} ms, phases {phases}")
+    print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step (eager {eager_ms:.3f}, graphs again {graph_again_ms:.3f}), "
+          f"graph replay {replay} ms, phases {phases}")
     return 0
 
 

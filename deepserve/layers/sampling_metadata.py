@@ -61,13 +61,13 @@ class SamplingMetadata:
         top_p = [1.0 if p is None else p.top_p for p in rnd]
         min_p = [0.0 if p is None else p.min_p for p in rnd]
         meta = cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=_to(greedy, torch.bool, device),
             temperature=_f32(temperature, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
         )
         if min(top_k, default=vocab_size) < vocab_size:
-            meta.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            meta.top_k = _to(top_k, torch.int64, device)
             meta.max_top_k = max(top_k)
         if min(top_p, default=1.0) < 1.0:
             meta.top_p = _f32(top_p, device)
@@ -110,8 +110,8 @@ class SamplingMetadata:
 
 def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, V] float32 count of each token id in each row, by one scatter_add over all rows' ids."""
-    ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64, device=device)  # [N]
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)  # [B]
+    ids = _to(list(chain.from_iterable(rows)), torch.int64, device)  # [N]
+    lengths = _to([len(r) for r in rows], torch.int64, device)  # [B]
     # Unpadded: flat position row * V + id, so rows of very different lengths cost only their ids.
     # output_size keeps repeat_interleave from syncing with the device to learn N.
     row_of = torch.arange(len(rows), device=device).repeat_interleave(lengths, output_size=ids.numel())
@@ -159,10 +159,17 @@ def _min_tokens_index(
     if not rows:
         return None
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
+        _to(rows, torch.int64, device),
+        _to(cols, torch.int64, device),
     )
 
 
 def _f32(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _to(values, torch.float32, device)
+
+
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Built on the host, then copied without blocking: `torch.tensor(..., device="cuda")` would wait
+    # for the whole forward pass queued before it, so the sampler could not be queued behind it.
+    host = torch.tensor(values, dtype=dtype)
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host

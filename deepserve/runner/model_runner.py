@@ -114,6 +114,8 @@ class ModelRunner:
         """(logits of the sampling rows [S, V] or None, hidden states [T, E] or None under a graph)."""
         if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):
             logits = self.graphs.run(inputs)  # [B, V], one row per sequence
+            if len(inputs.sample_indices) == logits.shape[0]:  # every decode row samples: no gather
+                return logits, None
             return (logits[inputs.sample_rows] if inputs.sample_indices else None), None
         if pdist.get_pp_world_size() > 1:
             return self._forward_stage(inputs), None
