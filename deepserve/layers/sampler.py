@@ -4,12 +4,16 @@ Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks stop tokens
 greedy rows take the argmax; the other rows divide by temperature, then min_p, top_k and top_p
 filter, and a token is drawn by the exponential race argmax(probs / q), q ~ Exp(1).
 
+On the GPU, a step that asks only for temperature or greedy rows takes one fused Triton pass instead
+(kernels/sampling.py: the same distribution, other random numbers; DEEPSERVE_FUSED_SAMPLING=0 turns it off).
+
 Every stage is out-of-place, so the caller's logits are never modified (the raw logprobs are
 read from them after sampling).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +44,32 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        x = logits.float()  # [B, V]; aliases `logits` when already float32
-        x = apply_min_tokens(x, meta)
-        x = apply_penalties(x, meta)
-        sampled = _sample(x, meta)  # [B]
+        if _fusable(logits, meta):
+            # One Triton pass over the raw logits (kernels/sampling.py) instead of ~8 [B, V] kernels.
+            from deepserve.kernels.sampling import gumbel_sample
+
+            seed = int(torch.randint(2**31 - 1, (1,)))  # torch's CPU generator: a global seed replays
+            sampled = gumbel_sample(logits, meta.temperature, meta.greedy, seed)
+        else:
+            x = logits.float()  # [B, V]; aliases `logits` when already float32
+            x = apply_min_tokens(x, meta)
+            x = apply_penalties(x, meta)
+            sampled = _sample(x, meta)  # [B]
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
         ids, logprobs, ranks = compute_token_logprobs(logits, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, ids, logprobs, ranks)
+
+
+def _fusable(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
+    """True when temperature / greedy is all the step asks for, on the GPU."""
+    return (logits.is_cuda and not meta.all_greedy and meta.min_tokens_index is None
+            and meta.output_counts is None and meta.top_k is None and meta.top_p is None
+            and meta.min_p is None and not meta.generators and _fused_sampling_enabled())
+
+
+def _fused_sampling_enabled() -> bool:
+    return os.environ.get("DEEPSERVE_FUSED_SAMPLING", "1") != "0"
 
 
 def compute_token_logprobs(

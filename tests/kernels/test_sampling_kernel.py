@@ -1,0 +1,83 @@
+"""The fused Gumbel-max sampling kernel against torch: greedy rows equal torch.argmax (ties to the lowest
+id), random rows follow softmax(logits / T) (a chi-square test over many rows), masked tokens never win,
+and the draw depends on the seed alone. On CPU the kernel runs in the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
+
+ks = import_kernels("deepserve.kernels.sampling")
+
+pytestmark = MARKS
+
+
+def _inputs(batch: int, temperatures: list[float], greedy: list[bool]):
+    t = torch.tensor(temperatures, dtype=torch.float32, device=DEVICE)
+    g = torch.tensor(greedy, dtype=torch.bool, device=DEVICE)
+    assert t.shape == g.shape == (batch,)
+    return t, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 37, 3000])
+def test_greedy_rows_equal_torch_argmax(dtype, vocab):
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)).to(DEVICE, dtype)
+    logits[2, vocab // 2] = logits[2, 0] = 50.0  # a tie: the lowest id wins, as torch.argmax
+    t, g = _inputs(6, [1.0] * 6, [True] * 6)
+    got = ks.gumbel_sample(logits, t, g, seed=7)
+    assert torch.equal(got.cpu(), logits.float().argmax(-1).cpu())
+    assert got[2].item() == 0
+
+
+def test_random_rows_follow_softmax_of_logits_over_temperature():
+    # 6 tokens, one of them masked; many identical rows, each an independent draw.
+    vocab, rows, temperature = 6, 250 if not ON_GPU else 200_000, 0.7  # interpreter: ~30 ms a row
+    base = torch.tensor([1.0, 0.2, -0.5, 2.0, float("-inf"), 0.0])
+    logits = base.expand(rows, vocab).contiguous().to(DEVICE)
+    t, g = _inputs(rows, [temperature] * rows, [False] * rows)
+    got = ks.gumbel_sample(logits, t, g, seed=1234).cpu()
+    counts = torch.bincount(got, minlength=vocab).double()
+    assert counts[4] == 0  # -inf never wins
+    expected = torch.softmax(base.double() / temperature, -1) * rows
+    keep = expected > 0
+    chi2 = (((counts - expected)[keep]) ** 2 / expected[keep]).sum().item()
+    assert chi2 < 20.5, (counts, expected)  # 5 degrees of freedom: p = 0.001
+
+
+def test_mixed_batch_and_seed_reproducibility():
+    vocab = 300
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    greedy = [True, False] * 4
+    t, g = _inputs(8, [1.0 if x else 1.5 for x in greedy], greedy)
+    a = ks.gumbel_sample(logits, t, g, seed=11)
+    b = ks.gumbel_sample(logits, t, g, seed=11)
+    assert torch.equal(a, b)
+    assert torch.equal(a[g].cpu(), logits[g].argmax(-1).cpu())
+    draws = {tuple(ks.gumbel_sample(logits, t, g, seed=s)[~g].tolist()) for s in range(6)}
+    assert len(draws) > 1  # the random rows move with the seed
+
+
+def test_inputs_are_checked():
+    logits = torch.randn(2, 10, device=DEVICE)
+    t, g = _inputs(2, [1.0, 1.0], [False, False])
+    with pytest.raises(ValueError, match="temperature"):
+        ks.gumbel_sample(logits, t.double(), g, seed=0)
+    with pytest.raises(ValueError, match="greedy"):
+        ks.gumbel_sample(logits, t, g.int(), seed=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        ks.gumbel_sample(logits.t(), t, g, seed=0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Sampler takes the fused path only for CUDA logits")
+def test_sampler_uses_the_kernel_on_cuda_and_keeps_greedy_rows_exact():
+    from deepserve.layers.sampler import Sampler, SamplingMetadata
+    from deepserve.sampling_params import SamplingParams
+
+    logits = torch.randn(4, 500, device=DEVICE)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)] * 2
+    meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [frozenset()] * 4, 500, DEVICE)
+    out = Sampler()(logits, meta).sampled
+    assert torch.equal(out[0::2], logits[0::2].argmax(-1))
