@@ -54,7 +54,7 @@ def greedy(path: str, device: str, **kw) -> list[list[int]]:
 
 def parallel_cases(name: str) -> list[tuple[str, dict]]:
     """Multi-GPU layouts (NCCL), only where the machine has the GPUs for them."""
-    gpus = torch.cuda.device_count()
+    gpus = 0 if "--no-parallel" in sys.argv else torch.cuda.device_count()
     cases = [("cuda-tp2", {"tensor_parallel_size": 2}), ("cuda-pp2", {"pipeline_parallel_size": 2})]
     if name.startswith("ds"):  # MoE: the ranks split the routed experts
         cases.append(("cuda-tp2-ep", {"tensor_parallel_size": 2, "enable_expert_parallel": True}))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: correctness first, then the timed workloads. Each step logs to $OUT and a
 # failure in one step does not stop the next. Usage: bash bench/h200_run.sh [steps...]
-# steps: env kernels moe gpucheck gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
+# steps: env kernels moe moesweep gpucheck gpucheck1 (one GPU only) gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
 #        profile:MODEL:BATCH:PROMPT_LEN:TEMPERATURE (bench/profile_step.py)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -26,6 +26,8 @@ for s in $steps; do
     kernels) run kernels python3 bench/check_kernels.py --no-variants ;;
     moe) run moe python3 bench/check_fused_moe.py ;;
     gpucheck) run gpucheck python3 bench/gpu_check.py ;;
+    gpucheck1) run gpucheck1 python3 bench/gpu_check.py --no-parallel ;;
+    moesweep) run moesweep python3 bench/sweep_moe_config.py --out "$OUT" ;;
     w1-qwen) run w1-qwen $DS bench throughput --model r1-distill-qwen-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-qwen.json" ;;
     w1-llm) run w1-llm $DS bench throughput --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w1-llm.json" ;;
     w2-llm) run w2-llm $DS bench latency --model deepseek-llm-7b --load-format dummy --max-model-len 4096 --output-json "$OUT/w2-llm.json" ;;
