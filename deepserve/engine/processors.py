@@ -181,12 +181,16 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             if completion.finish_reason is not None:
                 del self.child_to_parent[out.request_id]
-            if not state.final_only or state.finished:
+                changed[state.request_id] = state  # final_only states are dropped below unless finished
+            elif not state.final_only:
                 changed[state.request_id] = state
         results = []
         for state in changed.values():
+            finished = state.finished
+            if state.final_only and not finished:
+                continue
             results.append(state.output())
-            if state.finished:
+            if finished:
                 del self.states[state.request_id]
         return results, to_abort
 
