@@ -115,3 +115,17 @@ def test_cli_reports_bad_flags_as_errors(capsys):
     rc = main(["generate", "Hello", "--max-model-len", "999999", "--device", "cpu"])
     assert rc == 2
     assert "--max-model-len" in capsys.readouterr().err
+
+
+def test_cli_hf_overrides_replace_config_fields():
+    import argparse
+
+    from deepserve.entrypoints.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--hf-overrides", '{"num_hidden_layers": 8}', "--load-format", "dummy"])
+    config = engine_args_from(ns, "deepseek-v3").create_engine_config()
+    assert config.model.hf_config.num_hidden_layers == 8  # the preset has 61
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides", "[8]"])

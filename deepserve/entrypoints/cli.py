@@ -44,6 +44,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    g.add_argument("--hf-overrides", type=_json_object, default={}, metavar="JSON",
+                   help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
@@ -76,6 +88,7 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
         enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
+        hf_overrides=getattr(ns, "hf_overrides", {}),
     )
 
 
