@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -10,26 +11,37 @@ import torch
 
 @dataclass
 class EnergyMeter:
-    """Joules drawn by GPU 0 between start() and stop(), from NVML's total-energy counter."""
+    """Joules drawn by the engine's GPUs (the first `num_gpus` visible ones) between start() and stop(),
+    from NVML's total-energy counters."""
 
+    num_gpus: int = 1
     joules: float | None = None
-    _handle: object | None = field(default=None, repr=False)
-    _start_mj: int | None = field(default=None, repr=False)
+    _handles: list = field(default_factory=list, repr=False)
+    _start_mj: list[int] = field(default_factory=list, repr=False)
 
     def start(self) -> None:
         with contextlib.suppress(Exception):  # no NVML (CPU, missing pynvml): energy stays None
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self._start_mj = pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+            self._handles = _visible_handles(pynvml, self.num_gpus)
+            self._start_mj = [pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles]
 
     def stop(self) -> float | None:
-        if self._handle is not None and self._start_mj is not None:
+        if self._handles and len(self._start_mj) == len(self._handles):
             import pynvml
 
-            self.joules = (pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_mj) / 1000.0
+            now = [pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles]
+            self.joules = sum(b - a for a, b in zip(self._start_mj, now, strict=True)) / 1000.0
         return self.joules
+
+
+def _visible_handles(pynvml, count: int) -> list:
+    # NVML numbers every GPU of the host; CUDA numbers only CUDA_VISIBLE_DEVICES, in its order.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    idents = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    return [pynvml.nvmlDeviceGetHandleByIndex(int(i)) if i.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(i)
+            for i in idents[:count]]
 
 
 def peak_memory_gib() -> float | None:

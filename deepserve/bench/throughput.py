@@ -24,7 +24,8 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
     time_to_ready = time.perf_counter() - process_start  # process start -> first token out
     llm.generate([p[:16] for p in workload.prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # the warm-up generate of the definition
-    meter = EnergyMeter()
+    parallel = llm.llm_engine.config.parallel
+    meter = EnergyMeter(parallel.tensor_parallel_size * parallel.pipeline_parallel_size // parallel.nnodes)
     meter.start()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
@@ -51,6 +52,9 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
         "num_preemptions": stats.num_preemptions_total,
         "kv_cache_blocks": llm.llm_engine.core.num_blocks,
         "output_tokens_per_joule": num_out / joules if joules else None,
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "enable_expert_parallel": parallel.enable_expert_parallel,
     }
 
 
