@@ -9,11 +9,20 @@ reference, then timed with triton.testing.do_bench (median, L2 flushed between r
   - a few alternative launch configs (while the run is young), to tune default_config,
   - the roofline: the weights of the experts actually hit, read once, at 4.2 TB/s, or the FLOPs at
     760 TFLOP/s, whichever takes longer.
-A failing case prints its error and the run goes on. The table comes last; JSON goes to $OUT/fused_moe.json
-when OUT is set.
+Then the router (deepserve/kernels/moe_routing.py): for V2-Lite (64 experts, top-6, greedy softmax) and
+V3 (256 experts, 8 groups, top-4 groups, top-8, sigmoid + bias, renormalized, x2.5) at T = 1, 64, 256,
+the fused kernel's routing is first checked against the torch `route` on fp32 logits (same experts as
+sets per token, weights to 1e-5), then both are timed as the decode step runs them: CALLS calls
+captured in one CUDA graph, the replays timed with CUDA events, per call (an eager call at T = 1 would
+time Python and the launch, not the kernels). Tokens per program (block_t) other than the default are
+timed next to it.
 
-    python bench/check_fused_moe.py            # the H200 run, < 3 minutes
-    python bench/check_fused_moe.py --smoke    # tiny shapes; on a CPU-only machine under TRITON_INTERPRET
+A failing case prints its error and the run goes on. The tables come last (routing last); JSON goes to
+$OUT/fused_moe.json when OUT is set.
+
+    python bench/check_fused_moe.py                  # the H200 run, < 3 minutes
+    python bench/check_fused_moe.py --routing-only   # the router only, seconds
+    python bench/check_fused_moe.py --smoke          # tiny shapes; on a CPU-only machine under TRITON_INTERPRET
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from deepserve.kernels import fused_moe as fm  # noqa: E402
-from deepserve.layers.moe import RoutedExperts  # noqa: E402
+from deepserve.kernels import moe_routing as mr  # noqa: E402
+from deepserve.layers.moe import RoutedExperts, RoutingConfig, route  # noqa: E402
 
 PEAK_GBS = 4200.0  # copy bandwidth measured on this H200 (BENCHMARKS.md)
 PEAK_TFLOPS = 760.0  # bf16 dense matmul measured there
@@ -50,6 +60,15 @@ MODELS = {"V2-Lite": (64, 2048, 1408, 6), "V3": (256, 7168, 2048, 8)}  # E, H, I
 CASES = [("V2-Lite", t) for t in (1, 64, 256, 2048, 8192)] + [("V3", t) for t in (64, 256)]
 SMOKE_MODELS = {"tiny": (8, 64, 48, 2)}
 SMOKE_CASES = [("tiny", 1), ("tiny", 40)]
+ROUTERS = {"V2-Lite": RoutingConfig(64, 6),
+           "V3": RoutingConfig(256, 8, "noaux_tc", "sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+                               routed_scaling_factor=2.5)}
+ROUTING_CASES = [(model, t) for model in ROUTERS for t in (1, 64, 256)]
+SMOKE_ROUTERS = {"tiny": RoutingConfig(16, 4, "noaux_tc", "sigmoid", n_group=4, topk_group=2, norm_topk_prob=True)}
+SMOKE_ROUTING_CASES = [("tiny", 1), ("tiny", 5)]
+ROUTING_TOLERANCE = 1e-5  # fp32 weights, absolute (they are at most routed_scaling_factor)
+BLOCK_T_VARIANTS = (2, 4, 8)  # tokens per program, timed next to the default at T >= 64
+CALLS = 50  # calls per captured graph: one replay's launch cost spreads over them
 MC = fm.MoEConfig
 # Alternatives timed next to the default, by the default's row tile (the regime).
 VARIANTS = {
@@ -236,6 +255,109 @@ def summary(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class RouteRow:
+    model: str
+    tokens: int
+    ok: bool = False
+    mismatched: int | None = None  # tokens whose expert sets differ
+    max_err: float | None = None  # weights of the other tokens, sorted by expert id
+    fused_us: float | None = None  # per call, replayed from a CUDA graph (eager on CPU)
+    torch_us: float | None = None
+    variants: dict[str, float | str] = field(default_factory=dict)  # "bt<block_t>" -> us, or the error
+    error: str = ""
+
+
+def per_call_us(fn: Callable[[], object], device: torch.device, replays: int = 20) -> float:
+    """Median microseconds per call of `fn` inside a CUDA graph of CALLS calls: what the decode step's
+    graph pays (no Python, no launch overhead). Capture also proves `fn` has no host sync."""
+    if device.type != "cuda":
+        return timed(fn, device)
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)  # ms per replay -> us per call
+    return sorted(times)[len(times) // 2]
+
+
+def route_errors(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor, block_t: int | None = None
+                 ) -> tuple[int, float]:
+    # -> (tokens whose expert sets differ, max weight error over the others).
+    got_w, got_ids = mr.fused_route(logits, cfg, bias, block_t=block_t)
+    want_w, want_ids = route(logits, cfg, bias)
+    got_ids, got_order = got_ids.sort(-1)
+    want_ids, want_order = want_ids.sort(-1)
+    same = (got_ids == want_ids).all(-1)  # [T]
+    diff = (got_w.gather(1, got_order) - want_w.gather(1, want_order)).abs()[same]
+    return int((~same).sum()), float(diff.max()) if diff.numel() else 0.0
+
+
+def run_route_case(model: str, tokens: int, device: torch.device) -> RouteRow:
+    cfg = (ROUTERS | SMOKE_ROUTERS)[model]
+    row = RouteRow(model, tokens)
+    logits = torch.randn(tokens, cfg.num_experts, device=device) * 2.0  # fp32, as MoEGate computes them
+    bias = torch.randn(cfg.num_experts, device=device) * 0.3  # read under noaux_tc only
+    row.mismatched, row.max_err = route_errors(logits, cfg, bias)
+    row.ok = row.mismatched == 0 and row.max_err <= ROUTING_TOLERANCE
+    row.fused_us = per_call_us(lambda: mr.fused_route(logits, cfg, bias), device)
+    row.torch_us = per_call_us(lambda: route(logits, cfg, bias), device)
+    if tokens >= 64 and device.type == "cuda":
+        for block_t in BLOCK_T_VARIANTS:
+            row.variants[f"bt{block_t}"] = guarded(row, f"bt{block_t}", lambda bt=block_t: block_t_time(
+                logits, cfg, bias, bt, device))
+    return row
+
+
+def block_t_time(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor, block_t: int,
+                 device: torch.device) -> float | str:
+    mismatched, err = route_errors(logits, cfg, bias, block_t)
+    if mismatched or err > ROUTING_TOLERANCE:
+        return f"WRONG mismatched={mismatched} err={err:.1e}"
+    return per_call_us(lambda: mr.fused_route(logits, cfg, bias, block_t=block_t), device)
+
+
+def run_routing(cases: list[tuple[str, int]], device: torch.device) -> list[RouteRow]:
+    rows: list[RouteRow] = []
+    for model, tokens in cases:
+        try:
+            rows.append(run_route_case(model, tokens, device))
+        except Exception as exc:
+            traceback.print_exc(limit=3)
+            rows.append(RouteRow(model, tokens, error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200]))
+        r = rows[-1]
+        print(f"  route {r.model:8s} T={r.tokens:<4d} {'ok ' if r.ok else 'BAD'} mismatched={r.mismatched} "
+              f"err={r.max_err or 0:.1e} fused={r.fused_us or 0:.2f}us torch={r.torch_us or 0:.2f}us "
+              f"{' '.join(f'{n}={v:.2f}' if isinstance(v, float) else f'{n}:{v}' for n, v in r.variants.items())} "
+              f"{r.error}", flush=True)
+    return rows
+
+
+def routing_summary(rows: list[RouteRow]) -> str:
+    lines = [f"{'router':8s} {'T':>5s} {'fused us':>9s} {'torch us':>9s} {'x torch':>7s} {'err':>7s}  "
+             "block_t variants (us)", "-" * 80]
+    for r in rows:
+        status = f"{r.max_err:7.1e}" if r.ok else ("ERROR  " if r.max_err is None else "WRONG  ")
+        speedup = r.torch_us / r.fused_us if r.torch_us and r.fused_us else 0.0
+        variants = " ".join(f"{n}={v:.2f}" if isinstance(v, float) else f"{n}:{str(v).split()[0]}"
+                            for n, v in r.variants.items())
+        lines.append(f"{r.model:8s} {r.tokens:5d} {r.fused_us or 0:9.2f} {r.torch_us or 0:9.2f} {speedup:7.2f} "
+                     f"{status}  {variants}")
+    lines.append(f"{len(rows)} cases, {sum(not r.ok for r in rows)} failed. Per call, in a CUDA graph of {CALLS} "
+                 f"calls; err = max weight error (fp32), ok when every token has the same experts")
+    return "\n".join(lines)
+
+
 def environment(device: torch.device) -> dict:
     return bench_env.environment(device, peak_gbs=PEAK_GBS, peak_tflops=PEAK_TFLOPS)
 
@@ -244,18 +366,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself")
     parser.add_argument("--no-variants", action="store_true", help="time the default launch configs only")
+    parser.add_argument("--routing-only", action="store_true", help="the router only, not the experts")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         parser.error("no CUDA device: only --smoke runs on CPU")
     torch.manual_seed(0)
-    rows = run_all(SMOKE_CASES if args.smoke else CASES, device, variants=not args.no_variants)
+    rows = [] if args.routing_only else run_all(SMOKE_CASES if args.smoke else CASES, device,
+                                                 variants=not args.no_variants)
+    route_rows = run_routing(SMOKE_ROUTING_CASES if args.smoke else ROUTING_CASES, device)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "fused_moe.json"
-        path.write_text(json.dumps(dict(env=environment(device), rows=[asdict(r) for r in rows]), indent=1))
+        path.write_text(json.dumps(dict(env=environment(device), rows=[asdict(r) for r in rows],
+                                        routing=[asdict(r) for r in route_rows]), indent=1))
         print(f"wrote {path}")
-    print(f"\nFused MoE, bf16, {time.perf_counter() - START:.0f} s\n" + summary(rows))
-    return 0 if all(r.ok for r in rows) else 1
+    if rows:
+        print(f"\nFused MoE, bf16, {time.perf_counter() - START:.0f} s\n" + summary(rows))
+    print(f"\nMoE routing, fp32 logits, {time.perf_counter() - START:.0f} s\n" + routing_summary(route_rows))
+    return 0 if all(r.ok for r in rows + route_rows) else 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ as under tensor parallelism sums the ranks' partial outputs. Shared experts stay
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +139,13 @@ class MoEGate(nn.Module):
             self.e_score_correction_bias.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA the Triton routing kernel (kernels/moe_routing.py: one launch, CUDA-graph safe;
+        DEEPSERVE_FUSED_ROUTING=0 turns it off), elsewhere `route`; both return (weights [T, K] float32,
+        ids [T, K] int64). The logits stay fp32: bf16 logits change about 1-2% of the tokens' experts."""
         logits = F.linear(x.float(), self.weight)  # [T, E] -> [T, X]
+        fused = _fused_router(self.cfg) if logits.is_cuda else None
+        if fused is not None:
+            return fused(logits, self.cfg, self.e_score_correction_bias)
         return route(logits, self.cfg, self.e_score_correction_bias)
 
 
@@ -303,6 +310,19 @@ def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
     except ImportError:
         return None
     return fused_moe
+
+
+@functools.cache
+def _fused_router(cfg: RoutingConfig) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """kernels.moe_routing.fused_route (`route`'s signature), or None where Triton is not installed,
+    the config is past the kernel's limits, or DEEPSERVE_FUSED_ROUTING=0 (looked up once per config)."""
+    if os.environ.get("DEEPSERVE_FUSED_ROUTING", "1") == "0":
+        return None
+    try:
+        from deepserve.kernels.moe_routing import fits, fused_route
+    except ImportError:
+        return None
+    return fused_route if fits(cfg) else None
 
 
 class DeepseekMoE(nn.Module):
