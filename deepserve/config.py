@@ -81,8 +81,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # Multi-node (docs/parallel.md): tensor_parallel_size / nnodes ranks on each node; node 0 runs the
-    # engine and hosts torch.distributed's rendezvous (TCPStore) at master_addr:master_port.
+    # Multi-node (docs/parallel.md): the world (tensor_parallel_size x pipeline_parallel_size ranks,
+    # stage-major) is split evenly, world / nnodes ranks per node, node k holding the k-th block; node 0
+    # runs the engine and hosts torch.distributed's rendezvous (TCPStore) at master_addr:master_port.
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -94,20 +95,34 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} must be >= 1 and divide --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} (ranks per node = tensor_parallel_size / nnodes)")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(
+                f"--nnodes {self.nnodes} must be >= 1 and divide the number of ranks, --tensor-parallel-size "
+                f"{self.tensor_parallel_size} x --pipeline-parallel-size {self.pipeline_parallel_size} = "
+                f"{self.world_size} (each node runs world / nnodes of them); fitting --nnodes values: "
+                + ", ".join(str(n) for n in range(1, self.world_size + 1) if self.world_size % n == 0))
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] "
                              f"for --nnodes {self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address, reachable "
                              "from every node)")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1 and self.nnodes > 1:
-            raise ValueError(f"pipeline_parallel_size > 1 (got {self.pipeline_parallel_size}) runs on one node only "
-                             "for now; use --nnodes 1, or split across nodes with --tensor-parallel-size alone")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine, on every node: rank = stage * tensor_parallel_size + tp_rank."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        """The global ranks node `node` runs: a contiguous block, so with tensor_parallel_size dividing
+        ranks_per_node a stage's tensor-parallel group (and its all-reduces) never leaves a node."""
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
 
 @dataclass(frozen=True)

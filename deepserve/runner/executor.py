@@ -1,4 +1,4 @@
-"""Tensor parallelism across processes on one host: rank 0 here, ranks 1..tp-1 as spawned workers.
+"""Tensor and pipeline parallelism across processes: rank 0 here, the other ranks as workers.
 
 `MultiprocExecutor` is a Runner (engine/core.py). Rank 0 is the engine core's own process: it owns
 a ModelRunner like the others and is the only rank that samples (the LM head all-gathers the
@@ -16,12 +16,13 @@ ranks, rank = stage * tp + tp_rank; every rank makes the per-stage tensor-parall
 config broadcast, and stages pass activations point to point inside the forward (model_runner.py);
 the last stage sends the sampling rows' logits to rank 0, which samples.
 
-Multi-node (`nnodes > 1`): this process is node 0 and spawns only its own tensor_parallel_size /
-nnodes - 1 workers; the other nodes' ranks join the rendezvous at master_addr:master_port from
-`deepserve serve --node-rank k` (worker.run_node). Every worker then waits inside the control
-broadcast (no semaphores across hosts), shutdown broadcasts "stop", and a rank on another node is
-named when its heartbeat counter in the rendezvous store stops moving for
-DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S.
+Multi-node (`nnodes > 1`): the world (tp x pp ranks) is split into nnodes equal contiguous blocks
+(ParallelConfig.node_ranks); this process is node 0 and spawns only the rest of its own block; the
+other nodes' ranks join the rendezvous at master_addr:master_port from `deepserve serve --node-rank
+k` (worker.run_node). With TP=8 x PP=2 on two nodes, node 0 is stage 0 and node 1 stage 1. Every
+worker then waits inside the control broadcast (no semaphores across hosts), shutdown broadcasts
+"stop", and a rank on another node is named when its heartbeat counter in the rendezvous store
+stops moving for DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class _Workers:
         self.healthy = False  # every rank loaded and none failed: shutdown may broadcast "stop"
         self.remote: _RemoteHeartbeats | None = None
         self.procs = {}
-        for rank in range(1, local):
+        for rank in range(1, local):  # node 0's block of ranks: 0 (this process) .. local - 1
             go = None if self.multinode else self.go[rank]
-            p = ctx.Process(target=worker.worker_process, name=f"deepserve-tp{rank}", daemon=True,
+            p = ctx.Process(target=worker.worker_process, name=f"deepserve-rank{rank}", daemon=True,
                             args=(rank, world, port, backend, timeout_s, go, self.stop,
                                   self.progress, self.heartbeat, addr, local, self.multinode))
             p.start()
@@ -133,16 +134,21 @@ class _RemoteHeartbeats:
 def _shutdown(workers: _Workers) -> None:
     if workers.remote is not None:
         workers.remote.closed = True
-    if workers.multinode and workers.healthy:
+    told = workers.multinode and workers.healthy
+    if told:
         workers.healthy = False
         try:
             worker.broadcast_object({"op": "stop"}, workers.group)  # every rank, on every node
         except Exception as e:
-            logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+            told = False
+            logger.warning("could not tell the parallel ranks to stop: %s", e)
     workers.stop.set()
     workers.wake()
-    for rank in workers.frozen():
-        workers.procs[rank].kill()  # a stopped process would never see the stop signal
+    # A stopped process never sees the stop signal; neither does a multi-node worker that was not
+    # told "stop": it waits inside the control broadcast, which has no timeout.
+    stuck = workers.frozen() if told or not workers.multinode else list(workers.procs)
+    for rank in stuck:
+        workers.procs[rank].kill()
     deadline = time.monotonic() + 5.0
     for p in workers.procs.values():
         p.join(max(0.0, deadline - time.monotonic()))
@@ -171,8 +177,9 @@ class MultiprocExecutor:
 
             check_pp_fits(config.model.hf_config, par.pipeline_parallel_size)
         self.pipeline = par.pipeline_parallel_size > 1
-        self.world = par.tensor_parallel_size * par.pipeline_parallel_size
-        self.local_world = self.world // par.nnodes
+        self.parallel = par
+        self.world = par.world_size
+        self.local_world = par.ranks_per_node
         self.timeout_s = _env_seconds("DEEPSERVE_TP_TIMEOUT_S", 300.0)
         self.failed: TensorParallelError | None = None
         backend = "nccl" if config.model.device == "cuda" else "gloo"
@@ -192,7 +199,7 @@ class MultiprocExecutor:
             self.workers.group = self.group
             if par.nnodes > 1:
                 self.workers.remote = _RemoteHeartbeats(
-                    addr, port, list(range(self.local_world, self.world)),
+                    addr, port, [r for node in range(1, par.nnodes) for r in par.node_ranks(node)],
                     _env_seconds("DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S", 10.0))
             worker.broadcast_object(config, self.group)
             worker.init_model_parallel(config)
@@ -220,18 +227,26 @@ class MultiprocExecutor:
     def _remote_stale(self) -> list[int]:
         return self.workers.remote.stale() if self.workers.remote is not None else []
 
+    def _rank_name(self, rank: int, node: bool) -> str:
+        """'tensor-parallel rank 1', or under PP 'pipeline-parallel rank 2 (node 1, stage 1)': enough to
+        find the process and the layers it held."""
+        where = [f"node {rank // self.local_world}"] if node else []
+        if self.pipeline:
+            where.append(f"stage {rank // self.parallel.tensor_parallel_size}")
+        kind = "pipeline-parallel" if self.pipeline else "tensor-parallel"
+        return f"{kind} rank {rank}" + (f" ({', '.join(where)})" if where else "")
+
     def _check_alive(self, doing: str) -> None:
         dead = self.workers.dead()
         if dead:
             self._fail(TensorParallelError(
-                "; ".join(f"tensor-parallel rank {r} exited (exit code {c}) while {doing}" for r, c in dead.items())
+                "; ".join(f"{self._rank_name(r, False)} exited (exit code {c}) while {doing}" for r, c in dead.items())
                 + "; its error, if any, is in this process's stderr. The engine cannot continue: restart it"))
         stale = self._remote_stale()
         if stale:
             remote = self.workers.remote
             self._fail(TensorParallelError(
-                "; ".join(f"tensor-parallel rank {r} (node {r // self.local_world}) sent no heartbeat for "
-                          f"{remote.stale_s:.0f} s" for r in stale)
+                "; ".join(f"{self._rank_name(r, True)} sent no heartbeat for {remote.stale_s:.0f} s" for r in stale)
                 + f" (DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S) while {doing}: its process or node died, or the network "
                   "to it is down; its error, if any, is in that node's log. The engine cannot continue: restart "
                   "every node"))

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: ranks 1..tp-1, each a process of its own.
+"""A worker: every rank but 0 (tensor- and pipeline-parallel alike), each a process of its own.
 
 Lifecycle (rank 0's side is executor.py):
   1. join the process group, receive the EngineConfig from rank 0 (object broadcast);
@@ -8,12 +8,14 @@ Lifecycle (rank 0's side is executor.py):
 Waiting on a semaphore, not inside a collective, keeps an idle engine from tripping the process
 group's timeout: the timeout then bounds only a step in flight.
 
-Multi-node (`nnodes > 1`, docs/parallel.md): rank 0 cannot wake a process on another host through a
+Multi-node (`nnodes > 1`, docs/parallel.md): the world (tp x pp ranks, stage-major) is split into
+equal contiguous blocks, one per node. Rank 0 cannot wake a process on another host through a
 semaphore, so every worker waits for its next command inside the broadcast of a control group (gloo)
 whose timeout is effectively unbounded; the model's collectives stay on the default group and keep
 the bounded timeout. A worker on another node reports liveness by bumping a counter in
 torch.distributed's rendezvous store (`heartbeat_key`); rank 0 names a rank whose counter stops.
-Node k > 0 runs `run_node`: its ranks serve commands until rank 0 broadcasts "stop" (or is gone).
+Node k > 0 runs `run_node`: its ranks serve commands until rank 0 broadcasts "stop" (or is gone);
+the ranks it spawned also exit when its main process dies, so a killed node leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -180,30 +182,51 @@ def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, time
     try:
         worker_main(rank, world, port, backend, timeout_s, None, None, None, None, addr, local_world, True)
     except Exception as e:
-        logger.error("tensor-parallel rank %d: lost the engine on node 0 (%s:%d): %s: %s",
+        logger.error("rank %d: lost the engine (node 0 at %s:%d, or a rank it depends on): %s: %s",
                      rank, addr, port, type(e).__name__, e)
         return 1
     return 0
 
 
+def _exit_with_parent() -> None:
+    # A spawned rank blocked in a collective cannot notice its node's main process dying (SIGKILL
+    # runs no cleanup, and daemonic children are only reaped on a clean exit); without this it would
+    # linger until node 0's sockets close, holding its memory and GPU.
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    while parent.is_alive():
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _remote_rank_process(*args: Any) -> None:
-    raise SystemExit(_remote_rank(*args))
+    """Spawn target of a node's other ranks. It leaves with os._exit, as worker_process does: the
+    interpreter's own teardown of torch added about a second to every clean stop."""
+    threading.Thread(target=_exit_with_parent, name="deepserve-parent-watch", daemon=True).start()
+    code = _remote_rank(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_node(parallel: Any, backend: str, timeout_s: float | None = None) -> int:
-    """Node `parallel.node_rank` > 0 of a multi-node engine: run its tensor_parallel_size / nnodes
-    ranks (the first in this process, the others spawned) until node 0 stops; 0 on a clean stop."""
+    """Node `parallel.node_rank` > 0 of a multi-node engine: run its block of ranks (world / nnodes of
+    the tp x pp, `parallel.node_ranks`; the first in this process, the others spawned) until node 0
+    stops; 0 on a clean stop."""
     if timeout_s is None:
         timeout_s = float(os.environ.get("DEEPSERVE_TP_TIMEOUT_S", 300.0))
-    world, local = parallel.tensor_parallel_size, parallel.tensor_parallel_size // parallel.nnodes
-    first = parallel.node_rank * local
+    world, local = parallel.world_size, parallel.ranks_per_node
+    ranks = parallel.node_ranks(parallel.node_rank)
+    first = ranks[0]
     addr, port = parallel.master_addr, parallel.master_port
-    logger.info("node %d: ranks %d..%d of %d, rendezvous at %s:%d", parallel.node_rank, first,
-                first + local - 1, world, addr, port)
+    tp = parallel.tensor_parallel_size
+    logger.info("node %d: ranks %d..%d of %d (pipeline stage(s) %d..%d), rendezvous at %s:%d", parallel.node_rank,
+                first, ranks[-1], world, first // tp, ranks[-1] // tp, addr, port)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_remote_rank_process, name=f"deepserve-tp{r}", daemon=True,
+    procs = [ctx.Process(target=_remote_rank_process, name=f"deepserve-rank{r}", daemon=True,
                          args=(r, world, addr, port, backend, timeout_s, local))
-             for r in range(first + 1, first + local)]
+             for r in ranks[1:]]
     for p in procs:
         p.start()
     code = _remote_rank(first, world, addr, port, backend, timeout_s, local)

@@ -7,6 +7,9 @@ shuts it down before returning, so the next test (TP=1 included) starts from a c
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from deepserve import LLM, SamplingParams
 from tests.conftest import save_checkpoint
+from tests.server.serverkit import ROOT, free_port
 
 # vocab 500 does not divide by 4: the vocab-parallel embedding pads its last slice.
 DENSE = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -41,6 +45,30 @@ def greedy_tokens(path: str, tp: int, prompts: list[list[int]] = PROMPTS, **kwar
         shutdown(llm)
         del llm
         gc.collect()
+
+
+def start_node(path: str, master_port: int, log: str, node_rank: int, tp: int, pp: int = 1,
+               nnodes: int = 2) -> subprocess.Popen:
+    """Node `node_rank` > 0 of a multi-node engine, as a user starts it: `deepserve serve --node-rank k`,
+    meeting node 0 (this pytest process) at the rendezvous on 127.0.0.1:master_port."""
+    cmd = [sys.executable, "-m", "deepserve.entrypoints.cli", "--log-level", "INFO", "serve", path,
+           "--port", str(free_port()), "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp),
+           "--pipeline-parallel-size", str(pp), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+           "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DEEPSERVE_TP_TIMEOUT_S": "30"}
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=os.path.dirname(log))
+
+
+def make_node0(path: str, port: int, tp: int, pp: int = 1, nnodes: int = 2) -> LLM:
+    return make_llm(path, tp, pipeline_parallel_size=pp, nnodes=nnodes, node_rank=0, master_addr="127.0.0.1",
+                    master_port=port)
+
+
+def stop_node(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 def _dense_checkpoint(tmp_path_factory, tokenizer, name: str, config_cls, model_cls, **extra) -> str:

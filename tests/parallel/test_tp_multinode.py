@@ -6,37 +6,23 @@ fails node 0 with an error naming rank 1."""
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from deepserve.runner.executor import TensorParallelError
-from tests.parallel.conftest import GREEDY, PROMPTS, greedy_tokens, make_llm, shutdown
-from tests.server.serverkit import ROOT, free_port
+from tests.parallel.conftest import GREEDY, PROMPTS, greedy_tokens, make_node0, shutdown, start_node, stop_node
+from tests.server.serverkit import free_port
 
 
 def _start_node1(path: str, master_port: int, tmp_path) -> tuple[subprocess.Popen, str]:
     log = str(tmp_path / "node1.log")
-    cmd = [sys.executable, "-m", "deepserve.entrypoints.cli", "--log-level", "INFO", "serve", path,
-           "--port", str(free_port()), "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2",
-           "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DEEPSERVE_TP_TIMEOUT_S": "30"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
-    return proc, log
+    return start_node(path, master_port, log, node_rank=1, tp=2), log
 
 
 def _node0(path: str, port: int):
-    return make_llm(path, 2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+    return make_node0(path, port, tp=2)
 
 
 def test_two_nodes_match_single_process_and_node1_exits_with_node0(llama_path, tmp_path):
@@ -53,7 +39,7 @@ def test_two_nodes_match_single_process_and_node1_exits_with_node0(llama_path, t
             gc.collect()
         assert node1.wait(30) == 0, open(log).read()[-3000:]
     finally:
-        _stop(node1)
+        stop_node(node1)
     assert tokens == greedy_tokens(llama_path, 1)
 
 
@@ -74,7 +60,7 @@ def test_killed_node_is_named(llama_path, tmp_path, monkeypatch):
             del llm
             gc.collect()
     finally:
-        _stop(node1)
+        stop_node(node1)
 
 
 def test_serve_on_two_nodes(llama_path, tmp_path):
@@ -95,5 +81,5 @@ def test_serve_on_two_nodes(llama_path, tmp_path):
         try:
             assert node1.wait(30) == 0, open(log).read()[-3000:]
         finally:
-            _stop(node1)
+            stop_node(node1)
     assert text == _offline_text(llama_path)
