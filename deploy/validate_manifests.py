@@ -30,6 +30,8 @@ def render(values_file: pathlib.Path | None) -> list[dict]:
 
 def check(doc: dict, kube_version: str) -> str | None:
     """None when valid, else the reason."""
+    if doc.get("kind") == "LeaderWorkerSet":
+        return check_lws(doc, kube_version)
     if (doc.get("apiVersion"), doc.get("kind")) in CRD_KINDS:
         ok = doc.get("metadata", {}).get("name") and isinstance(doc.get("spec"), dict)
         return None if ok else "custom resource without metadata.name or spec"
@@ -39,6 +41,26 @@ def check(doc: dict, kube_version: str) -> str | None:
         return f"{'.'.join(str(p) for p in exc.path)}: {exc.message}"
     except kubernetes_validate.SchemaNotFoundError as exc:
         return str(exc)
+    return None
+
+
+def check_lws(doc: dict, kube_version: str) -> str | None:
+    """The LeaderWorkerSet's two pod templates against the Pod schema, and the multi-node flags they pass:
+    the leader is node 0, each worker node $(LWS_WORKER_INDEX), all with --nnodes = the group size."""
+    spec = doc.get("spec", {}).get("leaderWorkerTemplate", {})
+    size = str(spec.get("size"))
+    for role, rank in (("leaderTemplate", "0"), ("workerTemplate", "$(LWS_WORKER_INDEX)")):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()},
+               "spec": spec.get(role, {}).get("spec")}
+        problem = check(pod, kube_version)
+        if problem:
+            return f"{role}: {problem}"
+        args = pod["spec"]["containers"][0].get("args", [])
+        flags = dict(zip(args[1::2], args[2::2], strict=False)) if args else {}
+        want = {"--nnodes": size, "--node-rank": rank, "--master-addr": "$(LWS_LEADER_ADDRESS)"}
+        wrong = {k: flags.get(k) for k, v in want.items() if flags.get(k) != v}
+        if wrong:
+            return f"{role}: multi-node flags {wrong}, expected {want}"
     return None
 
 

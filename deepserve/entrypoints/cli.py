@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--nnodes", type=int, default=d.nnodes,
-                   help="nodes the tensor-parallel ranks span (tensor_parallel_size / nnodes ranks on each)")
+                   help="nodes the engine spans (tensor_parallel_size x pipeline_parallel_size / nnodes ranks on each)")
     g.add_argument("--node-rank", type=int, default=d.node_rank,
                    help="this node's index; 0 runs the engine (and the server), k > 0 only serves its ranks")
     g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable from every node")
@@ -48,7 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
 
 
-def _json_object(text: str) -> dict:
+def _json_object(text: str | dict) -> dict:
+    if isinstance(text, dict):  # from a --config YAML file, already parsed
+        return text
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

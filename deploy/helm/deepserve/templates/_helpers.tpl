@@ -26,6 +26,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
     - {{ .Values.model.path | quote }}
     - --config
     - /etc/deepserve/serve.yaml
+    {{- if .Values.leaderWorkerSet.enabled }}
+    {{- include "deepserve.multinodeArgs" (dict "root" . "nodeRank" "0") | nindent 4 }}
+    {{- end }}
     {{- range .Values.engine.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -62,6 +65,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
     - {name: models, mountPath: {{ .Values.model.mountPath }}, readOnly: true}
     - {name: tmp, mountPath: /tmp}
     - {name: dshm, mountPath: /dev/shm}
+{{- end }}
+
+{{/* --nnodes/--node-rank/--master-addr/--master-port of one LeaderWorkerSet pod; the LWS controller
+     sets LWS_LEADER_ADDRESS and LWS_WORKER_INDEX in every pod of the group. */}}
+{{- define "deepserve.multinodeArgs" -}}
+- --nnodes
+- {{ .root.Values.leaderWorkerSet.size | quote }}
+- --node-rank
+- {{ .nodeRank | quote }}
+- --master-addr
+- "$(LWS_LEADER_ADDRESS)"
+- --master-port
+- {{ .root.Values.leaderWorkerSet.masterPort | quote }}
 {{- end }}
 
 {{- define "deepserve.podSpec" -}}
