@@ -86,8 +86,14 @@ def broadcast_object(obj: Any, group: Any) -> Any:
 
 
 def runner_config(config: EngineConfig) -> EngineConfig:
-    # Collectives are not captured in CUDA graphs here: every rank runs eager under TP.
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=True))
+    """Each rank's ModelRunner config. Under tensor parallelism the decode CUDA graphs capture the NCCL
+    all-reduces too (every rank captures the same sizes in the same order at initialize_cache, and
+    replays the same size each step, since all ranks see the same step). Pipeline stages run eager:
+    their point-to-point sends sit between stages, outside any one rank's graph.
+    DEEPSERVE_TP_CUDA_GRAPHS=0 makes tensor-parallel ranks eager as well."""
+    eager = (config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
+             or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "1") == "0")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=eager))
 
 
 def agree_num_blocks(runner: Any, group: Any) -> int:
