@@ -63,6 +63,14 @@ def parallel_cases(name: str) -> list[tuple[str, dict]]:
     return cases if gpus >= 2 else []
 
 
+def cases(name: str) -> list[tuple[str, dict]]:
+    """Every case, or those named by --cases a,b,c (labels as printed)."""
+    every = [("cuda-graphs", {}), ("cuda-eager", {"enforce_eager": True}),
+             ("cuda-chunked", {"max_num_batched_tokens": 32})] + parallel_cases(name)
+    wanted = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
+    return every if wanted is None else [c for c in every if c[0] in wanted.split(",")]
+
+
 def main() -> int:
     failures = 0
     for name, (config_cls, model_cls, extra) in VARIANTS.items():
@@ -71,8 +79,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as path:
             model.save_pretrained(path)
             want = greedy(path, "cpu")
-            for label, kw in [("cuda-graphs", {}), ("cuda-eager", {"enforce_eager": True}),
-                              ("cuda-chunked", {"max_num_batched_tokens": 32})] + parallel_cases(name):
+            for label, kw in cases(name):
                 try:
                     got = greedy(path, "cuda", **kw)
                 except Exception as e:  # one broken layout must not hide the others' results
