@@ -2,9 +2,16 @@
 
 For every benchmark shape and every launch variant: fresh random inputs, the output poisoned with NaN
 first (an unwritten element or a NaN fails), the result compared with the torch reference, then the
-median time from triton.testing.do_bench (which flushes L2 between runs). Effective bandwidth counts the
-KV cache read once plus q and out. A failing case prints its error and the run goes on. The summary
-table comes last; JSON goes to $OUT/kernels.json when OUT is set.
+median time of one call. Effective bandwidth counts the KV cache read once plus q and out. A failing
+case prints its error and the run goes on. The summary table comes last; JSON goes to
+$OUT/kernels.json when OUT is set.
+
+Cases come twice: with max_seq_len = the sequences' length (an eager step), and with max_seq_len =
+4096 whatever the length (column "max"), as the decode CUDA graphs launch the kernels. Every call is
+timed from CUDA-graph replays with CUDA events ("graph"): an eager call, as triton.testing.do_bench
+times it, measures Python's launch overhead whenever the GPU needs less (tens of us: B=1, but also
+Qwen-7B at B=64). A timing graph holds one call per copy of the KV cache (distinct blocks of one
+cache), enough copies to overflow L2, so every call reads HBM as a decode layer does.
 
     python bench/check_kernels.py               # the H200 run, < 3 minutes
     python bench/check_kernels.py --smoke       # tiny shapes; on a CPU-only machine under TRITON_INTERPRET
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -29,9 +37,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # --smoke on CPU; must precede the first `import triton`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
 from deepserve.kernels import triton_paged_attention as tpa  # noqa: E402
 
 PEAK_GBS = 4200.0  # copy bandwidth measured on this H200 (BENCHMARKS.md), the 100 % mark
@@ -40,6 +45,13 @@ VARIANTS_UNTIL_S = 120.0  # past this many seconds only the defaults are timed, 
 START = time.perf_counter()
 GQA_MODELS = {"DeepSeek-LLM-7B": (32, 32, 128), "R1-Distill-Qwen-7B": (28, 4, 128)}  # H, Hkv, D
 MLA_MODELS = {"V2-Lite": (16, 512, 64), "V3": (128, 512, 64)}  # H, R, P
+GRAPH_BOUND = 4096  # max_seq_len of the decode graphs (max_model_len) in the "graph" cases
+GRAPH_MODELS = ("DeepSeek-LLM-7B", "R1-Distill-Qwen-7B", "V2-Lite")
+ROTATE_BYTES = 256 << 20  # KV bytes a graph cycles through: 5x the H200's 50 MB L2, so calls miss L2
+MAX_COPIES = 128  # cap on the KV copies (calls) in one timing graph: V2-Lite B=1 L=1024 cycles 150 MB
+MIN_CALLS = 20  # calls per timing graph, so the graph launch itself is amortized
+SPLIT_VARIANTS = (8, 16, 32, 64)  # forced split counts timed next to the default ...
+SPLIT_VARIANTS_MAX_BATCH = 16  # ... up to this batch
 LC = tpa.LaunchConfig
 # Alternatives timed next to the defaults (None = the default config); "nosplit" pins num_splits=1.
 GQA_VARIANTS = {
@@ -64,6 +76,8 @@ class Row:
     batch: int
     seq_len: int
     variant: str
+    max_seq_len: int = 0  # the host bound passed to the kernel (sizes the split count)
+    timing: str = ""  # "graph": CUDA-graph replays; "cpu": one interpreted call (--smoke)
     config: str = ""
     ok: bool = False
     rel_err: float | None = None
@@ -73,22 +87,58 @@ class Row:
     error: str = ""
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Median microseconds."""
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
-    start = time.perf_counter()  # --smoke on CPU: one interpreted call, only to exercise the script
-    fn()
-    return (time.perf_counter() - start) * 1e6
+def timed(fns: list[Callable[[], object]], device: torch.device) -> float:
+    """Median microseconds of one call. fns: the same call on each copy of the inputs (graph timing
+    cycles through them; the CPU run takes the first)."""
+    if device.type != "cuda":  # --smoke on CPU: one interpreted call, only to exercise the script
+        start = time.perf_counter()
+        fns[0]()
+        return (time.perf_counter() - start) * 1e6
+    return graph_timed(fns)
 
 
-def paged_inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def graph_timed(fns: list[Callable[[], object]], repeats: int = 15) -> float:
+    # One graph of max(len(fns), MIN_CALLS) calls, replayed `repeats` times between CUDA events; the median
+    # replay divided by the calls. Back-to-back replays of small kernels is what a decode graph runs.
+    calls = [fns[i % len(fns)] for i in range(max(len(fns), MIN_CALLS))]
+    for fn in fns:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def num_copies(kv_bytes: int, device: torch.device) -> int:
+    # KV copies for graph timing: enough that cycling through them overflows L2.
+    return min(MAX_COPIES, max(1, -(-ROTATE_BYTES // kv_bytes))) if device.type == "cuda" else 1
+
+
+def timing_name(device: torch.device) -> str:
+    return "graph" if device.type == "cuda" else "cpu"
+
+
+def paged_inputs(batch: int, seq_len: int, device: torch.device, copies: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     # Every sequence seq_len long, blocks scattered over the cache as after a long-running server.
+    # -> tables [copies, B, blocks per sequence] over distinct blocks, seq_lens [B], num_blocks of all copies
     per_seq = -(-seq_len // BLOCK_SIZE)
-    num_blocks = batch * per_seq
-    table = torch.randperm(num_blocks, device=device).view(batch, per_seq).int()
+    num_blocks = copies * batch * per_seq
+    tables = torch.randperm(num_blocks, device=device).view(copies, batch, per_seq).int()
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    return table, seq_lens, num_blocks
+    return tables, seq_lens, num_blocks
 
 
 def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
@@ -98,46 +148,60 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     return err < 1e-2, err
 
 
-def measure(row: Row, run: Callable[[torch.Tensor], object], out: torch.Tensor, ref: torch.Tensor,
-            nbytes: int, device: torch.device) -> Row:
+def measure(row: Row, run: Callable[[torch.Tensor, torch.Tensor], object], out: torch.Tensor, ref: torch.Tensor,
+            tables: torch.Tensor, nbytes: int, device: torch.device) -> Row:
+    # run(out, block_tables); checked on the first copy of the inputs, timed over all of them.
     try:
         out.fill_(float("nan"))
-        run(out)
+        run(out, tables[0])
         row.ok, row.rel_err = check(out, ref)
-        row.time_us = timed(lambda: run(out), device)
+        row.time_us = timed([lambda t=t: run(out, t) for t in tables], device)
         row.gbs = nbytes / row.time_us / 1e3
         row.pct_peak = 100 * row.gbs / PEAK_GBS
     except Exception as exc:  # one broken variant must not hide the others
         row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         traceback.print_exc(limit=2)
-    print(f"  {row.kernel:10s} {row.model:19s} B={row.batch:<4d} L={row.seq_len:<5d} {row.variant:12s} "
+    print(f"  {row.kernel:10s} {row.model:19s} B={row.batch:<4d} L={row.seq_len:<5d} max={row.max_seq_len:<5d} "
+          f"{row.timing:5s} {row.variant:12s} "
           f"{'ok ' if row.ok else 'BAD'} err={row.rel_err or 0:.1e} {row.time_us or 0:9.1f} us "
           f"{row.gbs or 0:7.0f} GB/s {row.error}", flush=True)
     return row
 
 
-def gqa_case(model: str, batch: int, seq_len: int, device: torch.device, variants: bool) -> list[Row]:
+def variant_options(configs: dict[str, tpa.LaunchConfig], batch: int, default_splits: int, variants: bool
+                    ) -> dict[str, dict]:
+    # Keyword overrides per variant name: the default, the alternative configs, no split, and for small
+    # batches forced split counts (the heuristic's neighbours).
+    options: dict[str, dict] = {"default": {}}
+    if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
+        options.update({name: {"config": cfg} for name, cfg in configs.items()})
+        options["nosplit"] = {"num_splits": 1}
+        if batch <= SPLIT_VARIANTS_MAX_BATCH:
+            options.update({f"splits{n}": {"num_splits": n} for n in SPLIT_VARIANTS if n != default_splits})
+    return options
+
+
+def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.device, variants: bool) -> list[Row]:
     heads, kv_heads, dim = GQA_MODELS[model]
-    table, seq_lens, num_blocks = paged_inputs(batch, seq_len, device)
+    kv_bytes = 2 * batch * seq_len * kv_heads * dim * 2
+    tables, seq_lens, num_blocks = paged_inputs(batch, seq_len, device, num_copies(kv_bytes, device))
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, device=device, dtype=torch.bfloat16)
     query = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
     scale = dim ** -0.5
-    ref = tpa.paged_decode_attention_ref(query, kv_cache, table, seq_lens, scale)
-    nbytes = 2 * (2 * batch * seq_len * kv_heads * dim + 2 * query.numel())
+    ref = tpa.paged_decode_attention_ref(query, kv_cache, tables[0], seq_lens, scale)
+    nbytes = kv_bytes + 2 * 2 * query.numel()
     out = torch.empty_like(query)
     group = heads // kv_heads
-    options: dict[str, dict] = {"default": {}}
-    if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
-        options.update({name: {"config": cfg} for name, cfg in GQA_VARIANTS.get(group, {}).items()})
-        options["nosplit"] = {"num_splits": 1}
+    default_cfg = tpa.default_gqa_config(group, query.dtype)
+    default_splits = tpa._num_splits(batch * kv_heads, bound, default_cfg.block_n, None, tpa.GQA_TARGET_PROGRAMS)
     rows = []
-    for name, kw in options.items():
-        cfg = kw.get("config") or tpa.default_gqa_config(group, query.dtype)
-        splits = kw.get("num_splits") or tpa.choose_num_splits(batch * kv_heads, seq_len)
-        row = Row("decode", model, batch, seq_len, name, f"{cfg} splits<={splits}")
-        run = lambda o, kw=kw: tpa.paged_decode_attention(query, kv_cache, table, seq_lens, scale, out=o,
-                                                          max_seq_len=seq_len, **kw)
-        rows.append(measure(row, run, out, ref, nbytes, device))
+    for name, kw in variant_options(GQA_VARIANTS.get(group, {}), batch, default_splits, variants).items():
+        cfg = kw.get("config") or default_cfg
+        splits = tpa._num_splits(batch * kv_heads, bound, cfg.block_n, kw.get("num_splits"), tpa.GQA_TARGET_PROGRAMS)
+        row = Row("decode", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")
+        run = lambda o, t, kw=kw: tpa.paged_decode_attention(query, kv_cache, t, seq_lens, scale, out=o,
+                                                             max_seq_len=bound, **kw)
+        rows.append(measure(row, run, out, ref, tables, nbytes, device))
     rows.append(store_kv_case(model, batch, kv_cache, device))
     return rows
 
@@ -148,14 +212,14 @@ def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch
     slots = torch.randperm(slots_total, device=device)[:tokens]
     slots[-1] = -1
     key, value = (torch.randn(tokens, *kv_cache.shape[3:], device=device, dtype=kv_cache.dtype) for _ in range(2))
-    row = Row("store_kv", model, tokens, 0, "default")
+    row = Row("store_kv", model, tokens, 0, "default", timing=timing_name(device))
     try:
         expected = kv_cache.clone()
         tpa.store_kv_cache_ref(key, value, expected, slots)
         tpa.store_kv_cache(key, value, kv_cache, slots)
         row.ok, row.rel_err = torch.equal(kv_cache, expected), 0.0
         del expected
-        row.time_us = timed(lambda: tpa.store_kv_cache(key, value, kv_cache, slots), device)
+        row.time_us = timed([lambda: tpa.store_kv_cache(key, value, kv_cache, slots)], device)
         row.gbs = 2 * 2 * key.numel() * key.element_size() / row.time_us / 1e3  # read + write K and V
         row.pct_peak = 100 * row.gbs / PEAK_GBS
     except Exception as exc:
@@ -166,29 +230,29 @@ def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch
     return row
 
 
-def mla_case(model: str, batch: int, seq_len: int, device: torch.device, variants: bool) -> list[Row]:
+def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.device, variants: bool) -> list[Row]:
     heads, rank, rope = MLA_MODELS[model]
-    table, seq_lens, num_blocks = paged_inputs(batch, seq_len, device)
+    kv_bytes = batch * seq_len * (rank + rope) * 2
+    tables, seq_lens, num_blocks = paged_inputs(batch, seq_len, device, num_copies(kv_bytes, device))
     cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, device=device, dtype=torch.bfloat16)
     q_latent = torch.randn(batch, heads, rank, device=device, dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device=device, dtype=torch.bfloat16)
     scale = (128 + rope) ** -0.5  # qk_nope_head_dim + qk_rope_head_dim of V2/V3
-    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, scale)
-    nbytes = 2 * (batch * seq_len * (rank + rope) + q_latent.numel() + q_rope.numel() + q_latent.numel())
+    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, tables[0], seq_lens, scale)
+    nbytes = kv_bytes + 2 * (q_latent.numel() + q_rope.numel() + q_latent.numel())
     out = torch.empty_like(q_latent)
-    options: dict[str, dict] = {"default": {}}
-    if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
-        options.update({name: {"config": cfg} for name, cfg in MLA_VARIANTS.get(heads, {}).items()})
-        options["nosplit"] = {"num_splits": 1}
+    default_cfg = tpa.default_mla_config(heads)
+    tiles = -(-heads // default_cfg.block_h)
+    default_splits = tpa._num_splits(batch * tiles, bound, default_cfg.block_n, None, tpa.MLA_TARGET_PROGRAMS)
     rows = []
-    for name, kw in options.items():
-        cfg = kw.get("config") or tpa.default_mla_config(heads)
+    for name, kw in variant_options(MLA_VARIANTS.get(heads, {}), batch, default_splits, variants).items():
+        cfg = kw.get("config") or default_cfg
         tiles = -(-heads // cfg.block_h)
-        splits = kw.get("num_splits") or tpa.choose_num_splits(batch * tiles, seq_len)
-        row = Row("mla", model, batch, seq_len, name, f"{cfg} splits<={splits}")
-        run = lambda o, kw=kw: tpa.paged_mla_decode_attention(q_latent, q_rope, cache, table, seq_lens, scale,
-                                                              seq_len, out=o, **kw)
-        rows.append(measure(row, run, out, ref, nbytes, device))
+        splits = tpa._num_splits(batch * tiles, bound, cfg.block_n, kw.get("num_splits"), tpa.MLA_TARGET_PROGRAMS)
+        row = Row("mla", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")
+        run = lambda o, t, kw=kw: tpa.paged_mla_decode_attention(q_latent, q_rope, cache, t, seq_lens, scale,
+                                                                 bound, out=o, **kw)
+        rows.append(measure(row, run, out, ref, tables, nbytes, device))
     rows.append(store_mla_case(model, batch, cache, device))
     return rows
 
@@ -197,13 +261,13 @@ def store_mla_case(model: str, tokens: int, cache: torch.Tensor, device: torch.d
     slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
     slots[-1] = -1
     latent = torch.randn(tokens, cache.shape[2], device=device, dtype=cache.dtype)
-    row = Row("store_mla", model, tokens, 0, "default")
+    row = Row("store_mla", model, tokens, 0, "default", timing=timing_name(device))
     try:
         expected = cache.clone()
         tpa.store_mla_cache_ref(latent, expected, slots)
         tpa.store_mla_cache(latent, cache, slots)
         row.ok, row.rel_err = torch.equal(cache, expected), 0.0
-        row.time_us = timed(lambda: tpa.store_mla_cache(latent, cache, slots), device)
+        row.time_us = timed([lambda: tpa.store_mla_cache(latent, cache, slots)], device)
         row.gbs = 2 * latent.numel() * latent.element_size() / row.time_us / 1e3
         row.pct_peak = 100 * row.gbs / PEAK_GBS
     except Exception as exc:
@@ -214,36 +278,40 @@ def store_mla_case(model: str, tokens: int, cache: torch.Tensor, device: torch.d
     return row
 
 
-def run_all(batches: tuple[int, ...], seq_lens: tuple[int, ...], device: torch.device, variants: bool
-            ) -> list[Row]:
+def run_all(batches: tuple[int, ...], seq_lens: tuple[int, ...], graph_batches: tuple[int, ...],
+            graph_lens: tuple[int, ...], graph_bound: int, device: torch.device, variants: bool) -> list[Row]:
+    # The graph cases first: they are what this script is watched for, and variants stop after
+    # VARIANTS_UNTIL_S. (case, model, batch, seq_len, max_seq_len) each.
+    case_of = {**{m: gqa_case for m in GQA_MODELS}, **{m: mla_case for m in MLA_MODELS}}
+    plan = [(case_of[m], m, b, n, graph_bound) for m in GRAPH_MODELS for b in graph_batches for n in graph_lens]
+    plan += [(case_of[m], m, b, n, n) for m in case_of for b in batches for n in seq_lens]
     rows: list[Row] = []
-    cases = [(gqa_case, m) for m in GQA_MODELS] + [(mla_case, m) for m in MLA_MODELS]
-    for case, model in cases:
-        for batch in batches:
-            for seq_len in seq_lens:
-                try:
-                    rows += case(model, batch, seq_len, device, variants)
-                except Exception as exc:  # input construction or the reference failed
-                    traceback.print_exc(limit=3)
-                    rows.append(Row(case.__name__, model, batch, seq_len, "-", error=f"{type(exc).__name__}: {exc}"))
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # the MHA cache at B=256, L=2048 is 8.6 GB
+    for case, model, batch, seq_len, bound in plan:
+        try:
+            rows += case(model, batch, seq_len, bound, device, variants)
+        except Exception as exc:  # input construction or the reference failed
+            traceback.print_exc(limit=3)
+            rows.append(Row(case.__name__, model, batch, seq_len, "-", bound, error=f"{type(exc).__name__}: {exc}"))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the MHA cache at B=256, L=2048 is 8.6 GB
     return rows
 
 
 def summary(rows: list[Row]) -> str:
     # One line per case: the default variant, and the fastest correct variant when that is another one.
-    lines = [f"{'kernel':9s} {'model':19s} {'B':>4s} {'L':>5s} {'us':>8s} {'GB/s':>6s} {'%peak':>5s} "
-             f"{'err':>7s}  best variant", "-" * 96]
+    lines = [f"{'kernel':9s} {'model':19s} {'B':>4s} {'L':>5s} {'max':>5s} {'time':5s} {'us':>8s} {'GB/s':>6s} "
+             f"{'%peak':>5s} {'err':>7s}  best variant", "-" * 108]
     for r in rows:
         if r.variant not in ("default", "-"):
             continue
-        same = [o for o in rows if (o.kernel, o.model, o.batch, o.seq_len) == (r.kernel, r.model, r.batch, r.seq_len)]
+        key = (r.kernel, r.model, r.batch, r.seq_len, r.max_seq_len)
+        same = [o for o in rows if (o.kernel, o.model, o.batch, o.seq_len, o.max_seq_len) == key]
         good = [o for o in same if o.ok and o.time_us]
         best = min(good, key=lambda o: o.time_us) if good else None
         best_text = f"{best.variant} {best.time_us:.1f} us" if best and best is not r else ""
         status = f"{r.rel_err:7.1e}" if r.ok else ("ERROR  " if r.error else "WRONG  ")
-        lines.append(f"{r.kernel:9s} {r.model:19s} {r.batch:4d} {r.seq_len:5d} {r.time_us or 0:8.1f} "
+        lines.append(f"{r.kernel:9s} {r.model:19s} {r.batch:4d} {r.seq_len:5d} {r.max_seq_len:5d} {r.timing:5s} "
+                     f"{r.time_us or 0:8.1f} "
                      f"{r.gbs or 0:6.0f} {r.pct_peak or 0:5.1f} {status}  {best_text}")
     bad = sum(not r.ok for r in rows)
     lines.append(f"{len(rows)} measurements, {bad} failed; peak = {PEAK_GBS:.0f} GB/s")
@@ -263,8 +331,12 @@ def main() -> int:
     if device.type == "cpu" and not args.smoke:
         parser.error("no CUDA device: only --smoke runs on CPU")
     torch.manual_seed(0)
-    batches, seq_lens = ((1, 3), (40,)) if args.smoke else ((1, 64, 256), (1024, 2048))
-    rows = run_all(batches, seq_lens, device, variants=not args.no_variants)
+    if args.smoke:  # the interpreter: a few tiny launches of each path
+        batches, seq_lens, graph_batches, graph_lens, graph_bound = (1, 3), (40,), (1,), (40,), 256
+    else:
+        batches, seq_lens = (1, 64, 256), (1024, 2048)
+        graph_batches, graph_lens, graph_bound = (1, 4, 16), (1024, 4096), GRAPH_BOUND
+    rows = run_all(batches, seq_lens, graph_batches, graph_lens, graph_bound, device, variants=not args.no_variants)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "kernels.json"
         path.write_text(json.dumps(dict(env=environment(device), rows=[asdict(r) for r in rows]), indent=1))

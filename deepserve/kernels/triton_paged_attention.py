@@ -9,9 +9,17 @@ Decode = one query token per sequence, at position seq_len - 1, seeing keys 0 ..
 Every wrapper is CUDA-graph safe: no host sync, launch shapes depend only on tensor shapes and on the
 Python int `max_seq_len`. Rows with seq_len == 0 (graph padding) read no cache and produce zeros.
 
-Split-K: a sequence's keys are cut into `num_splits` ranges of `tokens_per_split` (a multiple of the
-tile); each program writes its normalized partial output and log2-sum-exp, and `_merge_splits_kernel`
-combines them. The last split runs to seq_len, so a wrong `max_seq_len` costs speed, never correctness.
+Split-K: the host picks the split count S from occupancy (GQA_/MLA_TARGET_PROGRAMS), capped by
+max_seq_len / MIN_TOKENS_PER_SPLIT; the kernel cuts each sequence by its own length, on the device:
+split s of sequence b covers [s * T_b, (s + 1) * T_b) clipped to seq_len_b, with
+T_b = cdiv(cdiv(seq_len_b, S), N) * N (a whole number of tiles). A CUDA graph captured with
+max_seq_len = max_model_len therefore still spreads a short sequence over all its splits instead of
+leaving most of them idle, and correctness never depends on max_seq_len (it only sizes S).
+Every program writes its log2-sum-exp; a split that got no key (past seq_len_b, or seq_len_b == 0)
+writes lse -inf and no partial output. `_merge_splits_kernel` weighs the partial outputs by
+2^(lse - max lse), stops after the last split with keys and drops (selects away, never multiplies) the
+unwritten output of any split with lse -inf, so torch.empty partials are safe and a row whose splits
+are all empty merges to zeros, never NaN.
 
 Shapes: B sequences, H query heads, Hkv kv heads, G = H / Hkv, D head_dim, R kv_lora_rank,
 P qk_rope_head_dim, S splits, N tokens per tile.
@@ -28,11 +36,30 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Split-K heuristic for the H200 (132 SMs); guesses to be tuned with bench/check_kernels.py.
+# Split-K heuristic for the H200 (132 SMs), tuned with CUDA-graph replays (bench/check_kernels.py).
 NUM_SMS = 132
-TARGET_PROGRAMS = 2 * NUM_SMS  # split sequences until about two CTAs per SM are in flight
-MIN_TOKENS_PER_SPLIT = 64  # shorter splits cost more in partial writes and the merge than they gain
-MAX_SPLITS = 64
+# Programs (CTAs) a decode launch aims for; split-K makes up what batch x heads lacks. One CTA (4 warps,
+# <= 2 tiles of loads in flight) cannot keep an SM's share of HBM busy. Measured on the H200 (graph
+# replays, B = 1 .. 128 at 1,024 and 4,096 keys, max_seq_len 4,096): GQA/MHA programs (80-96 registers)
+# do best at about 4 per SM, e.g. DeepSeek-LLM-7B B=4 L=4096 71 us against 87 us at 2 per SM, and
+# nothing got slower; MLA programs are wider (145 registers, a 16 x 512 fp32 accumulator, partials 4x
+# the bytes) and do best at about 2 per SM (V2-Lite B=16 L=1024 21 us, 24 us at 4 per SM).
+GQA_TARGET_PROGRAMS = 4 * NUM_SMS
+MLA_TARGET_PROGRAMS = 2 * NUM_SMS
+# Host cap on S: S <= max_seq_len / MIN_TOKENS_PER_SPLIT, so an eager step whose longest sequence is
+# short does not launch splits that could only be empty. It binds only when max_seq_len is small: in a
+# CUDA graph (max_seq_len = max_model_len) the occupancy target and MAX_SPLITS decide S.
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 64  # keeps the merge's lse vector small
+# Merge tile: CHUNK_S splits x BLOCK_D features, MERGE_TILE fp32 values, 16 per thread at 4 warps: 16
+# independent loads in flight per thread where a split-at-a-time loop has one.
+MERGE_TILE = 2048
+# The merge cuts the feature axis into more programs (down to MERGE_MIN_BLOCK_D wide) only while the
+# (sequence, head) pairs alone stay under MERGE_TARGET_PROGRAMS: V2-Lite at B=1 gets 16 heads x 4
+# programs; at B=16 (256 pairs) one 512-wide program per pair, as more programs there only add waves
+# (H200, V3 B=16: 4 x 2048 programs of 128 features took 24 us, 2048 of 512 features 4 us).
+MERGE_TARGET_PROGRAMS = 2 * NUM_SMS
+MERGE_MIN_BLOCK_D = 128
 
 
 @dataclass(frozen=True)
@@ -89,7 +116,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 @triton.jit
 def _gqa_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, tokens_per_split, num_heads,
+    qk_scale, num_heads,
     stride_qb, stride_qh, stride_kv, stride_blk, stride_tok, stride_head, stride_bt,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -102,9 +129,7 @@ def _gqa_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = s * tokens_per_split
-    end = _split_end(start, tokens_per_split, seq_len, s == tl.num_programs(2) - 1)
+    start, end = _split_range(tl.load(seq_lens_ptr + b), s, tl.num_programs(2), BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -158,18 +183,25 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split_end(start, tokens_per_split, seq_len, is_last):
-    # The last split runs to seq_len: correctness never depends on the host's max_seq_len.
-    return tl.minimum(start + tokens_per_split + is_last.to(tl.int32) * seq_len, seq_len)
+def _split_range(seq_len, s, num_splits, BLOCK_N: tl.constexpr):
+    # Keys [start, end) of split s: the sequence's own length cut into num_splits ranges of whole tiles
+    # (no tile straddles two splits). num_splits * per_split >= seq_len, so the splits cover every key
+    # whatever the host's max_seq_len was; splits starting at or past seq_len get start >= end (empty).
+    per_split = (seq_len + num_splits - 1) // num_splits
+    per_split = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = s * per_split
+    return start, tl.minimum(start + per_split, seq_len)
 
 
 @triton.jit
 def _store_result(acc, m_i, l_i, out_ptrs, part_out_ptrs, part_lse_ptrs, mask, row_mask, SPLIT: tl.constexpr):
     # A row that saw no key (empty split, seq_len 0) has l_i == 0: output 0, lse -inf, never NaN.
+    # Split partials: the lse is always written; the output only where the split saw a key (the merge
+    # drops the output of a split whose lse is -inf), so empty splits cost one small store.
     has_keys = l_i > 0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SPLIT:
-        tl.store(part_out_ptrs, o, mask=mask)
+        tl.store(part_out_ptrs, o, mask=mask & has_keys[:, None])
         tl.store(part_lse_ptrs, tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")),
                  mask=row_mask)
     else:
@@ -179,32 +211,61 @@ def _store_result(acc, m_i, l_i, out_ptrs, part_out_ptrs, part_lse_ptrs, mask, r
 @triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
-    DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
-    # One program = (sequence, head): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
-    # part_out [B, H, S, DIM] fp32 contiguous, part_lse [B, H, S] fp32 contiguous.
+    # One program = (sequence, head, BLOCK_D features): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
+    # part_out [B, H, S, DIM] fp32 contiguous, part_lse [B, H, S] fp32 contiguous. The partials are summed
+    # as [CHUNK_S, BLOCK_D] tiles (CHUNK_S independent loads per feature in flight), reduced over the split
+    # axis once at the end.
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    row = b * num_heads + h
+    lse_row = part_lse_ptr + (b * num_heads + h) * num_splits
+    out_rows = part_out_ptr + (b * num_heads + h) * num_splits * DIM
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < DIM
+    offs_c = tl.arange(0, CHUNK_S)
+    # The first chunk is loaded before anything waits on the lse vector, so its loads overlap that one.
+    lse_c, o = _load_partials(lse_row, out_rows, offs_c, num_splits, offs_d, d_mask, DIM)
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
-    offs = tl.arange(0, BLOCK_DIM)
-    acc = tl.zeros([BLOCK_DIM], tl.float32)
-    total = 0.0
-    for s in range(num_splits):  # a loop, not a [S, DIM] tile: DIM may be 512 (MLA)
-        w = tl.exp2(tl.load(part_lse_ptr + row * num_splits + s) - m)
-        acc += w * tl.load(part_out_ptr + (row * num_splits + s) * DIM + offs, mask=offs < DIM, other=0.0)
-        total += w
-    acc = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < DIM)
+    total = tl.sum(tl.exp2(lse - m), axis=0)  # 2^-inf = 0 for the empty splits
+    acc = _weigh(lse_c, o, m)
+    if BLOCK_S > CHUNK_S:
+        # Chunks past the last split with keys are not visited. (Split s has keys iff s * T_b < seq_len_b,
+        # so those with keys are a prefix, but nothing here relies on it.)
+        num_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), axis=0)
+        for chunk in range(CHUNK_S, num_live, CHUNK_S):
+            lse_c, o = _load_partials(lse_row, out_rows, chunk + offs_c, num_live, offs_d, d_mask, DIM)
+            acc += _weigh(lse_c, o, m)
+    out = tl.sum(acc, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _load_partials(lse_row, out_rows, offs_c, count, offs_d, d_mask, DIM: tl.constexpr):
+    # -> lse [CHUNK_S] and outputs [CHUNK_S, BLOCK_D] of the splits offs_c below count (others: -inf, 0).
+    # An empty split's output was never written: what is loaded for it is garbage, dropped by _weigh.
+    valid = offs_c < count
+    lse = tl.load(lse_row + offs_c, mask=valid, other=float("-inf"))
+    o = tl.load(out_rows + offs_c[:, None] * DIM + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
+                other=0.0)
+    return lse, o
+
+
+@triton.jit
+def _weigh(lse, o, m):
+    # 2^(lse - m) * o per split; a split with weight 0 (lse -inf: empty) is selected away, not multiplied,
+    # as its output may be NaN garbage and 0 * NaN = NaN.
+    w = tl.exp2(lse - m)[:, None]
+    return tl.where(w > 0, w * o, 0.0)
 
 
 @triton.jit
 def _mla_decode_kernel(
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, tokens_per_split, num_heads,
+    qk_scale, num_heads,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_blk, stride_tok, stride_bt,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -216,9 +277,7 @@ def _mla_decode_kernel(
     ht = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = s * tokens_per_split
-    end = _split_end(start, tokens_per_split, seq_len, s == tl.num_programs(2) - 1)
+    start, end = _split_range(tl.load(seq_lens_ptr + b), s, tl.num_programs(2), BLOCK_N)
 
     head = ht * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = head < num_heads
@@ -303,26 +362,30 @@ def _dot_options(dtype: torch.dtype) -> dict[str, object]:
                 DOT_UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def choose_num_splits(programs_per_split: int, max_seq_len: int) -> int:
-    """Splits per sequence: enough programs for TARGET_PROGRAMS, each over >= MIN_TOKENS_PER_SPLIT keys."""
-    by_occupancy = max(1, TARGET_PROGRAMS // max(programs_per_split, 1))
+def choose_num_splits(programs_per_split: int, max_seq_len: int, target_programs: int | None = None) -> int:
+    """Splits per sequence: enough programs for target_programs (GQA_TARGET_PROGRAMS when None, or
+    MLA_TARGET_PROGRAMS), at most max_seq_len / MIN_TOKENS_PER_SPLIT.
+
+    programs_per_split = B * Hkv (GQA) or B * head tiles (MLA). The kernel spreads each sequence's own
+    keys over all S splits, so S need not shrink for sequences shorter than max_seq_len."""
+    by_occupancy = max(1, (target_programs or GQA_TARGET_PROGRAMS) // max(programs_per_split, 1))
     by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return min(by_occupancy, by_length, MAX_SPLITS)
 
 
-def _split_plan(programs_per_split: int, max_seq_len: int, block_n: int, num_splits: int | None
-                ) -> tuple[int, int]:
-    # -> (splits, tokens_per_split). tokens_per_split is a multiple of the tile so no tile straddles two
-    # splits; splits that would start past max_seq_len are dropped.
-    splits = num_splits or choose_num_splits(programs_per_split, max_seq_len)
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
-    return max(1, triton.cdiv(max_seq_len, tokens_per_split)), tokens_per_split
+def _num_splits(programs_per_split: int, max_seq_len: int, block_n: int, num_splits: int | None,
+                target_programs: int) -> int:
+    # A split with a key holds >= 1 whole tile, so a sequence within the bound fills at most
+    # cdiv(max_seq_len, block_n) splits: the others could only be empty, drop them (also for an override).
+    # A bound that is too small still gives correct results, as the kernel covers seq_len with any S.
+    splits = num_splits or choose_num_splits(programs_per_split, max_seq_len, target_programs)
+    return max(1, min(splits, triton.cdiv(max_seq_len, block_n)))
 
 
 def _partials(batch: int, heads: int, splits: int, dim: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # part_out [B, H, S, dim] fp32, part_lse [B, H, S] fp32. Every program writes its whole slice (empty
-    # splits write 0 and -inf), so torch.empty is safe. Without a split the kernel writes `out` directly
-    # and never touches these: `out` stands in for both.
+    # part_out [B, H, S, dim] fp32, part_lse [B, H, S] fp32. Every program writes its lse, and its output
+    # where the lse is finite; the merge drops the others' outputs unread or unused: torch.empty is safe.
+    # Without a split the kernel writes `out` directly and never touches these: `out` stands in for both.
     if splits == 1:
         return out, out
     return (torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=out.device),
@@ -331,9 +394,14 @@ def _partials(batch: int, heads: int, splits: int, dim: int, out: torch.Tensor) 
 
 def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
     batch, heads, splits, dim = part_out.shape
-    _merge_splits_kernel[(batch, heads)](
+    block_d = triton.next_power_of_2(dim)
+    while block_d > MERGE_MIN_BLOCK_D and batch * heads * triton.cdiv(dim, block_d // 2) <= MERGE_TARGET_PROGRAMS:
+        block_d //= 2
+    block_s = triton.next_power_of_2(splits)
+    _merge_splits_kernel[(batch, heads, triton.cdiv(dim, block_d))](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
-        DIM=dim, BLOCK_DIM=triton.next_power_of_2(dim), BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        DIM=dim, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, MERGE_TILE // block_d)),
+        num_warps=4,
     )
 
 
@@ -344,7 +412,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, D], contiguous
-    max_seq_len: int | None = None,  # host-side bound, used only to pick the split count
+    max_seq_len: int | None = None,  # host-side bound on seq_lens, used only to pick the split count
     *,
     num_splits: int | None = None,  # override of choose_num_splits
     config: LaunchConfig | None = None,  # override of default_gqa_config
@@ -362,12 +430,12 @@ def paged_decode_attention(
     cfg = config or default_gqa_config(group, query.dtype)
     _require(cfg.block_h == 1 and group == 1 or cfg.block_h >= max(16, group),
              "config.block_h must be 1 (MHA only) or >= max(16, group)")
-    splits, tokens_per_split = _split_plan(batch * kv_heads, max_seq_len or block_tables.shape[1] * page,
-                                           cfg.block_n, num_splits)
+    splits = _num_splits(batch * kv_heads, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
+                         GQA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, dim, out)
     _gqa_decode_kernel[(batch, kv_heads, splits)](
         query, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, tokens_per_split, heads,
+        scale * LOG2E, heads,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -387,7 +455,7 @@ def paged_mla_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
-    max_seq_len: int | None = None,  # host-side bound, used only to pick the split count
+    max_seq_len: int | None = None,  # host-side bound on seq_lens, used only to pick the split count
     out: torch.Tensor | None = None,  # [B, H, R], contiguous
     *,
     num_splits: int | None = None,
@@ -407,12 +475,12 @@ def paged_mla_decode_attention(
     cfg = config or default_mla_config(heads)
     _require(cfg.block_h >= 16, "config.block_h must be >= 16 (tl.dot)")
     head_tiles = triton.cdiv(heads, cfg.block_h)
-    splits, tokens_per_split = _split_plan(batch * head_tiles, max_seq_len or block_tables.shape[1] * page,
-                                           cfg.block_n, num_splits)
+    splits = _num_splits(batch * head_tiles, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
+                         MLA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, rank, out)
     _mla_decode_kernel[(head_tiles, batch, splits)](
         q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, tokens_per_split, heads,
+        scale * LOG2E, heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

@@ -7,7 +7,9 @@ in Python, so the whole CPU file stays under a minute). To run the interpreter m
 
 Inputs are adversarial where the contract allows: cache rows past seq_len and blocks no sequence owns
 hold NaN (a masked-load mistake shows up as NaN), outputs start as NaN (a missing store shows up),
-rows with seq_len 0 stand for CUDA-graph padding and must come back as zeros.
+rows with seq_len 0 stand for CUDA-graph padding and must come back as zeros. The split-K tests also
+start the split partials as NaN (the merge must not read what an empty split never wrote) and check
+which splits got keys: the device-side split layout, which only speed would otherwise reveal.
 """
 
 from __future__ import annotations
@@ -68,14 +70,15 @@ def poison_unused(cache: torch.Tensor, lens: list[int], owned: list[list[int]], 
 
 
 def make_decode(batch: int, heads: int, kv_heads: int, dim: int, block_size: int, max_len: int,
-                dtype: torch.dtype, seed: int) -> tuple:
+                dtype: torch.dtype, seed: int, lens: list[int] | None = None) -> tuple:
+    # lens: explicit sequence lengths (then batch and max_len are ignored), else the edge-case cycle.
     gen = torch.Generator().manual_seed(seed)
-    lens = seq_lens_for(batch, block_size, max_len, gen)
+    lens = lens if lens is not None else seq_lens_for(batch, block_size, max_len, gen)
     table, num_blocks, owned = paged_layout(lens, block_size, gen)
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).to(DEVICE, dtype)
     for half in kv_cache:
         poison_unused(half, lens, owned, block_size)
-    query = torch.randn(batch, heads, dim, generator=gen).to(DEVICE, dtype)
+    query = torch.randn(len(lens), heads, dim, generator=gen).to(DEVICE, dtype)
     return query, kv_cache, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE), lens
 
 
@@ -115,16 +118,17 @@ def test_decode_matches_reference(batch, heads, kv_heads, dim, block_size, max_l
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=max(lens))
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 9])
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_split_counts(num_splits, group):
-    # 9 splits of a 70-token bound leave trailing splits empty for most rows; all must agree with the reference.
+def test_decode_split_counts(num_splits, group, nan_partials):
+    # 1: no merge. 3: a masked lse vector in the merge (BLOCK_S 4); rows of <= 2 tiles leave split 2 empty.
     query, kv_cache, table, seq_lens, lens = make_decode(5, 2 * group, 2, 64, 16, 70, torch.float32, seed=7)
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=70, num_splits=num_splits)
 
 
 def test_decode_wrong_length_bound_is_still_correct():
-    # max_seq_len only sizes the splits; the last split runs to seq_len, so a stale bound costs speed only.
+    # max_seq_len only sizes S; the kernel cuts each sequence by its own length, so a stale bound costs
+    # speed only.
     query, kv_cache, table, seq_lens, lens = make_decode(3, 4, 2, 64, 16, 90, torch.float32, seed=3)
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=20)
     check_decode(query, kv_cache, table, seq_lens, lens)  # default bound: block_tables width * block_size
@@ -142,6 +146,87 @@ def test_decode_alternative_configs(config, num_splits):
     check_decode(query, kv_cache, table, seq_lens, lens, config=config, num_splits=num_splits)
 
 
+def test_split_count_heuristic():
+    # Host side of the split plan: what must hold however the constants get tuned.
+    graph, gqa, mla = 4096, tpa.GQA_TARGET_PROGRAMS, tpa.MLA_TARGET_PROGRAMS  # graph: the decode graphs' bound
+    # B=256: no split, no merge, for DeepSeek-LLM-7B (32 kv heads), Qwen-7B (4) and V2-Lite (1 head tile).
+    assert tpa.choose_num_splits(256 * 32, graph, gqa) == tpa.choose_num_splits(256 * 4, graph, gqa) == 1
+    assert tpa.choose_num_splits(256, graph, mla) == 1
+    assert tpa.choose_num_splits(32, graph, gqa) > 1  # DeepSeek-LLM-7B at B=1 splits
+    assert tpa.choose_num_splits(1, graph, mla) == tpa.MAX_SPLITS  # V2-Lite at B=1
+    assert tpa.choose_num_splits(4, 100) == 100 // tpa.MIN_TOKENS_PER_SPLIT  # short eager steps: capped
+    assert tpa._num_splits(10, 70, 32, 9, gqa) == 3  # splits past cdiv(max_seq_len, tile) could only be empty
+    assert tpa._num_splits(10, graph, 64, None, mla) == tpa.choose_num_splits(10, graph, mla)
+
+
+# The CUDA-graph situation: grids planned for max_seq_len = max_model_len, sequences far shorter, padding
+# rows (0) mixed in. Each row's own keys must be spread over the splits, the splits past them left empty.
+GRAPH_BOUND = 4096
+GRAPH_LENS = [1, 0, 17, 300, 1024]
+INTERPRETER_SPLITS = 3  # the interpreter runs ~20 ms a program: a GPU-sized grid (264-528) takes 5-10 s
+
+
+@pytest.fixture
+def nan_partials(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    # Split partials start as NaN instead of torch.empty's leftovers: a partial output the merge reads
+    # without a split having written it (empty splits write only their lse), or a missing lse, shows up.
+    # -> the part_lse [B, H, S] of every split launch, for assert_split_layout.
+    original, lses = tpa._partials, []
+
+    def poisoned(batch: int, heads: int, splits: int, dim: int, out: torch.Tensor):
+        part_out, part_lse = original(batch, heads, splits, dim, out)
+        if splits > 1:
+            part_out.fill_(float("nan"))
+            part_lse.fill_(float("nan"))
+            lses.append(part_lse)
+        return part_out, part_lse
+
+    monkeypatch.setattr(tpa, "_partials", poisoned)
+    return lses
+
+
+def assert_split_layout(part_lse: torch.Tensor, lens: list[int], block_n: int) -> None:
+    # The device-side plan: row b's keys over its first cdiv(L_b, T_b) splits, T_b = cdiv(cdiv(L_b, S), N) * N,
+    # whatever max_seq_len was; the rest have lse -inf. (A plan sized by max_seq_len = 4096 would leave a
+    # 1024-key row in the first quarter of the splits: correct, but slow, so only this check sees it.)
+    splits = part_lse.shape[-1]
+    cdiv = lambda a, b: -(-a // b)
+    for b, n in enumerate(lens):
+        per_split = cdiv(cdiv(n, splits), block_n) * block_n
+        live = cdiv(n, per_split) if n else 0
+        expected = [True] * live + [False] * (splits - live)
+        assert torch.isfinite(part_lse[b, 0]).tolist() == expected, f"row {b} (seq_len {n})"
+
+
+def graph_splits(monkeypatch: pytest.MonkeyPatch, target: str, programs_per_split: int) -> int:
+    # On CPU, shrink the occupancy target (GQA_ or MLA_TARGET_PROGRAMS) so the automatic split count is
+    # INTERPRETER_SPLITS (still through choose_num_splits, as in the runner); on a GPU keep the real one.
+    if not ON_GPU:
+        monkeypatch.setattr(tpa, target, INTERPRETER_SPLITS * programs_per_split)
+    splits = tpa.choose_num_splits(programs_per_split, GRAPH_BOUND, getattr(tpa, target))
+    assert splits > 1
+    return splits
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+def test_decode_graph_bound_mixed_lengths(group, monkeypatch, nan_partials):
+    query, kv_cache, table, seq_lens, lens = make_decode(0, group, 1, 64, 16, 0, torch.bfloat16, seed=group,
+                                                         lens=GRAPH_LENS)
+    graph_splits(monkeypatch, "GQA_TARGET_PROGRAMS", len(lens))
+    check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND)
+    assert_split_layout(nan_partials[0], lens, tpa.default_gqa_config(group, torch.bfloat16).block_n)
+
+
+@pytest.mark.parametrize("num_splits", [8, 32, 64] if ON_GPU else [8, 64])  # CPU: ~20 ms a program
+def test_decode_forced_splits_one_long_sequence(num_splits, nan_partials):
+    # Batch 1, 1024 keys: fp32 tiles of 32 keys give up to 32 live splits (64: half of them empty); with
+    # D 128 the merge takes 16 splits per chunk, so 32 and 64 splits run its chunk loop twice.
+    query, kv_cache, table, seq_lens, lens = make_decode(0, 4, 1, 128, 16, 0, torch.float32, seed=num_splits,
+                                                         lens=[1024])
+    check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND, num_splits=num_splits)
+    assert_split_layout(nan_partials[0], lens, tpa.default_gqa_config(4, torch.float32).block_n)
+
+
 def test_decode_strided_query():
     # The query may be a view into a fused qkv projection: [B, H, D] with a larger batch stride.
     query, kv_cache, table, seq_lens, lens = make_decode(3, 4, 2, 64, 16, 40, torch.float32, seed=11)
@@ -151,14 +236,14 @@ def test_decode_strided_query():
 
 
 def make_mla(batch: int, heads: int, rank: int, rope: int, block_size: int, max_len: int, dtype: torch.dtype,
-             seed: int) -> tuple:
+             seed: int, lens: list[int] | None = None) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    lens = seq_lens_for(batch, block_size, max_len, gen)
+    lens = lens if lens is not None else seq_lens_for(batch, block_size, max_len, gen)
     table, num_blocks, owned = paged_layout(lens, block_size, gen)
     cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen).to(DEVICE, dtype)
     poison_unused(cache, lens, owned, block_size)
-    q_latent = torch.randn(batch, heads, rank, generator=gen).to(DEVICE, dtype)
-    q_rope = torch.randn(batch, heads, rope, generator=gen).to(DEVICE, dtype)
+    q_latent = torch.randn(len(lens), heads, rank, generator=gen).to(DEVICE, dtype)
+    q_rope = torch.randn(len(lens), heads, rope, generator=gen).to(DEVICE, dtype)
     return q_latent, q_rope, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE), lens
 
 
@@ -189,6 +274,36 @@ def test_mla_decode_matches_reference(batch, heads, rank, rope, block_size, max_
     ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, scale)
     assert rel_err(out, ref) < TOLERANCE[dtype]
     assert (out[[b for b, n in enumerate(lens) if n == 0]] == 0).all()
+
+
+def check_mla(q_latent, q_rope, cache, table, seq_lens, lens, **kwargs) -> None:
+    scale = (128 + q_rope.shape[-1]) ** -0.5
+    out = torch.full_like(q_latent, float("nan"))
+    tpa.paged_mla_decode_attention(q_latent, q_rope, cache, table, seq_lens, scale, out=out, **kwargs)
+    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, scale)
+    assert rel_err(out, ref) < TOLERANCE[q_latent.dtype]
+    assert (out[[b for b, n in enumerate(lens) if n == 0]] == 0).all(), "rows with seq_len 0 must be zeros"
+
+
+def test_mla_graph_bound_mixed_lengths(monkeypatch, nan_partials):
+    # Without the 1024-key row (the next test has a long row) and with 4 heads: the interpreter spends
+    # ~25 ms per MLA tile and ~15 ms per merge program (one per sequence and head).
+    lens = GRAPH_LENS[:-1]
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(0, 4, 64, 16, 16, 0, torch.bfloat16, seed=12,
+                                                              lens=lens)
+    graph_splits(monkeypatch, "MLA_TARGET_PROGRAMS", len(lens))
+    check_mla(q_latent, q_rope, cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND)
+    assert_split_layout(nan_partials[0], lens, tpa.default_mla_config(4).block_n)
+
+
+def test_mla_forced_splits_one_long_sequence(nan_partials):
+    # As the V2-Lite graph at batch 1 (64 splits of one 16-key tile for 1024 keys), at half the size for the
+    # interpreter: 32 splits, 512 keys, all live, 4 heads. R 256 makes the merge take two feature tiles of
+    # 128, each in 2 chunks of 16 splits.
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(0, 4, 256, 32, 16, 0, torch.float32, seed=64,
+                                                              lens=[512])
+    check_mla(q_latent, q_rope, cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND, num_splits=32)
+    assert_split_layout(nan_partials[0], lens, tpa.default_mla_config(4).block_n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -282,3 +397,23 @@ def test_decode_replays_in_a_cuda_graph():
     graph.replay()
     ref = tpa.paged_decode_attention_ref(query, kv_cache, table, seq_lens, 0.1)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need CUDA")
+def test_mla_decode_replays_in_a_cuda_graph():
+    # Captured once for max_seq_len 4096 as the runner does, replayed as the lengths change in place: the
+    # split layout is computed on the device from seq_lens at every replay.
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(0, 16, 512, 64, 16, 0, torch.bfloat16, seed=5,
+                                                              lens=[1024, 0, 300, 17])
+    cache.nan_to_num_(0.0)
+    out = torch.empty_like(q_latent)
+    run = lambda: tpa.paged_mla_decode_attention(q_latent, q_rope, cache, table, seq_lens, 0.1, 4096, out=out)
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for new_lens in ([1, 0, 0, 17], [1000, 0, 299, 16]):  # within each row's blocks
+        seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, 0.1)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
