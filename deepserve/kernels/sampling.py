@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 2048  # vocabulary entries per loop iteration; 8 warps keep 2048 lanes busy
-TINY = 1e-20  # lower bound on the uniform: -log(-log(0)) would be -inf, a token that can never win
+BLOCK_V = 2048  # (host-side) vocabulary entries per loop iteration; 8 warps keep 2048 lanes busy
+TINY = tl.constexpr(1e-20)  # lower bound on the uniform: -log(-log(0)) would be -inf, a token that can never win
 
 
 @triton.jit
