@@ -105,6 +105,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     if ns.config:
         apply_config_file(ns, ns._parser)
+    if ns.node_rank != 0:
+        # A node k > 0 serves no HTTP: it runs its ranks until node 0 stops (engine_args_from exits).
+        engine_args_from(ns, ns.model)
     settings = settings_from(ns)
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
     sock = bind_listener(settings.host, settings.port)  # before the engine: a taken port fails fast

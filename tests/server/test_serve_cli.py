@@ -98,3 +98,17 @@ def test_port_in_use_fails_fast_in_one_line(tmp_path):
     assert f"port {port} on 127.0.0.1 is in use; pick another with --port" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout and "engine" not in r.stderr.lower(), r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_node_other_than_0_runs_its_ranks_without_binding_the_http_port(monkeypatch):
+    import deepserve.entrypoints.cli as cli
+    import deepserve.server.api_server as api_server
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_worker_node", lambda args: ran.append(args.node_rank) or 0)
+    monkeypatch.setattr(api_server, "bind_listener", lambda *a: pytest.fail("node 1 bound the HTTP port"))
+    ns = parse(["serve", "--nnodes", "2", "--node-rank", "1", "--tensor-parallel-size", "2",
+                "--master-port", "29999", "--device", "cpu"])
+    with pytest.raises(SystemExit) as exit_info:
+        ns.func(ns)
+    assert exit_info.value.code == 0 and ran == [1]
