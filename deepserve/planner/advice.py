@@ -11,6 +11,12 @@ from deepserve.planner.gpus import GIB
 
 _TP_SIZES = (2, 4, 8)  # GPUs in one node; beyond 8, pipeline stages span nodes
 _PP_SIZES = (2, 4, 8)
+GPUS_PER_NODE = 8  # the node the advice assumes (an 8-GPU H100/H200 server)
+
+
+def nodes_needed(num_gpus: int) -> int:
+    """Nodes of GPUS_PER_NODE that num_gpus ranks take (--nnodes)."""
+    return max(1, -(-num_gpus // GPUS_PER_NODE))
 
 
 def advise(failed) -> list[dict]:
@@ -50,7 +56,9 @@ def _more_gpus(failed, plan) -> dict | None:
                                              max_model_len=failed.max_model_len))
         if alt is not None and alt.fits:
             flags = f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
-            where = "one node" if tp * pp <= 8 else f"{pp} nodes of {tp} GPUs"
+            nodes = nodes_needed(tp * pp)
+            flags += f" --nnodes {nodes}" if nodes > 1 else ""
+            where = "one node" if nodes == 1 else f"{nodes} nodes of {GPUS_PER_NODE} GPUs"
             return _entry("more GPUs", flags, alt, f"{tp * pp} GPUs ({where}); weights "
                           f"{alt.weights_bytes / GIB:.1f} GiB per GPU")
     return None

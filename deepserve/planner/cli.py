@@ -67,6 +67,8 @@ def format_plan(p) -> str:
     ]
     if p.fits:
         lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
+        if "--nnodes" in p.serve_command:
+            lines += ["  (that is node 0, with NODE0_ADDRESS its address; on node k the same with --node-rank k)"]
     else:
         lines += ["does NOT fit: not one sequence of max_model_len has room in the KV cache. What would:"]
         lines += [f"  - {a['change']}: {a['flags'] or '(none)'} — {a['detail']}" for a in p.advice]

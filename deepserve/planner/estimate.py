@@ -10,6 +10,7 @@ import dataclasses
 import shlex
 from dataclasses import dataclass, field
 
+from deepserve.planner.advice import nodes_needed
 from deepserve.planner.gpus import MIB, gpu_memory_bytes
 from deepserve.planner.shapes import ModelShape, model_shape, resolve_model
 
@@ -185,6 +186,9 @@ def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) 
         cmd += ["--tensor-parallel-size", str(req.tensor_parallel_size)]
     if req.pipeline_parallel_size > 1:
         cmd += ["--pipeline-parallel-size", str(req.pipeline_parallel_size)]
+    nodes = nodes_needed(req.tensor_parallel_size * req.pipeline_parallel_size)
+    if nodes > 1:  # node 0's command; node k runs the same with --node-rank k (README, docs/parallel.md)
+        cmd += ["--nnodes", str(nodes), "--node-rank", "0", "--master-addr", "NODE0_ADDRESS", "--master-port", "29500"]
     cmd += ["--max-model-len", str(max_len), "--gpu-memory-utilization", f"{req.gpu_memory_utilization:g}",
             "--max-num-seqs", str(req.max_num_seqs)]
     if req.kv_cache_dtype != "auto":

@@ -85,7 +85,11 @@ def test_does_not_fit_says_what_would():
     # V3 in bf16 (the engine dequantizes FP8): 8 × H200 is not enough; 2 nodes of 8 are
     v3 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=32768))
     assert not v3.fits and v3.weights_bytes > v3.budget_bytes
-    assert v3.advice[0]["flags"] == "--tensor-parallel-size 8 --pipeline-parallel-size 2"
+    assert v3.advice[0]["flags"] == "--tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2"
+    assert "2 nodes of 8 GPUs" in v3.advice[0]["detail"]
+    two_nodes = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, pipeline_parallel_size=2, max_model_len=4096))
+    cmd = two_nodes.serve_command
+    assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == "0"
     assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]
 
 
