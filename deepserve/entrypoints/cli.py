@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _json_object(text: str | dict) -> dict:
     if isinstance(text, dict):  # from a --config YAML file, already parsed
         return text
+    if not isinstance(text, str):
+        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object, got {type(text).__name__}")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

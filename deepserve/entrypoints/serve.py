@@ -69,9 +69,11 @@ def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -
         action = actions.get(dest)
         if action is None:
             raise ValueError(f"{ns.config}: unknown key {key!r}; keys are the flags of `deepserve serve --help`")
-        if action.type is not None and value is not None and not isinstance(value, list):
+        if action.type is not None and value is not None and not (isinstance(value, list) and action.nargs):
             try:
                 value = action.type(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{ns.config}: {key}: {e}") from None
             except (TypeError, ValueError):
                 raise ValueError(f"{ns.config}: {key} must be {action.type.__name__}, got {value!r}") from None
         if dest in ("served_model_name", "api_key") and isinstance(value, str):

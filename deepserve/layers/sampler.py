@@ -62,8 +62,9 @@ class Sampler(nn.Module):
 
 
 def _fusable(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
-    """True when temperature / greedy is all the step asks for, on the GPU."""
-    return (logits.is_cuda and not meta.all_greedy and meta.min_tokens_index is None
+    """True when temperature / greedy is all the step asks for, on the GPU (and the kernel's int32
+    offsets reach every logit)."""
+    return (logits.is_cuda and logits.numel() < 2**31 and not meta.all_greedy and meta.min_tokens_index is None
             and meta.output_counts is None and meta.top_k is None and meta.top_p is None
             and meta.min_p is None and not meta.generators and _fused_sampling_enabled())
 

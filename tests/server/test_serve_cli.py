@@ -43,15 +43,18 @@ def test_vllm_flag_names():
 def test_config_file_fills_defaults_and_flags_win(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("port: 7000\nmax-model-len: 2048\nserved_model_name: r1\nmax_num_seqs: '16'\n"
-                   "reasoning-parser: deepseek_r1\n")
+                   "reasoning-parser: deepseek_r1\nhf-overrides: {num_hidden_layers: 8}\n")
     ns = parse(["serve", "--config", str(cfg), "--port", "7100"])
     apply_config_file(ns, ns._parser)
     assert (ns.port, ns.max_model_len, ns.served_model_name, ns.max_num_seqs, ns.reasoning_parser) == \
         (7100, 2048, ["r1"], 16, "deepseek_r1")
+    assert ns.hf_overrides == {"num_hidden_layers": 8}
 
 
 @pytest.mark.parametrize(("text", "message"), [("prot: 1\n", "unknown key 'prot'"),
-                                               ("port: many\n", "port must be int"), ("- 1\n", "mapping")])
+                                               ("port: many\n", "port must be int"), ("- 1\n", "mapping"),
+                                               ('hf-overrides: "{not json"\n', "hf-overrides: --hf-overrides must"),
+                                               ("hf-overrides: [1, 2]\n", "must be a JSON object")])
 def test_config_file_errors(tmp_path, text, message):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
