@@ -269,26 +269,10 @@ class RouteRow:
 
 
 def per_call_us(fn: Callable[[], object], device: torch.device, replays: int = 20) -> float:
-    """Median microseconds per call of `fn` inside a CUDA graph of CALLS calls: what the decode step's
-    graph pays (no Python, no launch overhead). Capture also proves `fn` has no host sync."""
+    """Median microseconds per call of `fn` inside a CUDA graph of CALLS calls (eager time on CPU)."""
     if device.type != "cuda":
         return timed(fn, device)
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)  # ms per replay -> us per call
-    return sorted(times)[len(times) // 2]
+    return bench_env.graph_per_call_us([fn], CALLS, repeats=replays)
 
 
 def route_errors(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor, block_t: int | None = None

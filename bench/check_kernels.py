@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -94,31 +93,7 @@ def timed(fns: list[Callable[[], object]], device: torch.device) -> float:
         start = time.perf_counter()
         fns[0]()
         return (time.perf_counter() - start) * 1e6
-    return graph_timed(fns)
-
-
-def graph_timed(fns: list[Callable[[], object]], repeats: int = 15) -> float:
-    # One graph of max(len(fns), MIN_CALLS) calls, replayed `repeats` times between CUDA events; the median
-    # replay divided by the calls. Back-to-back replays of small kernels is what a decode graph runs.
-    calls = [fns[i % len(fns)] for i in range(max(len(fns), MIN_CALLS))]
-    for fn in fns:  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    return bench_env.graph_per_call_us(fns, MIN_CALLS, repeats=15)
 
 
 def num_copies(kv_bytes: int, device: torch.device) -> int:

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 
+import bench_env
 import torch
 
 from deepserve.kernels import fused_moe as fm
@@ -19,22 +20,6 @@ TOKENS = (1, 4, 16, 64)
 CANDIDATES = [fm.MoEConfig(block_m=16, block_n=n, block_k=k, group_m=1, num_warps=w, num_stages=s)
               for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
 CANDIDATES += [fm.MoEConfig(block_m=16, block_n=n, block_k=128, group_m=1, num_warps=8, num_stages=4) for n in (32, 64)]
-
-
-def graph_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def sweep(name: str, tokens: int, gen: torch.Generator) -> list[dict]:
@@ -52,7 +37,8 @@ def sweep(name: str, tokens: int, gen: torch.Generator) -> list[dict]:
         try:
             out = fm.fused_moe(x, w13, w2, weights, ids, config=cfg).float()
             err = ((out - ref).abs().max() / ref.abs().max()).item()
-            us = graph_us(lambda cfg=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=cfg))
+            us = bench_env.graph_per_call_us([lambda cfg=cfg: fm.fused_moe(x, w13, w2, weights, ids, config=cfg)],
+                                             min_calls=10, repeats=20)
         except Exception as exc:  # a config the compiler rejects (shared memory) is skipped, not fatal
             rows.append({"shape": name, "tokens": tokens, "config": str(cfg), "error": str(exc)[:120]})
             continue

@@ -13,7 +13,9 @@ read from them after sampling).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +46,11 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if _fusable(logits, meta):
+        fused = _fused_sampler() if _fusable(logits, meta) else None
+        if fused is not None:
             # One Triton pass over the raw logits (kernels/sampling.py) instead of ~8 [B, V] kernels.
-            from deepserve.kernels.sampling import gumbel_sample
-
             seed = int(torch.randint(2**31 - 1, (1,)))  # torch's CPU generator: a global seed replays
-            sampled = gumbel_sample(logits, meta.temperature, meta.greedy, seed)
+            sampled = fused(logits, meta.temperature, meta.greedy, seed)
         else:
             x = logits.float()  # [B, V]; aliases `logits` when already float32
             x = apply_min_tokens(x, meta)
@@ -66,11 +67,20 @@ def _fusable(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
     offsets reach every logit)."""
     return (logits.is_cuda and logits.numel() < 2**31 and not meta.all_greedy and meta.min_tokens_index is None
             and meta.output_counts is None and meta.top_k is None and meta.top_p is None
-            and meta.min_p is None and not meta.generators and _fused_sampling_enabled())
+            and meta.min_p is None and not meta.generators)
 
 
-def _fused_sampling_enabled() -> bool:
-    return os.environ.get("DEEPSERVE_FUSED_SAMPLING", "1") != "0"
+@functools.cache
+def _fused_sampler() -> Callable[..., torch.Tensor] | None:
+    """kernels.sampling.gumbel_sample, or None without Triton or with DEEPSERVE_FUSED_SAMPLING=0 (looked
+    up once, as the MoE layer's fused kernels are)."""
+    if os.environ.get("DEEPSERVE_FUSED_SAMPLING", "1") == "0":
+        return None
+    try:
+        from deepserve.kernels.sampling import gumbel_sample
+    except ImportError:
+        return None
+    return gumbel_sample
 
 
 def compute_token_logprobs(

@@ -47,9 +47,11 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
             sample_indices.append(i)
     decode_seqs = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
     decode_only = len(decode_seqs) == len(out.scheduled)
-    decode_tokens = [] if decode_only else [query_start_loc[i] for i in decode_seqs]
+    # The decode-row indices exist only for mixed steps; a decode-only step needs none.
+    decode_idx = [] if decode_only else decode_seqs
+    decode_tokens = [query_start_loc[i] for i in decode_idx]
     # Two host -> device copies per step: one of every int64 vector, one of every int32 one.
-    longs = _to_device([input_ids, positions, slots, sample_rows, decode_seqs, decode_tokens], torch.int64, device)
+    longs = _to_device([input_ids, positions, slots, sample_rows, decode_idx, decode_tokens], torch.int64, device)
     block_tables = _block_table([s.request.block_ids for s in out.scheduled])  # [B, max_blocks]
     ints = _to_device([query_start_loc, seq_lens, block_tables], torch.int32, device)
     attn = AttentionMetadata(
