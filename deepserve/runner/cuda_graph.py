@@ -71,6 +71,17 @@ class DecodeGraphs:
             hidden = self.model(self.input_ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden)  # [b, V]
 
+    def release(self) -> None:
+        """Free every graph. Under tensor parallelism this must happen before the NCCL process group is
+        destroyed: a live graph that holds NCCL kernels keeps the communicator's resources, and
+        destroying the group then waits forever (seen on 2 x H200, NCCL 2.28: bench/RESULTS.md run 12)."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        torch.cuda.synchronize()
+
     def can_run(self, inputs: StepInputs) -> bool:
         return inputs.attn.decode_only and inputs.attn.num_seqs <= self.sizes[-1]
 

@@ -79,6 +79,7 @@ class _Workers:
         self.group: Any = None  # the control group, once rank 0 has joined
         self.healthy = False  # every rank loaded and none failed: shutdown may broadcast "stop"
         self.remote: _RemoteHeartbeats | None = None
+        self.release_graphs: Any = None  # rank 0's ModelRunner.release_graphs, run before the group goes
         self.procs = {}
         for rank in range(1, local):  # node 0's block of ranks: 0 (this process) .. local - 1
             go = None if self.multinode else self.go[rank]
@@ -156,6 +157,11 @@ def _shutdown(workers: _Workers) -> None:
         if p.is_alive():
             p.kill()  # SIGKILL: also ends a stopped (frozen) process
             p.join(2.0)
+    if workers.release_graphs is not None:
+        try:
+            workers.release_graphs()
+        except Exception as e:  # a failed rank can leave the device in error: still tear the group down
+            logger.warning("could not free the decode CUDA graphs before shutdown: %s", e)
     if dist.is_initialized():
         dist.destroy_process_group()
     from deepserve.runner.distributed import reset_model_parallel
@@ -204,6 +210,7 @@ class MultiprocExecutor:
             worker.broadcast_object(config, self.group)
             worker.init_model_parallel(config)
             self.runner = ModelRunner(worker.runner_config(config))
+            self.workers.release_graphs = self.runner.release_graphs
             self._wait_loaded(_env_seconds("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0))
             self.workers.healthy = True
         except BaseException:

@@ -110,6 +110,12 @@ class ModelRunner:
                                        self.config.model.max_model_len, self.block_size, self.device)
             self.graphs.capture()
 
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (see DecodeGraphs.release); the runner then runs eager."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def _forward(self, out: SchedulerOutput, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits of the sampling rows [S, V] or None, hidden states [T, E] or None under a graph)."""
         if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):

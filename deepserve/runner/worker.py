@@ -181,6 +181,7 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
             done += 1
             progress[rank] = done
     if destroy_group:
+        runner.release_graphs()  # graphs holding NCCL kernels would make the teardown wait forever
         dist.destroy_process_group()
 
 
