@@ -5,7 +5,8 @@
 #        profile:MODEL:BATCH:PROMPT_LEN:TEMPERATURE (bench/profile_step.py)
 #        w1:MODEL:TP[:ep]  w2:MODEL  (W1 / W2 on any preset, TP ranks, ep = --enable-expert-parallel)
 #        w1v3slice:TP[:ep]  (W1 on the first 8 layers of DeepSeek-V3, bf16 dummy weights)
-# TAG=-x appends -x to the w1:/w2: step names (to run the same step under another environment).
+# TAG=-x appends -x to the w1:/w2: step names (to run the same step under another environment);
+# EXTRA="--flag ..." adds engine flags to the w1:/w2: steps (e.g. EXTRA=--no-async-scheduling TAG=-sync).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -39,10 +40,10 @@ for s in $steps; do
     gputests) run gputests python3 -m pytest -q -x tests/kernels tests/layers/test_sampler.py tests/layers/test_mla.py ;;
     w1:*) IFS=: read -r _ model tp ep <<< "$s"; name="w1-$model-tp$tp${ep:+-ep}${TAG:-}"
       run "$name" $DS bench throughput --model "$model" --load-format dummy --max-model-len 4096 -tp "$tp" \
-        ${ep:+--enable-expert-parallel} --output-json "$OUT/$name.json" ;;
+        ${ep:+--enable-expert-parallel} ${EXTRA:-} --output-json "$OUT/$name.json" ;;
     w2:*) model=${s#w2:}
       run "w2-$model${TAG:-}" $DS bench latency --model "$model" --load-format dummy --max-model-len 4096 \
-        --output-json "$OUT/w2-$model${TAG:-}.json" ;;
+        ${EXTRA:-} --output-json "$OUT/w2-$model${TAG:-}.json" ;;
     w1v3slice:*) IFS=: read -r _ tp ep <<< "$s"; name="w1-v3slice8-tp$tp${ep:+-ep}"
       run "$name" $DS bench throughput --model deepseek-v3 --load-format dummy --max-model-len 4096 -tp "$tp" \
         ${ep:+--enable-expert-parallel} --hf-overrides '{"num_hidden_layers": 8}' --output-json "$OUT/$name.json" ;;

@@ -1,7 +1,8 @@
 """Where one decode step's time goes, on a GPU, for one model shape and batch size.
 
 For a batch of B requests in steady decode (prompt length L, dummy weights) it prints:
-- wall ms per engine step (LLMEngine.step, everything included);
+- wall ms per engine step (LLMEngine.step, everything included), step by step and with async
+  scheduling (the next step launched before this one's tokens are read);
 - the host-side phases inside it (scheduler, input preparation, graph launch, sampling metadata,
   sampler launch, waiting for the sampled tokens, scheduler update, output processing), timed with
   perf_counter around the engine's own functions;
@@ -52,6 +53,8 @@ def instrument(llm: LLM) -> None:
     SamplingMetadata.build = timed("sampling_metadata", SamplingMetadata.build)
     runner.sampler = timed("sampler_launch", runner.sampler)
     runner.execute = timed("execute", runner.execute)
+    runner.launch = timed("launch", runner.launch)
+    runner.wait = timed("wait", runner.wait)
     if runner.graphs is not None:
         runner.graphs.run = timed("graph_launch", runner.graphs.run)
 
@@ -63,7 +66,8 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, temperature: float) ->
     params = SamplingParams(temperature=temperature, max_tokens=model.max_model_len - prompt_len - 1, ignore_eos=True)
     vocab = min(10000, model.hf_config.vocab_size)
     for i in range(batch):
-        engine.add_request(f"p{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+        engine.add_request(f"p{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params,
+                           final_only=True)  # as LLM.generate: no per-step RequestOutput
     while engine.core.scheduler.waiting or any(
             r.num_output_tokens < 2 for r in engine.core.scheduler.running):
         engine.step()
@@ -137,8 +141,16 @@ def main() -> int:
               max_num_seqs=max(ns.batch, 1), skip_tokenizer_init=True)
     start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
     engine = llm.llm_engine
+    core = engine.core
+    can_overlap = hasattr(core.runner, "launch")
 
+    # Step by step (the engine waits for each step's tokens before scheduling the next), then with
+    # async scheduling (step n+1 launched before step n is read): the difference is host time hidden.
+    core.async_scheduling = False
     wall_ms = timed_steps(engine, ns.steps)
+    core.async_scheduling = can_overlap
+    async_ms = timed_steps(engine, ns.steps)
+    core.async_scheduling = False
 
     # Same state, same host work, graphs off then on again: any difference is GPU time.
     graphs = engine.core.runner.graphs
@@ -162,7 +174,7 @@ def main() -> int:
     top_eager = kernel_table(engine.step, 3, f"{ns.out}/{tag}-eager-kernels.txt")
 
     result = {"model": ns.model, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
-              "wall_ms_per_step": round(wall_ms, 3),
+              "wall_ms_per_step": round(wall_ms, 3), "async_wall_ms_per_step": round(async_ms, 3),
               "eager_wall_ms_per_step": round(eager_ms, 3), "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
               "graph_replay_ms": replay and round(replay, 3),
               "host_phases_ms": phases,
@@ -171,7 +183,8 @@ def main() -> int:
     with open(f"{ns.out}/{tag}-profile.json", "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
-    print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step (eager {eager_ms:.3f}, graphs again {graph_again_ms:.3f}), "
+    print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step, async {async_ms:.3f} (eager {eager_ms:.3f}, "
+          f"graphs again {graph_again_ms:.3f}), "
           f"graph replay {replay} ms, phases {phases}")
     return 0
 

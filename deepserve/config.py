@@ -63,6 +63,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_CHUNKED_TOKEN_BUDGET
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # Schedule and launch step n+1 before reading step n's tokens (EngineCore._step_async).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -175,7 +177,22 @@ class EngineArgs:
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False  # token ids in and out, no text (benchmarks on model-shape presets)
+    # None: on where it pays, a CUDA device in one process (the host's work then overlaps the GPU's).
+    async_scheduling: bool | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def _async_scheduling(self, device: str) -> bool:
+        one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1
+        if self.async_scheduling is None:
+            return device == "cuda" and one_process
+        # Asked for where it cannot run: the engine runs steps one at a time (the ranks other than 0
+        # would need each step's sampled tokens); said once in the log, not refused.
+        if self.async_scheduling and not one_process:
+            import logging
+
+            logging.getLogger(__name__).info("async scheduling runs in one process only; the "
+                                             "tensor/pipeline-parallel engine schedules step by step")
+        return self.async_scheduling and one_process
 
     def create_engine_config(self) -> EngineConfig:
         from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len
@@ -220,6 +237,7 @@ class EngineArgs:
                 max_num_batched_tokens=budget,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self._async_scheduling(device),
             ),
             parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes,
                                     self.node_rank, self.master_addr, self.master_port,

@@ -57,6 +57,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling reads the request's earlier tokens (presence / frequency / repetition)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 

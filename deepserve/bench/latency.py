@@ -55,6 +55,7 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
         "tpot_ms_median": 1e3 * tpot_median,
         "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
         "bandwidth_utilization": bytes_per_step / tpot_median / HBM_BYTES_PER_S,
+        "async_scheduling": engine.core.async_scheduling,
     }
 
 

@@ -55,6 +55,7 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "enable_expert_parallel": parallel.enable_expert_parallel,
+        "async_scheduling": llm.llm_engine.core.async_scheduling,
     }
 
 

@@ -29,6 +29,7 @@ class Runner(Protocol):
     def determine_num_blocks(self) -> int: ...
     def initialize_cache(self, num_blocks: int) -> None: ...
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
+    # Optional, for async scheduling: launch(out, previous) -> pending; wait(pending) -> RunnerOutput.
 
 
 @dataclass
@@ -84,6 +85,10 @@ class EngineCore:
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, block_manager)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, config.cache.block_size)
+        # Async scheduling needs a runner that can launch a step without waiting for it (one process:
+        # tensor-parallel workers would need the sampled tokens too).
+        self.async_scheduling = config.scheduler.async_scheduling and hasattr(runner, "launch")
+        self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -109,18 +114,52 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.inflight is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling and not self._needs_token_history():
+            return self._step_async()
+        outputs = self._finish_inflight()
+        if outputs:
+            return outputs
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
         result = self.runner.execute(scheduled)
         self.scheduler.update_from_output(scheduled, result.sampled)
         return _outputs(scheduled, result)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step n+1, then collect step n while the device runs n+1: the host's
+        share of a step (scheduling, input preparation, bookkeeping) overlaps the device's work
+        instead of following it. Returns step n's outputs. A request that step n finishes (EOS, a
+        stop token) has already been given a row in step n+1; that row's token is dropped."""
+        scheduled = self.scheduler.schedule()
+        launched = None
+        if not scheduled.is_empty():
+            launched = self.runner.launch(scheduled, self.inflight)
+            # After the launch: the sampler saw the request as the step-by-step engine would (its
+            # output count decides min_tokens and a seeded row's noise).
+            self.scheduler.commit(scheduled)
+        outputs = self._finish_inflight()
+        self.inflight = launched
+        return outputs
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        if self.inflight is None:
+            return []
+        pending, self.inflight = self.inflight, None
+        result = self.runner.wait(pending)
+        self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
+        return _outputs(pending.out, result)
+
+    def _needs_token_history(self) -> bool:
+        """True while a request's sampling reads its earlier output tokens (penalties), which must be
+        real tokens, not placeholders: such steps run one at a time."""
+        return any(r.sampling_params.has_penalties for r in self.scheduler.requests.values())
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

@@ -83,25 +83,55 @@ class Request:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def check_stop(self, max_model_len: int) -> bool:
-        """Apply the token-level stop rules after a token was appended; True when finished.
+    def check_stop(self, max_model_len: int, index: int | None = None) -> bool:
+        """Apply the token-level stop rules to output token `index` (default: the last); True when
+        finished. Under async scheduling a placeholder for the next step's token may already follow
+        it; a finished request drops it.
 
         Stop strings need detokenized text and are applied by the output processor."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        index = self.num_output_tokens - 1 if index is None else index
+        last, count = self.output_token_ids[index], index + 1
+        if count >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
+            elif last in params.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
-                return True
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
-        if self.num_output_tokens >= max_tokens or self.num_tokens >= max_model_len:
+        if not self.is_finished and (count >= max_tokens or self.num_prompt_tokens + count >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+        if self.is_finished and count < self.num_output_tokens:
+            del self.output_token_ids[count:]
+            del self.token_ids[self.num_prompt_tokens + count:]
+        return self.is_finished
+
+    # Async scheduling (EngineCore): a step is scheduled before the previous step's tokens reach the
+    # host. Each token still on its way is a placeholder, -(row + 1), where row is its row in the
+    # previous step's sampled tensor; the runner reads it from there on the device, and the scheduler
+    # puts the real token in its place once the host has it.
+
+    def append_placeholder(self, row: int) -> int:
+        """Append the placeholder of a token being sampled in sampling row `row`; its output index."""
+        self.append_output_token(-(row + 1))
+        return self.num_output_tokens - 1
+
+    def set_output_token(self, index: int, token_id: int) -> None:
+        self.output_token_ids[index] = token_id
+        self.token_ids[self.num_prompt_tokens + index] = token_id
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens still on their way (a request ended while a step for it ran)."""
+        while self.output_token_ids and self.output_token_ids[-1] < 0:
+            self.output_token_ids.pop()
+            self.token_ids.pop()
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """True when the tokens so far (placeholders included) already end the request on length,
+        so scheduling another step for it would be wasted."""
+        max_tokens = self.sampling_params.max_tokens
+        return ((max_tokens is not None and self.num_output_tokens >= max_tokens)
+                or self.num_tokens >= max_model_len)
 
     def __repr__(self) -> str:
         return (
@@ -117,11 +147,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # == request.num_computed_tokens when scheduled
+    # True when this chunk reaches the end of the known tokens, so the step samples a token. Fixed
+    # when scheduled: under async scheduling the request gains a placeholder token right after.
+    samples: bool = field(init=False)
+    output_index: int = -1  # async scheduling: the output index of this step's placeholder token
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so the step samples a token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -60,6 +60,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.reached_length_limit(self.config.max_model_len):
+                i += 1  # async scheduling: its last token is on its way and ends it; nothing to compute
+                continue
             reserve = len(self.running) - i - 1  # one token for each running request behind this one
             num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - reserve))
             if not self._allocate_or_preempt(request, num_new, out):
@@ -122,21 +125,44 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance the counters by what the step computed; the requests that gained a token."""
+    def commit(self, out: SchedulerOutput) -> None:
+        """Async scheduling: count the step as computed now, before it has run, so the next step can
+        be scheduled while this one is on the device. Each sampling request gets a placeholder for
+        its token (Request.append_placeholder); update_from_output(committed=True) fills it in."""
+        row = 0
+        for sched in out.scheduled:
+            sched.request.num_computed_tokens += sched.num_new_tokens
+            if sched.samples:
+                sched.output_index = sched.request.append_placeholder(row)
+                row += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
+                           committed: bool = False) -> list[Request]:
+        """Advance the counters by what the step computed (unless `commit` already did); the requests
+        that gained a token. A request that finished or was aborted while the step ran gets nothing:
+        its entry in `sampled` is set to None."""
         progressed = []
         max_len = self.config.max_model_len
-        for sched, token_id in zip(out.scheduled, sampled, strict=True):
+        for i, (sched, token_id) in enumerate(zip(out.scheduled, sampled, strict=True)):
             request = sched.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted, or (async) finished by the step before, while this one ran
+                sampled[i] = None
                 continue
-            request.num_computed_tokens += sched.num_new_tokens
+            if committed:
+                if token_id is not None:
+                    request.set_output_token(sched.output_index, token_id)
+            else:
+                request.num_computed_tokens += sched.num_new_tokens
             self.block_manager.cache_full_blocks(request)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
+            if not committed:
+                request.append_output_token(token_id)
             progressed.append(request)
-            if request.check_stop(max_len):
+            was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
+            if request.check_stop(max_len, sched.output_index if committed else None):
+                if was_waiting:
+                    self.waiting.remove(request)
                 self._release(request)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
@@ -159,6 +185,7 @@ class Scheduler:
         return ended
 
     def _release(self, request: Request) -> None:
+        request.drop_placeholders()
         self.block_manager.free(request)
         self.requests.pop(request.request_id, None)
 

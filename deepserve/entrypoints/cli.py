@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step before the previous step's tokens are read, so "
+                        "host work overlaps the GPU (default: on for one CUDA GPU)")
     g.add_argument("--hf-overrides", type=_json_object, default={}, metavar="JSON",
                    help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
 
@@ -91,7 +94,8 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
         enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
         load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
-        enforce_eager=ns.enforce_eager, skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
+        enforce_eager=ns.enforce_eager, async_scheduling=getattr(ns, "async_scheduling", None),
+        skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
         hf_overrides=getattr(ns, "hf_overrides", {}),
     )
 

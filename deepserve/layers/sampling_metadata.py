@@ -73,7 +73,7 @@ class SamplingMetadata:
             meta.top_p = _f32(top_p, device)
         if max(min_p, default=0.0) > 0.0:
             meta.min_p = _f32(min_p, device)
-        if any(_has_penalty(p) for p in params):
+        if any(p.has_penalties for p in params):
             meta._set_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
         meta.min_tokens_index = _min_tokens_index(params, output_token_ids, eos_token_ids, vocab_size, device)
         for i, (p, out) in enumerate(zip(rnd, output_token_ids, strict=True)):
@@ -103,7 +103,7 @@ class SamplingMetadata:
             ids if p.repetition_penalty != 1.0 else []
             for p, ids in zip(params, prompt_token_ids, strict=True)
         ]
-        outputs = [ids if _has_penalty(p) else [] for p, ids in zip(params, output_token_ids, strict=True)]
+        outputs = [ids if p.has_penalties else [] for p, ids in zip(params, output_token_ids, strict=True)]
         self.prompt_mask = token_counts(prompts, vocab_size, device) > 0  # [B, V]
         self.output_counts = token_counts(outputs, vocab_size, device)  # [B, V]
 
@@ -135,10 +135,6 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _min_tokens_index(

@@ -19,6 +19,7 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int64: row of hidden states whose logits sample a token
     sample_indices: list[int]  # [S]: index into out.scheduled of each sampling row
+    has_placeholders: bool = False  # some input is a token the previous step is still sampling
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -29,11 +30,14 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     seq_lens: list[int] = []
     sample_rows: list[int] = []
     sample_indices: list[int] = []
+    placeholders = False
     for i, sched in enumerate(out.scheduled):
         request, start, end = sched.request, sched.start, sched.start + sched.num_new_tokens
         blocks = request.block_ids
         if end - start == 1:  # decode: the common case, kept free of generator overhead
-            input_ids.append(request.token_ids[start])
+            token = request.token_ids[start]
+            placeholders = placeholders or token < 0  # only a decode input can be one (Request)
+            input_ids.append(token)
             positions.append(start)
             slots.append(blocks[start // block_size] * block_size + start % block_size)
         else:
@@ -69,7 +73,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         prefill_seqs_cpu=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1],
     )
     return StepInputs(input_ids=longs[0], positions=longs[1], attn=attn, sample_rows=longs[3],
-                      sample_indices=sample_indices)
+                      sample_indices=sample_indices, has_placeholders=placeholders)
 
 
 def _block_table(rows: list[list[int]]) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 Each step: SchedulerOutput -> flat tensors -> model forward inside the forward context -> logits
 of the sampling rows -> sampler -> token ids back on the host (the step's one device sync).
+`launch` queues a step and `wait` collects its tokens, so the engine can schedule and launch the
+next step while the device runs this one (async scheduling); `execute` is the two back to back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,41 @@ class RunnerOutput:
     sampled: list[int | None]  # aligned with SchedulerOutput.scheduled; None where the step only prefilled
     logprobs: list[LogprobEntry | None] = field(default_factory=list)  # aligned; for rows that asked
     prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # new prompt positions
+
+
+@dataclass
+class PendingStep:
+    """A launched step: what it computes and where its results will be. The sampled tokens stay on
+    the device (`sampled`, read by the next step's placeholders) and are copied to pinned host
+    memory behind the step (`to_host`), so waiting for them does not wait for later steps."""
+
+    out: SchedulerOutput
+    sample_indices: list[int]
+    hidden: torch.Tensor | None = None  # eager steps: hidden states, for prompt logprobs
+    requests: list[Request] = field(default_factory=list)  # of the sampling rows
+    sampled: torch.Tensor | None = None  # [S] int64 on the device
+    _host: list[torch.Tensor | None] = field(default_factory=list)
+    _ready: torch.cuda.Event | None = None
+
+    def to_host(self, tensors: list[torch.Tensor | None]) -> None:
+        if self.sampled is None or not self.sampled.is_cuda:
+            self._host = tensors
+            return
+        self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+            t, non_blocking=True) for t in tensors]
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def host_values(self) -> list[torch.Tensor | None]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
+def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:
+    """input_ids [T] with each placeholder -(row + 1) replaced by previous_sampled[row], on the device."""
+    rows = (-input_ids - 1).clamp_(0, previous_sampled.shape[0] - 1)
+    return torch.where(input_ids < 0, previous_sampled[rows], input_ids)
 
 
 class ModelRunner:
@@ -172,27 +209,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.wait(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+        """Queue the step on the device and return without waiting for it. `previous` is the step
+        launched before, whose sampled tokens this step's placeholder inputs read on the device
+        (async scheduling, Request.append_placeholder)."""
         inputs = prepare_inputs(out, self.block_size, self.device)
+        if inputs.has_placeholders:
+            if previous is None or previous.sampled is None:
+                raise RuntimeError("a step reads tokens of a previous step that was not launched with it")
+            inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
+        pending = PendingStep(out, inputs.sample_indices, hidden)
+        if logits is None:
+            return pending
+        pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in pending.requests],
+            [r.prompt_token_ids for r in pending.requests],
+            [r.output_token_ids for r in pending.requests],
+            [r.eos_token_ids for r in pending.requests],
+            self.vocab_size,
+            self.device,
+        )
+        result = self.sampler(logits.float(), meta)
+        pending.sampled = result.sampled
+        pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
+        return pending
+
+    @torch.inference_mode()
+    def wait(self, pending: PendingStep) -> RunnerOutput:
+        """The step's tokens on the host (its one device -> host sync, which waits for this step only,
+        not for a step launched after it)."""
+        out = pending.out
         sampled: list[int | None] = [None] * len(out.scheduled)
         logprobs: list[LogprobEntry | None] = [None] * len(out.scheduled)
-        if logits is not None:
-            logits = logits.float()
-            requests = [out.scheduled[i].request for i in inputs.sample_indices]
-            meta = SamplingMetadata.build(
-                [r.sampling_params for r in requests],
-                [r.prompt_token_ids for r in requests],
-                [r.output_token_ids for r in requests],
-                [r.eos_token_ids for r in requests],
-                self.vocab_size,
-                self.device,
-            )
-            result = self.sampler(logits, meta)
-            tokens = result.sampled.tolist()  # the step's one device -> host sync
-            for row, i in enumerate(inputs.sample_indices):
+        if pending.sampled is not None:
+            host = pending.host_values()
+            tokens = host[0].tolist()
+            for row, i in enumerate(pending.sample_indices):
                 sampled[i] = tokens[row]
-            if result.logprobs is not None:
-                _attach_logprobs(result, requests, inputs.sample_indices, logprobs)
+            if host[2] is not None:
+                _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
+        hidden = pending.hidden
         prompt_logprobs = self._prompt_logprobs(out, hidden) if hidden is not None else {}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
@@ -243,8 +304,8 @@ def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
                for s in out.scheduled)
 
 
-def _attach_logprobs(result, requests: list[Request], indices: list[int], logprobs: list) -> None:
-    ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist()
+def _attach_logprobs(host: list[torch.Tensor], requests: list[Request], indices: list[int], logprobs: list) -> None:
+    ids, lps, ranks = (t.tolist() for t in host)
     for row, (request, i) in enumerate(zip(requests, indices, strict=True)):
         k = request.sampling_params.logprobs
         if k is not None:

@@ -93,6 +93,11 @@ ENGINE_SETTINGS = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "chunked-tiny-budget": dict(max_num_batched_tokens=8),
     "forced-preemption": dict(num_gpu_blocks_override=12, block_size=4, max_model_len=48),
+    # Async scheduling (step n+1 scheduled and launched before step n's tokens are read).
+    "async": dict(async_scheduling=True),
+    "async-chunked-tiny-budget": dict(async_scheduling=True, max_num_batched_tokens=8),
+    "async-forced-preemption": dict(async_scheduling=True, num_gpu_blocks_override=12, block_size=4,
+                                    max_model_len=48),
 }
 
 
@@ -111,11 +116,12 @@ def test_greedy_generation_matches_transformers(checkpoint, setting):
             assert_same_greedy(out.outputs[0].token_ids, want, want_logits)
             assert out.outputs[0].finish_reason == "length"
     stats = llm.llm_engine.stats()
-    if setting == "forced-preemption":
+    if setting.endswith("forced-preemption"):
         assert stats.num_preemptions_total > 0
-    if setting == "default":
+    if setting in ("default", "async"):
         assert stats.prefix_cache_hits_total > 0
     assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+    assert llm.llm_engine.core.async_scheduling == setting.startswith("async")
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint):
