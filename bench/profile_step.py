@@ -6,6 +6,8 @@ For a batch of B requests in steady decode (prompt length L, dummy weights) it p
 - the host-side phases inside it (scheduler, input preparation, graph launch, sampling metadata,
   sampler launch, waiting for the sampled tokens, scheduler update, output processing), timed with
   perf_counter around the engine's own functions;
+- wall ms of one step that prefills --prefill-tokens fresh tokens (prompts of 512), and the
+  TFLOP/s that makes in the linear layers;
 - GPU ms of one decode CUDA-graph replay (CUDA events over back-to-back replays), so
   wall - replay = what the GPU spends idle or sampling;
 - the top kernels of one graph replay and of one eager step (torch.profiler), written to $OUT.
@@ -73,6 +75,36 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, temperature: float) ->
         engine.step()
 
 
+def prefill_ms(llm: LLM, total_tokens: int, prompt_len: int) -> float:
+    """Wall ms of one step that prefills total_tokens fresh tokens (total/prompt_len prompts, one
+    output token each, distinct so the prefix cache finds nothing); the first call warms up."""
+    vocab = min(10000, llm.llm_engine.config.model.hf_config.vocab_size)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    n = max(1, total_tokens // prompt_len)
+
+    def run(offset: int) -> None:
+        prompts = [[(offset * 7919 + i * 104729 + j * 31) % vocab for j in range(prompt_len)] for i in range(n)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    run(1)
+    sync()
+    start = time.perf_counter()
+    run(2)
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def linear_flops_per_token(llm: LLM) -> float:
+    """2 x the weights one token multiplies through (top-k experts only, no embedding, no LM head,
+    which a prefill computes for the last token only); attention's own FLOPs are not counted."""
+    from deepserve.bench.latency import weight_bytes_read_per_step
+
+    model = llm.llm_engine.core.runner.model
+    cfg = model.config
+    elem = next(model.parameters()).element_size()
+    return 2 * (weight_bytes_read_per_step(model) / elem - cfg.vocab_size * cfg.hidden_size)
+
+
 def timed_steps(engine, steps: int) -> float:
     sync()
     start = time.perf_counter()
@@ -134,11 +166,14 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="0: skip the prefill timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ns = ap.parse_args()
     tag = f"{ns.model}-b{ns.batch}"
     llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
               max_num_seqs=max(ns.batch, 1), skip_tokenizer_init=True)
+    prefill = prefill_ms(llm, ns.prefill_tokens, 512) if ns.prefill_tokens else None
+    prefill_tflops = prefill and linear_flops_per_token(llm) * ns.prefill_tokens / (prefill * 1e-3) / 1e12
     start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
     engine = llm.llm_engine
     core = engine.core
@@ -177,6 +212,8 @@ def main() -> int:
               "wall_ms_per_step": round(wall_ms, 3), "async_wall_ms_per_step": round(async_ms, 3),
               "eager_wall_ms_per_step": round(eager_ms, 3), "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
               "graph_replay_ms": replay and round(replay, 3),
+              "prefill_ms": prefill and round(prefill, 2), "prefill_tokens": ns.prefill_tokens,
+              "prefill_linear_tflops": prefill_tflops and round(prefill_tflops, 1),
               "host_phases_ms": phases,
               "graph_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_graph[:15]],
               "eager_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_eager[:25]]}
@@ -184,7 +221,8 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
     print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step, async {async_ms:.3f} (eager {eager_ms:.3f}, "
-          f"graphs again {graph_again_ms:.3f}), "
+          f"graphs again {graph_again_ms:.3f}), prefill of {ns.prefill_tokens} tokens {prefill} ms "
+          f"({prefill_tflops} TFLOP/s in the linear layers), "
           f"graph replay {replay} ms, phases {phases}")
     return 0
 
