@@ -97,13 +97,15 @@ class BlockManager:
             request.block_ids.append(self._take_fresh_block())
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the hashes of blocks that became full and computed (call after each step).
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the hashes of blocks that became full and computed (call after each step); only
+        blocks within the first `num_tokens` tokens (default: the computed ones).
 
         `request.block_hashes` remembers the chain so far, so each block is hashed once."""
         if not self.enable_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        limit = request.num_computed_tokens if num_tokens is None else min(num_tokens, request.num_computed_tokens)
+        num_full = min(limit // self.block_size, len(request.block_ids))
         hashes = request.block_hashes
         if len(hashes) >= num_full:  # most steps fill no block
             return

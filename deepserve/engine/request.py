@@ -120,6 +120,14 @@ class Request:
         self.output_token_ids[index] = token_id
         self.token_ids[self.num_prompt_tokens + index] = token_id
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens before the first placeholder (placeholders only ever sit at the end)."""
+        known = self.num_tokens
+        while known > self.num_prompt_tokens and self.token_ids[known - 1] < 0:
+            known -= 1
+        return known
+
     def drop_placeholders(self) -> None:
         """Forget tokens still on their way (a request ended while a step for it ran)."""
         while self.output_token_ids and self.output_token_ids[-1] < 0:

@@ -131,9 +131,14 @@ class Scheduler:
         its token (Request.append_placeholder); update_from_output(committed=True) fills it in."""
         row = 0
         for sched in out.scheduled:
-            sched.request.num_computed_tokens += sched.num_new_tokens
+            request = sched.request
+            request.num_computed_tokens += sched.num_new_tokens
+            # Blocks whose tokens are all known can be found by the prefix cache from the next
+            # schedule on (n > 1 children admitted behind their parent's prompt, shared prefixes):
+            # their KV comes from steps queued ahead of any step that could read it.
+            self.block_manager.cache_full_blocks(request, request.num_known_tokens)
             if sched.samples:
-                sched.output_index = sched.request.append_placeholder(row)
+                sched.output_index = request.append_placeholder(row)
                 row += 1
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],

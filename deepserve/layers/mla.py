@@ -131,12 +131,13 @@ def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Te
     for b in seqs:
         query_start_loc.append(query_start_loc[-1] + _num_new(meta, b))
     device = meta.slot_mapping.device
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    seq_ids = torch.tensor(seqs, dtype=torch.int64, device=device)
+    # Copied without blocking (torch.tensor(..., device=) would wait for the queued steps).
+    rows_t = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    seq_ids = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
     seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
     sub = AttentionMetadata(
         slot_mapping=meta.slot_mapping[rows_t],
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
         seq_lens=meta.seq_lens[seq_ids],
         block_tables=meta.block_tables[seq_ids],
         block_size=meta.block_size,

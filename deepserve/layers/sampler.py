@@ -105,7 +105,9 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     """-inf on every stop token of the rows that have not yet produced min_tokens."""
     if meta.min_tokens_index is None:
         return logits
-    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    # torch.full, not torch.tensor(..., device=): the latter copies from the host and waits for the
+    # device, which would stall the host behind the step (async scheduling launches ahead).
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
     return logits.index_put(meta.min_tokens_index, neg_inf)
 
 

@@ -222,7 +222,9 @@ class ModelRunner:
                 raise RuntimeError("a step reads tokens of a previous step that was not launched with it")
             inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
-        pending = PendingStep(out, inputs.sample_indices, hidden)
+        # The hidden states [T, E] are kept (until wait) only when prompt logprobs need them: held
+        # across the next step's launch they would be memory the profile run did not count.
+        pending = PendingStep(out, inputs.sample_indices, hidden if _wants_prompt_logprobs(out) else None)
         if logits is None:
             return pending
         pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]

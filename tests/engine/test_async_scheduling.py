@@ -29,13 +29,20 @@ class _Pending:
 
 
 class ScriptedRunner:
-    """Samples token f(request, position) without a model, and resolves placeholders the way the
-    device does: from the previous launched step's sampled rows. Records the call order."""
+    """A model-free runner: token = f(request, position, input token), so a placeholder filled from
+    the wrong row changes what follows. Resolves placeholders the way the device does (from the
+    previous launched step's sampled rows), keeps a simulated KV cache (slot -> token, written in
+    launch order, as the device stream would) and checks at every launch that each request's context
+    holds its real tokens — which a block hashed or reused too early would break. Records the order of
+    launches and waits."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 4) -> None:
         self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv: dict[int, int] = {}
         self.calls: list[tuple[str, int]] = []
         self.launched = 0
+        self.launched_ahead = 0  # launches made while the previous step was not yet read
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
@@ -43,21 +50,28 @@ class ScriptedRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         pass
 
+    def _slot(self, request, position: int) -> int:
+        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
     def launch(self, out, previous=None) -> _Pending:
         self.launched += 1
         step = self.launched
+        self.launched_ahead += previous is not None and ("wait", step - 1) not in self.calls
         self.calls.append(("launch", step))
         sampled = []
         for sched in out.scheduled:
-            tokens = sched.request.token_ids[sched.start: sched.start + sched.num_new_tokens]
-            for t in tokens:
-                if t < 0:  # a placeholder: the previous step's row -(t + 1)
-                    assert previous is not None and -(t + 1) < len(previous.sampled)
-                    t = previous.sampled[-(t + 1)]
-                assert t >= 0
+            request = sched.request
+            for p in range(sched.start):  # the context this step attends to
+                assert self.kv.get(self._slot(request, p)) == request.token_ids[p], (request, p)
+            token = None
+            for p in range(sched.start, sched.start + sched.num_new_tokens):
+                token = request.token_ids[p]
+                if token < 0:  # a placeholder: the previous step's row -(token + 1)
+                    assert previous is not None and -(token + 1) < len(previous.sampled)
+                    token = previous.sampled[-(token + 1)]
+                self.kv[self._slot(request, p)] = token
             if sched.samples:
-                position = sched.start + sched.num_new_tokens
-                sampled.append(_token(sched.request.request_id, position))
+                sampled.append(_token(request.request_id, sched.start + sched.num_new_tokens, token))
         pending = _Pending(out, sampled)
         pending.step = step
         return pending
@@ -71,9 +85,9 @@ class ScriptedRunner:
         return self.wait(self.launch(out))
 
 
-def _token(request_id: str, position: int) -> int:
-    """Deterministic per (request, position); EOS now and then so some requests stop early."""
-    h = hash((request_id, position)) % 97
+def _token(request_id: str, position: int, last_input: int) -> int:
+    """Deterministic per (request, position, input token); EOS now and then so some requests stop early."""
+    h = hash((request_id, position, last_input)) % 97
     return EOS if h < 6 else 10 + h
 
 
@@ -123,6 +137,24 @@ def test_async_gives_the_tokens_of_step_by_step(budget):
     assert got == want
     assert any(reason == "stop" for reason in want[1].values())  # EOS / stop tokens were exercised
     assert core.scheduler.block_manager.usage == 0.0 and core.inflight is None
+    assert runner.launched_ahead > runner.launched // 2  # async really ran ahead
+
+
+def test_prefix_cache_serves_a_request_admitted_right_behind_its_twin():
+    # Twins of one prompt, the second added one step later: it is admitted while the first's prompt
+    # step is still in flight, and must find that prompt's blocks in the prefix cache all the same.
+    def run(async_scheduling: bool) -> int:
+        core, _ = _engine(async_scheduling)
+        prompt = list(range(10, 50))
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        core.add_request(EngineCoreRequest("a", prompt, params, [EOS], 0.0))
+        core.step()
+        core.add_request(EngineCoreRequest("b", prompt, params, [EOS], 0.0))
+        while core.has_unfinished_requests():
+            core.step()
+        return core.scheduler.prefix_cache_hits
+
+    assert run(True) == run(False) == 36  # 9 of the 10 blocks: the last prompt token is always computed
 
 
 def test_step_n_plus_1_is_launched_before_step_n_is_read():
@@ -185,6 +217,18 @@ def test_demo_model_same_outputs_both_ways(demo_pair, params):
     prompts = ["Paged attention keeps the cache in blocks", "def add(a, b):", "The", "0 1 2 3"]
     assert _outputs(asynchronous, prompts, params) == _outputs(sync, prompts, params)
     assert asynchronous.llm_engine.stats().kv_cache_usage == 0.0
+
+
+def test_demo_model_n4_children_share_the_parent_prompt_both_ways(demo_pair):
+    prompt = "Paged attention keeps the cache in blocks of tokens, " * 4
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=8, n=4)
+    hits, cached = [], []
+    for llm in demo_pair:
+        before = llm.llm_engine.stats().prefix_cache_hits_total
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        hits.append(llm.llm_engine.stats().prefix_cache_hits_total - before)
+        cached.append(out.num_cached_tokens)
+    assert hits[0] == hits[1] > 0 and cached[0] == cached[1]
 
 
 @pytest.mark.parametrize("flags, want", [
