@@ -86,14 +86,16 @@ def broadcast_object(obj: Any, group: Any) -> Any:
 
 
 def runner_config(config: EngineConfig) -> EngineConfig:
-    """Each rank's ModelRunner config. Tensor-parallel ranks capture decode CUDA graphs with the NCCL
-    all-reduces inside (every rank captures the same sizes in the same order at initialize_cache,
-    and replays the same size each step, since all ranks see the same step); DEEPSERVE_TP_CUDA_GRAPHS=0
-    makes them eager. The graphs must be freed before the process group is destroyed (ModelRunner.
-    release_graphs; bench/RESULTS.md run 12). Pipeline stages always run eager: their point-to-point
-    sends sit between stages, outside any one rank's graph."""
+    """Each rank's ModelRunner config. Tensor-parallel ranks run eager unless DEEPSERVE_TP_CUDA_GRAPHS=1:
+    then the decode CUDA graphs capture the NCCL all-reduces too (every rank captures the same sizes in
+    the same order at initialize_cache, and replays the same size each step, since all ranks see the
+    same step), and each rank frees its graphs before the process group is destroyed (ModelRunner.
+    release_graphs). Still opt-in: on 2 x H200 (bench/RESULTS.md run 12) tiny checkpoints gave the
+    tokens of one GPU with it, but a W1-sized run (R1-Distill-Qwen-7B, 256 sequences, 20 graph sizes)
+    did not finish in 5 minutes, for a reason not yet found. Pipeline stages always run eager: their
+    point-to-point sends sit between stages, outside any one rank's graph."""
     eager = (config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
-             or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "1") == "0")
+             or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "0") != "1")
     return dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=eager))
 
 

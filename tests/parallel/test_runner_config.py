@@ -1,5 +1,5 @@
-"""Which ranks capture decode CUDA graphs: tensor-parallel ranks by default (the all-reduces are
-captured with the rest) unless DEEPSERVE_TP_CUDA_GRAPHS=0; pipeline stages and --enforce-eager never."""
+"""Which ranks capture decode CUDA graphs: tensor-parallel ranks only with DEEPSERVE_TP_CUDA_GRAPHS=1
+(the all-reduces are then captured with the rest); pipeline stages and --enforce-eager never."""
 
 from __future__ import annotations
 
@@ -15,16 +15,20 @@ def _config(**kw):
 
 
 @pytest.mark.parametrize("kw, eager", [
-    ({"tensor_parallel_size": 2}, False),
+    ({"tensor_parallel_size": 2}, False),  # with DEEPSERVE_TP_CUDA_GRAPHS=1 (set below)
     ({"tensor_parallel_size": 2, "enforce_eager": True}, True),
     ({"pipeline_parallel_size": 2}, True),
     ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, True),
 ])
 def test_graphs_under_tensor_parallelism_only(kw, eager, monkeypatch):
-    monkeypatch.delenv("DEEPSERVE_TP_CUDA_GRAPHS", raising=False)
+    monkeypatch.setenv("DEEPSERVE_TP_CUDA_GRAPHS", "1")
     assert runner_config(_config(**kw)).model.enforce_eager is eager
 
 
-def test_tensor_parallel_graphs_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("DEEPSERVE_TP_CUDA_GRAPHS", "0")
+@pytest.mark.parametrize("value", [None, "0"])
+def test_tensor_parallel_ranks_are_eager_by_default(value, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("DEEPSERVE_TP_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("DEEPSERVE_TP_CUDA_GRAPHS", value)
     assert runner_config(_config(tensor_parallel_size=2)).model.enforce_eager is True
