@@ -6,8 +6,8 @@ For a batch of B requests in steady decode (prompt length L, dummy weights) it p
 - the host-side phases inside it (scheduler, input preparation, graph launch, sampling metadata,
   sampler launch, waiting for the sampled tokens, scheduler update, output processing), timed with
   perf_counter around the engine's own functions;
-- wall ms of one step that prefills --prefill-tokens fresh tokens (prompts of 512), and the
-  TFLOP/s that makes in the linear layers;
+- wall ms of one step that prefills --prefill-tokens fresh tokens (prompts of 512), the TFLOP/s
+  that makes in the linear layers, and that step's top kernels;
 - GPU ms of one decode CUDA-graph replay (CUDA events over back-to-back replays), so
   wall - replay = what the GPU spends idle or sampling;
 - the top kernels of one graph replay and of one eager step (torch.profiler), written to $OUT.
@@ -75,21 +75,28 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, temperature: float) ->
         engine.step()
 
 
-def prefill_ms(llm: LLM, total_tokens: int, prompt_len: int) -> float:
-    """Wall ms of one step that prefills total_tokens fresh tokens (total/prompt_len prompts, one
-    output token each, distinct so the prefix cache finds nothing); the first call warms up."""
+def prefill_runner(llm: LLM, total_tokens: int, prompt_len: int):
+    """A function that runs one step prefilling total_tokens fresh tokens (total/prompt_len prompts,
+    one output token each; each call's prompts are new, so the prefix cache finds nothing)."""
     vocab = min(10000, llm.llm_engine.config.model.hf_config.vocab_size)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     n = max(1, total_tokens // prompt_len)
+    calls = iter(range(1, 1 << 30))
 
-    def run(offset: int) -> None:
+    def run() -> None:
+        offset = next(calls)
         prompts = [[(offset * 7919 + i * 104729 + j * 31) % vocab for j in range(prompt_len)] for i in range(n)]
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    run(1)
+    return run
+
+
+def prefill_ms(run) -> float:
+    """Wall ms of one prefill step; the first call warms up."""
+    run()
     sync()
     start = time.perf_counter()
-    run(2)
+    run()
     sync()
     return (time.perf_counter() - start) * 1e3
 
@@ -172,7 +179,11 @@ def main() -> int:
     tag = f"{ns.model}-b{ns.batch}"
     llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
               max_num_seqs=max(ns.batch, 1), skip_tokenizer_init=True)
-    prefill = prefill_ms(llm, ns.prefill_tokens, 512) if ns.prefill_tokens else None
+    prefill, top_prefill = None, []
+    if ns.prefill_tokens:
+        run_prefill = prefill_runner(llm, ns.prefill_tokens, 512)
+        prefill = prefill_ms(run_prefill)
+        top_prefill = kernel_table(run_prefill, 1, f"{ns.out}/{tag}-prefill-kernels.txt")
     prefill_tflops = prefill and linear_flops_per_token(llm) * ns.prefill_tokens / (prefill * 1e-3) / 1e12
     start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
     engine = llm.llm_engine
@@ -216,6 +227,7 @@ def main() -> int:
               "prefill_linear_tflops": prefill_tflops and round(prefill_tflops, 1),
               "host_phases_ms": phases,
               "graph_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_graph[:15]],
+              "prefill_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_prefill[:25]],
               "eager_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_eager[:25]]}
     with open(f"{ns.out}/{tag}-profile.json", "w") as f:
         json.dump(result, f, indent=1)
