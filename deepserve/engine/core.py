@@ -89,6 +89,7 @@ class EngineCore:
         # tensor-parallel workers would need the sampled tokens too).
         self.async_scheduling = config.scheduler.async_scheduling and hasattr(runner, "launch")
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
+        logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
