@@ -184,15 +184,16 @@ class EngineArgs:
     def _async_scheduling(self, device: str) -> bool:
         one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1
         if self.async_scheduling is None:
+            # On where it has been measured: one CUDA GPU. Under tensor parallelism it is opt-in.
             return device == "cuda" and one_process
-        # Asked for where it cannot run: the engine runs steps one at a time (the ranks other than 0
-        # would need each step's sampled tokens); said once in the log, not refused.
-        if self.async_scheduling and not one_process:
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            # Stages run one after another within a step; asked for, it is said once in the log.
             import logging
 
-            logging.getLogger(__name__).info("async scheduling runs in one process only; the "
-                                             "tensor/pipeline-parallel engine schedules step by step")
-        return self.async_scheduling and one_process
+            logging.getLogger(__name__).info("async scheduling is not supported with pipeline parallelism; "
+                                             "the engine schedules step by step")
+            return False
+        return self.async_scheduling
 
     def create_engine_config(self) -> EngineConfig:
         from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len

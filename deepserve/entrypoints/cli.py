@@ -46,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous step's tokens are read, so "
-                        "host work overlaps the GPU (default: on for one CUDA GPU)")
+                        "host work overlaps the GPU (default: on for one CUDA GPU; opt-in under tensor "
+                        "parallelism; not with pipeline parallelism)")
     g.add_argument("--hf-overrides", type=_json_object, default={}, metavar="JSON",
                    help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
 

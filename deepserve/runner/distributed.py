@@ -100,6 +100,13 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_broadcast_from_first(x: torch.Tensor) -> None:
+    """x, in place on every rank of the tensor-parallel group, from the group's first rank."""
+    if get_tp_world_size() > 1:
+        src = dist.get_global_rank(_TP_GROUP, 0) if _TP_GROUP is not None else 0
+        dist.broadcast(x, src=src, group=_TP_GROUP)
+
+
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     world = get_tp_world_size()
     if world == 1:

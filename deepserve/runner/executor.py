@@ -311,3 +311,16 @@ class MultiprocExecutor:
                              "use tensor_parallel_size alone for requests that ask for it")
         self.steps += 1
         return self._run(describe_step(out), f"running step {self.steps}", lambda: self.runner.execute(out))
+
+    def launch(self, out: SchedulerOutput, previous: Any = None) -> Any:
+        """Async scheduling under tensor parallelism (one pipeline stage): every rank runs the step's
+        forward; rank 0 samples and broadcasts the sampled tokens, which the workers keep for the
+        next step's placeholder inputs. Rank 0 returns without waiting for the device."""
+        if self.pipeline:
+            raise RuntimeError("async scheduling is not supported with pipeline_parallel_size > 1")
+        self.steps += 1
+        msg = {**describe_step(out), "share_sampled": True}
+        return self._run(msg, f"running step {self.steps}", lambda: self.runner.launch(out, previous, True))
+
+    def wait(self, pending: Any) -> RunnerOutput:
+        return self.runner.wait(pending)  # rank 0 alone: the tokens were sampled here

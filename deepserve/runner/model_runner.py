@@ -42,8 +42,8 @@ class PendingStep:
 
     out: SchedulerOutput
     sample_indices: list[int]
-    hidden: torch.Tensor | None = None  # eager steps: hidden states, for prompt logprobs
     requests: list[Request] = field(default_factory=list)  # of the sampling rows
+    prompt_logprobs: list = field(default_factory=list)  # ModelRunner._prompt_logprob_tensors
     sampled: torch.Tensor | None = None  # [S] int64 on the device
     _host: list[torch.Tensor | None] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
@@ -81,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
         self.graphs: DecodeGraphs | None = None
+        self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -199,46 +200,58 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def execute_without_sampling(self, out: SchedulerOutput) -> None:
-        """What a tensor-parallel worker runs each step: every collective `execute` runs, in the same
-        order (forward, LM head over the sampling rows, prompt-logprob rows), without the sampler."""
+    def execute_without_sampling(self, out: SchedulerOutput, share_sampled: bool = False) -> None:
+        """What a tensor-parallel worker runs each step: every collective rank 0's `launch` runs, in
+        the same order (forward, LM head over the sampling rows, prompt-logprob rows, and under async
+        scheduling the broadcast of the sampled tokens), without the sampler. Under async scheduling
+        this step's placeholder inputs are the tokens rank 0 broadcast the step before."""
         inputs = prepare_inputs(out, self.block_size, self.device)
+        if inputs.has_placeholders:
+            inputs.input_ids = fill_placeholders(inputs.input_ids, self._shared_sampled)
         _, hidden = self._forward(out, inputs)
         if hidden is not None:
-            self._prompt_logprobs(out, hidden)
+            self._prompt_logprob_tensors(out, hidden)
+        if share_sampled and inputs.sample_indices:
+            self._shared_sampled = torch.empty(len(inputs.sample_indices), dtype=torch.int64, device=self.device)
+            pdist.tp_broadcast_from_first(self._shared_sampled)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.wait(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+    def launch(self, out: SchedulerOutput, previous: PendingStep | None = None,
+               share_sampled: bool = False) -> PendingStep:
         """Queue the step on the device and return without waiting for it. `previous` is the step
         launched before, whose sampled tokens this step's placeholder inputs read on the device
-        (async scheduling, Request.append_placeholder)."""
+        (async scheduling, Request.append_placeholder); `share_sampled` (tensor parallelism) also
+        broadcasts this step's sampled tokens to the other ranks, for their next step's placeholders."""
         inputs = prepare_inputs(out, self.block_size, self.device)
         if inputs.has_placeholders:
             if previous is None or previous.sampled is None:
                 raise RuntimeError("a step reads tokens of a previous step that was not launched with it")
             inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
-        # The hidden states [T, E] are kept (until wait) only when prompt logprobs need them: held
-        # across the next step's launch they would be memory the profile run did not count.
-        pending = PendingStep(out, inputs.sample_indices, hidden if _wants_prompt_logprobs(out) else None)
-        if logits is None:
-            return pending
-        pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in pending.requests],
-            [r.prompt_token_ids for r in pending.requests],
-            [r.output_token_ids for r in pending.requests],
-            [r.eos_token_ids for r in pending.requests],
-            self.vocab_size,
-            self.device,
-        )
-        result = self.sampler(logits.float(), meta)
-        pending.sampled = result.sampled
-        pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
+        pending = PendingStep(out, inputs.sample_indices)
+        if logits is not None:
+            pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
+            meta = SamplingMetadata.build(
+                [r.sampling_params for r in pending.requests],
+                [r.prompt_token_ids for r in pending.requests],
+                [r.output_token_ids for r in pending.requests],
+                [r.eos_token_ids for r in pending.requests],
+                self.vocab_size,
+                self.device,
+            )
+            result = self.sampler(logits.float(), meta)
+            pending.sampled = result.sampled
+            pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
+        # Prompt logprobs are computed here, in the order the workers run their collectives (their
+        # logits are all-gathered), and read on the host in wait.
+        if hidden is not None:
+            pending.prompt_logprobs = self._prompt_logprob_tensors(out, hidden)
+        if share_sampled and pending.sampled is not None:
+            pdist.tp_broadcast_from_first(pending.sampled)
         return pending
 
     @torch.inference_mode()
@@ -255,13 +268,15 @@ class ModelRunner:
                 sampled[i] = tokens[row]
             if host[2] is not None:
                 _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
-        hidden = pending.hidden
-        prompt_logprobs = self._prompt_logprobs(out, hidden) if hidden is not None else {}
+        prompt_logprobs = {request_id: _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
+                           for request_id, k, ids, lps, ranks in pending.prompt_logprobs}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[LogprobEntry]]:
-        """Logprobs of prompt tokens 1..P-1, from the positions this step computed."""
-        result: dict[str, list[LogprobEntry]] = {}
+    def _prompt_logprob_tensors(self, out: SchedulerOutput, hidden: torch.Tensor
+                                ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Logprobs of prompt tokens 1..P-1 from the positions this step computed, on the device:
+        (request id, k, token ids [n, k+1], logprobs [n, k+1], ranks [n]) per request that asked."""
+        result = []
         row_start = 0
         for sched in out.scheduled:
             request, k = sched.request, sched.request.sampling_params.prompt_logprobs
@@ -276,9 +291,9 @@ class ModelRunner:
             if lo >= hi:
                 continue
             rows = hidden[first_row + lo - sched.start : first_row + hi - sched.start]
-            targets = torch.tensor(request.prompt_token_ids[lo + 1 : hi + 1], device=hidden.device)
+            targets = torch.tensor(request.prompt_token_ids[lo + 1 : hi + 1]).to(hidden.device, non_blocking=True)
             ids, lps, ranks = compute_token_logprobs(self.model.compute_logits(rows).float(), targets, k)
-            result[request.request_id] = _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
+            result.append((request.request_id, k, ids, lps, ranks))
         return result
 
 

@@ -116,7 +116,7 @@ def run_command(runner: Any, msg: dict[str, Any], group: Any) -> None:
     elif op == "init_cache":
         runner.initialize_cache(msg["num_blocks"])
     elif op == "step":
-        runner.execute_without_sampling(rebuild_step(msg))
+        runner.execute_without_sampling(rebuild_step(msg), msg.get("share_sampled", False))
     else:
         raise ValueError(f"unknown tensor-parallel command {op!r}")
 

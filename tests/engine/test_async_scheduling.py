@@ -186,12 +186,16 @@ def test_abort_while_a_step_for_the_request_runs():
     assert core.scheduler.block_manager.usage == 0.0
 
 
-def test_async_is_on_by_default_only_for_one_cuda_process():
+def test_async_is_on_by_default_only_for_one_cuda_process_and_never_under_pp():
     cpu = EngineArgs(device="cpu").create_engine_config()
     assert cpu.scheduler.async_scheduling is False
     assert EngineArgs(device="cpu", async_scheduling=True).create_engine_config().scheduler.async_scheduling
+    tp = EngineArgs(device="cpu", tensor_parallel_size=2).create_engine_config()
+    assert tp.scheduler.async_scheduling is False  # opt-in under tensor parallelism
     tp = EngineArgs(device="cpu", async_scheduling=True, tensor_parallel_size=2).create_engine_config()
-    assert tp.scheduler.async_scheduling is False
+    assert tp.scheduler.async_scheduling is True
+    pp = EngineArgs(device="cpu", async_scheduling=True, pipeline_parallel_size=2).create_engine_config()
+    assert pp.scheduler.async_scheduling is False
 
 
 @pytest.fixture(scope="module")
