@@ -46,6 +46,12 @@ def test_llama_tp2_async_matches_one_process(llama_path, budget):
     assert _close(_outputs(llama_path, 2, True, **kwargs), _outputs(llama_path, 1, False, **kwargs))
 
 
+def test_llama_tp2_step_by_step_prompt_logprobs_match_one_process(llama_path):
+    # Prompt logprobs are now computed at launch on rank 0 (before its tokens are read): the
+    # step-by-step TP path must still run its collectives in the workers' order.
+    assert _close(_outputs(llama_path, 2, False), _outputs(llama_path, 1, False))
+
+
 def test_deepseek_v2_tp2_async_matches_one_process(tmp_path, tokenizer):
     path = save_checkpoint(make_hf_model(*VARIANTS["v2-group-limited-qlora-yarn"]), tokenizer, str(tmp_path))
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
