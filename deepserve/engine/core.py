@@ -29,7 +29,9 @@ class Runner(Protocol):
     def determine_num_blocks(self) -> int: ...
     def initialize_cache(self, num_blocks: int) -> None: ...
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
-    # Optional, for async scheduling: launch(out, previous) -> pending; wait(pending) -> RunnerOutput.
+    # Async scheduling: execute split in two, the launch not waiting for the device.
+    def launch(self, out: SchedulerOutput, previous: Any = None) -> Any: ...
+    def wait(self, pending: Any) -> RunnerOutput: ...
 
 
 @dataclass
@@ -85,9 +87,7 @@ class EngineCore:
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, block_manager)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, config.cache.block_size)
-        # Async scheduling needs a runner that can launch a step without waiting for it (one process:
-        # tensor-parallel workers would need the sampled tokens too).
-        self.async_scheduling = config.scheduler.async_scheduling and hasattr(runner, "launch")
+        self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
 
@@ -121,7 +121,9 @@ class EngineCore:
         return self.scheduler.stats()
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.async_scheduling and not self._needs_token_history():
+        # A request whose sampling reads its earlier tokens (penalties) needs them real, not
+        # placeholders: while there is one, steps run one at a time.
+        if self.async_scheduling and not self.scheduler.num_with_penalties:
             return self._step_async()
         outputs = self._finish_inflight()
         if outputs:
@@ -156,11 +158,6 @@ class EngineCore:
         result = self.runner.wait(pending)
         self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
         return _outputs(pending.out, result)
-
-    def _needs_token_history(self) -> bool:
-        """True while a request's sampling reads its earlier output tokens (penalties), which must be
-        real tokens, not placeholders: such steps run one at a time."""
-        return any(r.sampling_params.has_penalties for r in self.scheduler.requests.values())
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

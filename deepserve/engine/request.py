@@ -86,7 +86,7 @@ class Request:
     def check_stop(self, max_model_len: int, index: int | None = None) -> bool:
         """Apply the token-level stop rules to output token `index` (default: the last); True when
         finished. Under async scheduling a placeholder for the next step's token may already follow
-        it; a finished request drops it.
+        it (the scheduler's release of a finished request drops it).
 
         Stop strings need detokenized text and are applied by the output processor."""
         params = self.sampling_params
@@ -101,9 +101,6 @@ class Request:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         if not self.is_finished and (count >= max_tokens or self.num_prompt_tokens + count >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
-        if self.is_finished and count < self.num_output_tokens:
-            del self.output_token_ids[count:]
-            del self.token_ids[self.num_prompt_tokens + count:]
         return self.is_finished
 
     # Async scheduling (EngineCore): a step is scheduled before the previous step's tokens reach the

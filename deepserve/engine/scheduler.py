@@ -39,12 +39,16 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        # Unfinished requests whose sampling reads their earlier tokens (EngineCore steps one at a time
+        # while there are any under async scheduling); kept here so no step has to scan for them.
+        self.num_with_penalties = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_with_penalties += request.sampling_params.has_penalties
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -192,7 +196,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         request.drop_placeholders()
         self.block_manager.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.num_with_penalties -= request.sampling_params.has_penalties
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

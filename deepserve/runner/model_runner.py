@@ -49,7 +49,7 @@ class PendingStep:
     _ready: torch.cuda.Event | None = None
 
     def to_host(self, tensors: list[torch.Tensor | None]) -> None:
-        if self.sampled is None or not self.sampled.is_cuda:
+        if not self.sampled.is_cuda:
             self._host = tensors
             return
         self._host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
