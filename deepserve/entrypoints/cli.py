@@ -76,11 +76,12 @@ def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
 
 
 def _run_worker_node(args: EngineArgs) -> int:
-    from deepserve.runner.worker import run_node
+    from deepserve.runner.worker import leave_now, run_node
 
     config = args.create_engine_config()  # the same checks node 0 makes, before joining
     backend = "nccl" if config.model.device == "cuda" else "gloo"
-    return run_node(config.parallel, backend)
+    leave_now(run_node(config.parallel, backend))  # never returns: no teardown of the process group
+    return 1
 
 
 def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:

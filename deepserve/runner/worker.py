@@ -89,10 +89,11 @@ def runner_config(config: EngineConfig) -> EngineConfig:
     """Each rank's ModelRunner config. Tensor-parallel ranks run eager unless DEEPSERVE_TP_CUDA_GRAPHS=1:
     then the decode CUDA graphs capture the NCCL all-reduces too (every rank captures the same sizes in
     the same order at initialize_cache, and replays the same size each step, since all ranks see the
-    same step), and each rank frees its graphs before the process group is destroyed (ModelRunner.
-    release_graphs). Still opt-in: on 2 x H200 (bench/RESULTS.md run 12) tiny checkpoints gave the
-    tokens of one GPU with it, but a W1-sized run (R1-Distill-Qwen-7B, 256 sequences, 20 graph sizes)
-    did not finish in 5 minutes, for a reason not yet found. Pipeline stages always run eager: their
+    same step); rank 0 frees its graphs before it destroys the process group (ModelRunner.release_graphs)
+    and the other ranks leave without a teardown (`leave_now`). Still opt-in: on 2 x H200 (bench/
+    RESULTS.md run 12) tiny checkpoints gave the tokens of one GPU with it, but a W1-sized run
+    (R1-Distill-Qwen-7B, 256 sequences, 20 graph sizes) did not finish in 5 minutes, for a reason not
+    yet found. Pipeline stages always run eager: their
     point-to-point sends sit between stages, outside any one rank's graph."""
     eager = (config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
              or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "0") != "1")
@@ -138,20 +139,29 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
 
 
 def worker_process(*args: Any) -> None:
-    """Spawn target of a rank on node 0. After a clean stop it leaves at once, without tearing down
-    gloo: that teardown raced rank 0's own once in CI and aborted the worker (SIGABRT), and the
-    operating system closes the sockets anyway."""
-    worker_main(*args, destroy_group=False)
+    """Spawn target of a rank on node 0. After a clean stop it leaves at once (`leave_now`)."""
+    worker_main(*args)
+    leave_now(0)
+
+
+def leave_now(code: int) -> None:
+    """How every rank but 0 ends: flush, then exit without tearing down the process group or the
+    interpreter. A gloo teardown racing rank 0's own aborted ranks in CI (SIGABRT, "terminate called
+    without an active exception": a worker on node 0 once, node 1's first rank later), an NCCL one
+    waits forever while a decode graph holds the group's kernels, and the interpreter's teardown of
+    torch adds about a second; the operating system closes the sockets and frees the GPU anyway."""
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
                 go: Any, stop: Any, progress: Any, heartbeat: Any, addr: str = "127.0.0.1",
-                local_world: int | None = None, multinode: bool = False, destroy_group: bool = True) -> None:
+                local_world: int | None = None, multinode: bool = False) -> None:
     """One rank other than 0. `go` None (multi-node): wait for commands inside the control broadcast
-    and stop on the "stop" command; `progress` / `heartbeat` None: a rank on another node."""
+    and stop on the "stop" command; `progress` / `heartbeat` None: a rank on another node. Returns
+    with its process group still up: the caller leaves at once (`leave_now`)."""
     if heartbeat is not None:
         threading.Thread(target=_beat, args=(heartbeat, rank), daemon=True).start()
     local_world = local_world or world
@@ -182,9 +192,6 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
             run_command(runner, broadcast_object(None, group), group)
             done += 1
             progress[rank] = done
-    if destroy_group:
-        runner.release_graphs()  # graphs holding NCCL kernels would make the teardown wait forever
-        dist.destroy_process_group()
 
 
 def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,
@@ -211,19 +218,16 @@ def _exit_with_parent() -> None:
 
 
 def _remote_rank_process(*args: Any) -> None:
-    """Spawn target of a node's other ranks. It leaves with os._exit, as worker_process does: the
-    interpreter's own teardown of torch added about a second to every clean stop."""
+    """Spawn target of a node's other ranks; it leaves as worker_process does (`leave_now`)."""
     threading.Thread(target=_exit_with_parent, name="deepserve-parent-watch", daemon=True).start()
-    code = _remote_rank(*args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_now(_remote_rank(*args))
 
 
 def run_node(parallel: Any, backend: str, timeout_s: float | None = None) -> int:
     """Node `parallel.node_rank` > 0 of a multi-node engine: run its block of ranks (world / nnodes of
     the tp x pp, `parallel.node_ranks`; the first in this process, the others spawned) until node 0
-    stops; 0 on a clean stop."""
+    stops; 0 on a clean stop. The caller must then leave at once (`leave_now`): this process's group
+    is still up."""
     if timeout_s is None:
         timeout_s = float(os.environ.get("DEEPSERVE_TP_TIMEOUT_S", 300.0))
     world, local = parallel.world_size, parallel.ranks_per_node
