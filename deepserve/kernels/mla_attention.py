@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepserve.kernels.paged_attention import fused_sdpa
 from deepserve.runner.forward_context import AttentionMetadata
 
 
@@ -61,15 +62,16 @@ def mla_prefill_ref(
 ) -> torch.Tensor:  # [T, H, Dv]
     """The expanded form, for sequences with nothing cached before this step: causal attention
     within each sequence's new tokens."""
-    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        # Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3): zero columns appended to
+        # v add zero columns to the output, which are cut off below.
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    out = q.new_empty(*q.shape[:2], dv)
     for b in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         assert meta.seq_lens_cpu[b] == end - start, "the expanded form needs a sequence without cached context"
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-            is_causal=True, scale=scale,
-        )  # [H, n, Dv]
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = fused_sdpa(q[start:end], k[start:end], v[start:end], scale)[..., :dv]
     return out
 
 

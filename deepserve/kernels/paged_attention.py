@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from deepserve.runner.forward_context import AttentionMetadata
 
@@ -31,25 +32,41 @@ def paged_attention_ref(
     seqs: list[int] | None = None,  # which sequences to compute (default: all)
     out: torch.Tensor | None = None,  # [T, H, D]: rows of other sequences are left as they are
 ) -> torch.Tensor:  # [T, H, D]
+    """Per sequence, one SDPA call in the layout its fused (flash) kernels accept (`fused_sdpa`): a
+    sequence with nothing cached attends causally over this step's keys; one with a cached prefix
+    gathers its keys from the cache and attends with the causal mask aligned to the last key."""
     out = torch.empty_like(query) if out is None else out
-    gqa = query.shape[1] != key.shape[1]
+    group = query.shape[1] // key.shape[1]
     for b in range(meta.num_seqs) if seqs is None else seqs:
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         seq_len = meta.seq_lens_cpu[b]
-        num_new = end - start
-        q = query[start:end].transpose(0, 1)  # [H, n, D]
-        if seq_len == num_new:  # nothing cached before: plain causal attention over this step's keys
-            k, v, mask = key[start:end], value[start:end], None
+        if seq_len == end - start:  # nothing cached before: plain causal attention over this step's keys
+            k, v = key[start:end], value[start:end]
         else:
             k, v = _gather(kv_cache, meta.block_tables[b], seq_len, meta.block_size)
-            # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
-            mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
-        )  # [H, n, D]
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = fused_sdpa(query[start:end], k.to(query.dtype), v.to(query.dtype), scale, group)
     return out
+
+
+def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int = 1) -> torch.Tensor:
+    """Causal attention of one sequence's n new queries over its L keys, the last n of which are the
+    queries' own positions (query i sits at position L - n + i and sees keys 0 ..= L - n + i).
+    q [n, H, D], k [L, H / group, D], v [L, H / group, Dv] -> [n, H, Dv].
+
+    SDPA picks a fused kernel only for 4-D inputs; 3-D ones (what this once passed) silently take the
+    math path, which materializes every score. So the inputs go in as [1, heads, tokens, dim]. Flash
+    takes n == L (is_causal, grouped heads native); a cached prefix (n < L) takes the lower-right-aligned
+    causal bias, which SDPA runs on flash too, with the key heads repeated (that path has no grouped form).
+    """
+    n, length = q.shape[0], k.shape[0]
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, tokens, dim]
+    if n == length:
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=group > 1)
+    else:
+        if group > 1:
+            k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(n, length), scale=scale)
+    return o[0].transpose(0, 1)  # [n, H, Dv]
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
