@@ -67,6 +67,22 @@ def test_stop_string_truncates_text_and_frees_the_request(llm):
     assert llm.llm_engine.stats().num_running == 0
 
 
+def test_min_tokens_holds_a_stop_string_back(llm):
+    # As in vLLM: a stop string ends the output only once it has more than min_tokens tokens.
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (full,) = llm.generate([PROMPT], greedy, use_tqdm=False)
+    ids, text = full.outputs[0].token_ids, full.outputs[0].text
+    tok = llm.get_tokenizer()
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    first_end = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+    held = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=len(ids))
+    (out,) = llm.generate([PROMPT], held, use_tqdm=False)
+    assert out.outputs[0].text == text and out.outputs[0].finish_reason == "length"
+    early = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=first_end - 1)
+    (out,) = llm.generate([PROMPT], early, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[: text.index(stop)]
+
+
 def test_stop_token_ids_end_the_completion(llm):
     (full,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     stop_id = full.outputs[0].token_ids[3]

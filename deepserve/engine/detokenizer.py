@@ -9,9 +9,10 @@ next token. This is the scheme vLLM's incremental detokenizer uses; the work per
 decodes of a few tokens, never a decode of the whole output.
 
 Stop strings are searched in the text each update adds, starting far enough back that a stop
-string straddling earlier text is found. Streaming deltas hold back the last
-(longest stop string - 1) characters so a client never sees the start of a stop string that
-later matches and is cut off.
+string straddling earlier text is found; as in vLLM, not before the output has more than
+min_tokens tokens (text completed by the first min_tokens tokens is never searched on its own).
+Streaming deltas hold back the last (longest stop string - 1) characters so a client never sees
+the start of a stop string that later matches and is cut off.
 
 The tokenizer is duck-typed (anything with Hugging Face's `decode`); this module imports neither
 torch nor transformers, like the rest of the engine package.
@@ -45,8 +46,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens seen
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -98,7 +102,11 @@ class IncrementalDetokenizer:
         # character at the batch's end.
         for token_id in new_token_ids:
             self._ids.append(token_id)
-            if text := self._decode_next():
+            self._num_tokens += 1
+            text = self._decode_next()
+            if self._num_tokens <= self.min_tokens:
+                self._add_text(text)  # no stop string may end the output yet
+            elif text:
                 parts.append(text)
         return self._append("".join(parts)) if parts else None
 
@@ -152,12 +160,17 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return new_text
 
+    def _add_text(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self._num_chars += len(text)
+
     def _append(self, text: str) -> str | None:
+        """Add text and search it for a stop string; the one matched, or None."""
         if not text:
             return None
         start = self._num_chars
-        self._pieces.append(text)
-        self._num_chars += len(text)
+        self._add_text(text)
         if not self.stop:
             return None
         # Earlier text held no stop string (else we would have stopped), so a match ends in the

@@ -155,7 +155,7 @@ class OutputProcessor:
         if not p.detokenize or self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, core.prompt_token_ids, p.skip_special_tokens,
-                                      p.stop, p.include_stop_str_in_output)
+                                      p.stop, p.include_stop_str_in_output, p.min_tokens)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; the core ids to abort."""

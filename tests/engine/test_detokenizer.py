@@ -120,6 +120,21 @@ def test_stop_string_starting_in_earlier_updates(tok):
     assert detok.output_text == "the scheduler "
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_min_tokens_holds_stop_strings_back(tok, chunk):
+    # vLLM's rule: a stop string ends the output only once it has more than min_tokens tokens; one
+    # completed by the first min_tokens tokens stays in the text, the next occurrence stops it.
+    ids = tok.encode("go STOP then more STOP tail", add_special_tokens=False)
+    first_stop_end = next(n for n in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:n]))
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"], min_tokens=first_stop_end)
+    results = [detok.update(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    assert [r for r in results if r] == ["STOP"]
+    assert detok.output_text == "go STOP then more "
+    plain = IncrementalDetokenizer(tok, [], stop=["STOP"], min_tokens=first_stop_end - 1)
+    plain.update(ids)
+    assert plain.output_text == "go "  # one token fewer: the first STOP completes after min_tokens
+
+
 def test_include_stop_str_in_output(tok):
     ids = tok.encode("tokens per second</end> trailing", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, [], stop=["</end>"], include_stop_str_in_output=True)
