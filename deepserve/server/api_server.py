@@ -2,8 +2,10 @@
 
 Lifecycle: the port opens at once (/health 200, /ready 503 "loading") while the engine core process
 starts; /ready turns 200 when it is up. SIGTERM (or SIGINT) drains: /ready and new requests answer
-503, in-flight requests run up to --shutdown-timeout, then the server stops and exits 0; a second
-signal stops at once. If the engine process dies, open streams end with an error event, /health
+503, in-flight requests run up to --shutdown-timeout, then the server stops and exits 0. A second
+signal (or the timeout) ends the requests still running at once, each with a 503 "shutting down"
+(an error event on a stream), and the server still shuts the engine down cleanly and exits 0; a third
+signal exits without that. If the engine process dies, open streams end with an error event, /health
 answers 503 and the server exits 1.
 """
 
@@ -103,7 +105,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
         self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets: list | None = None) -> None:
@@ -113,14 +115,24 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: object) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the
         # process would die by the signal instead of exiting 0.
-        if self._draining or self._loop is None:
-            self.stop_now(force=True)
-            return
-        self._draining = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._signals += 1
+        if self._loop is None or self._signals > 2:
+            self.stop_now(force=True)  # uvicorn cancels what still runs
+        elif self._signals == 1:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            self._loop.call_soon_threadsafe(self._end_requests, "a second signal")
 
     def _start_drain(self) -> None:
         self._drain_task = self._loop.create_task(self._drain())  # referenced, so never collected
+
+    def _end_requests(self, why: str) -> None:
+        """End the requests still running (503 each) and stop. Their tasks then finish on their own
+        and the lifespan shutdown stops the engine; a forced exit would cancel both mid-flight."""
+        self.state.draining = True
+        if n := self.state.engine.abort_all(f"{why} ended it"):
+            logger.warning("%s: ended %d unfinished requests", why, n)
+        self.stop_now()
 
     def request_exit(self, code: int) -> None:
         self.exit_code = code
@@ -136,11 +148,10 @@ class DrainingServer(uvicorn.Server):
         timeout = st.settings.shutdown_timeout
         logger.warning("draining: waiting up to %.0fs for %d in-flight requests", timeout, st.in_flight)
         deadline = time.monotonic() + timeout
-        while st.in_flight > 0 and time.monotonic() < deadline:
+        while st.in_flight > 0 and time.monotonic() < deadline and not self.should_exit:
             await asyncio.sleep(0.05)
-        if st.in_flight:
-            logger.warning("shutdown timeout: aborting %d unfinished requests", st.in_flight)
-        self.stop_now()
+        if not self.should_exit:
+            self._end_requests("the shutdown timeout")
 
 
 def uvicorn_config(app: FastAPI, state: ServerState) -> uvicorn.Config:

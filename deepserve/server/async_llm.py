@@ -35,6 +35,10 @@ class RequestFailedError(RuntimeError):
         self.invalid = invalid
 
 
+class ServerStoppingError(RuntimeError):
+    """The server is shutting down and ended this request before it finished (a 503)."""
+
+
 @dataclass
 class _Stream:
     core_ids: list[str]
@@ -117,6 +121,18 @@ class AsyncLLM:
         if self.dead_reason is None:
             self.client.abort(self.output_processor.abort_request(request_id))
         self._forget(request_id)
+
+    def abort_all(self, reason: str) -> int:
+        """End every open request now with ServerStoppingError(reason) and abort it in the engine;
+        how many there were. The streams finish at once, without waiting for the engine."""
+        streams = list(self.streams.items())
+        for request_id, stream in streams:
+            if stream.error is None:
+                stream.error = ServerStoppingError(reason)
+                stream.event.set()
+            if self.dead_reason is None:
+                self.client.abort(self.output_processor.abort_request(request_id))
+        return len(streams)
 
     def _forget(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)

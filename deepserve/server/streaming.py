@@ -16,7 +16,7 @@ from typing import Any
 from deepserve.engine.outputs import RequestOutput
 from deepserve.server import openai_format as f
 from deepserve.server import protocol as p
-from deepserve.server.async_llm import EngineDeadError, RequestFailedError
+from deepserve.server.async_llm import EngineDeadError, RequestFailedError, ServerStoppingError
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import SSE_DONE, sse
 from deepserve.server.serving import Generation, invalid_request
@@ -48,6 +48,10 @@ def _dead(e: EngineDeadError) -> APIError:
     return APIError(503, f"the engine failed while generating: {e}", code="engine_dead")
 
 
+def _stopping(e: ServerStoppingError) -> APIError:
+    return APIError(503, f"the server is shutting down: {e}", code="server_stopping")
+
+
 def _refused(e: RequestFailedError, chat: bool) -> APIError:
     if e.invalid:
         return invalid_request(str(e), chat)
@@ -66,6 +70,8 @@ async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
         raise _dead(e) from None
     except RequestFailedError as e:
         raise _refused(e, chat) from None
+    except ServerStoppingError as e:
+        raise _stopping(e) from None
     top_n = p.num_logprobs(req)
     body = f.envelope("chat.completion" if chat else "text_completion", gen.request_id, gen.model)
     body["choices"] = [_chat_choice(a, top_n, trackers) if chat else _completion_choice(a, top_n) for a in acc]
@@ -118,6 +124,10 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
     except (EngineDeadError, RequestFailedError) as e:
         err = _dead(e) if isinstance(e, EngineDeadError) else _refused(e, chat)
         gen.finish("error", err.status)
+        yield sse(err.body())
+    except ServerStoppingError as e:
+        err = _stopping(e)
+        gen.finish("aborted", err.status)
         yield sse(err.body())
     except Exception as e:  # headers are sent: the error can only travel as an event
         logger.exception("stream %s failed", gen.request_id)

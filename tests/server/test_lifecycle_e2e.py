@@ -8,6 +8,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import threading
 
 import httpx
 import openai
@@ -89,3 +90,53 @@ def test_engine_death_ends_streams_with_error(server_factory):
     health = httpx.get(f"{srv.url}/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "dead"
     assert srv.proc.wait(timeout=30) == 1, srv.tail()
+
+
+def _open_requests(srv, client: httpx.Client):
+    """A stream that has sent its first chunk, and a whole (non-streamed) request running beside it."""
+    stream = client.stream("POST", f"{srv.url}/v1/completions", json=LONG, headers=auth(ADMIN))
+    r = stream.__enter__()
+    lines = r.iter_lines()
+    next(lines)
+    whole: dict = {}
+    body = {**LONG, "stream": False}
+    t = threading.Thread(target=lambda: whole.setdefault(
+        "r", httpx.post(f"{srv.url}/v1/completions", json=body, headers=auth(ADMIN), timeout=60)))
+    t.start()
+    in_flight = lambda: httpx.get(f"{srv.url}/admin/usage", headers=auth(ADMIN), timeout=5).json()["in_flight"]  # noqa: E731
+    assert wait_until(lambda: in_flight() == 2, timeout=20)
+    return stream, lines, whole, t
+
+
+def _assert_ended_cleanly(srv, lines, whole, t, why: str) -> None:
+    rest = [line for line in lines if line]
+    assert rest and '"server_stopping"' in rest[-1] and why in rest[-1], rest[-2:]
+    assert "data: [DONE]" not in rest
+    t.join(30)
+    r = whole["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_stopping", r.text
+    assert srv.proc.wait(timeout=30) == 0, srv.tail()
+    log = srv.tail(100_000)
+    assert "Traceback" not in log and "Application shutdown complete" in log, log[-3000:]
+
+
+def test_second_sigterm_ends_requests_with_503_and_shuts_down_cleanly(server_factory):
+    # First SIGTERM drains (up to 60 s here); the second ends what still runs at once: an error
+    # event on the stream, a 503 for the whole request, then the engine's clean shutdown and exit 0.
+    srv = server_factory(["--shutdown-timeout", "60"])
+    with httpx.Client(timeout=60) as c:
+        stream, lines, whole, t = _open_requests(srv, c)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: "draining" in srv.tail(), timeout=10)
+        srv.proc.send_signal(signal.SIGTERM)
+        _assert_ended_cleanly(srv, lines, whole, t, "a second signal")
+        stream.__exit__(None, None, None)
+
+
+def test_shutdown_timeout_ends_requests_with_503_and_exits_0(server_factory):
+    srv = server_factory(["--shutdown-timeout", "1"])
+    with httpx.Client(timeout=60) as c:
+        stream, lines, whole, t = _open_requests(srv, c)
+        srv.proc.send_signal(signal.SIGTERM)
+        _assert_ended_cleanly(srv, lines, whole, t, "the shutdown timeout")
+        stream.__exit__(None, None, None)
