@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: correctness first, then the timed workloads. Each step logs to $OUT and a
 # failure in one step does not stop the next. Usage: bash bench/h200_run.sh [steps...]
-# steps: env kernels moe moesweep gpucheck gpucheck1 (one GPU only) gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
+# steps: env kernels prefill moe moesweep gpucheck gpucheck1 (one GPU only) gputests w1-qwen w1-llm w2-llm hf-llm w1-v2lite w2-v2lite (default: all but w1-v2lite)
 #        profile:MODEL:BATCH:PROMPT_LEN:TEMPERATURE (bench/profile_step.py)
 #        w1:MODEL:TP[:ep]  w2:MODEL  (W1 / W2 on any preset, TP ranks, ep = --enable-expert-parallel)
 #        w1v3slice:TP[:ep]  (W1 on the first 8 layers of DeepSeek-V3, bf16 dummy weights)
@@ -28,6 +28,7 @@ for s in $steps; do
   case $s in
     env) run env bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; git log --oneline -1 2>/dev/null || true" ;;
     kernels) run kernels python3 bench/check_kernels.py --no-variants ;;
+    prefill) run prefill python3 bench/check_prefill.py ;;
     moe) run moe python3 bench/check_fused_moe.py ;;
     gpucheck) run gpucheck python3 bench/gpu_check.py ;;
     gpucheck1) run gpucheck1 python3 bench/gpu_check.py --no-parallel ;;
