@@ -55,13 +55,16 @@ def mla_attention_ref(
 
 def mla_prefill_ref(
     q: torch.Tensor,  # [T, H, Dk]: q_nope and roped q_pe
-    k: torch.Tensor,  # [T, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
-    v: torch.Tensor,  # [T, H, Dv]: expanded by W_UV
+    k: torch.Tensor,  # [Tk, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
+    v: torch.Tensor,  # [Tk, H, Dv]: expanded by W_UV
     meta: AttentionMetadata,
     scale: float,
+    key_start_loc: list[int] | None = None,
 ) -> torch.Tensor:  # [T, H, Dv]
-    """The expanded form, for sequences with nothing cached before this step: causal attention
-    within each sequence's new tokens."""
+    """The expanded form: per sequence, causal attention of its new tokens over its keys, on SDPA's
+    flash kernel (`fused_sdpa`). key_start_loc None: the keys are this step's own, in the queries' rows
+    (sequences with nothing cached before); otherwise sequence b's seq_lens[b] keys, cached ones first,
+    are rows key_start_loc[b]:key_start_loc[b + 1] of k and v."""
     dv = v.shape[-1]
     if dv < q.shape[-1]:
         # Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3): zero columns appended to
@@ -70,8 +73,13 @@ def mla_prefill_ref(
     out = q.new_empty(*q.shape[:2], dv)
     for b in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        assert meta.seq_lens_cpu[b] == end - start, "the expanded form needs a sequence without cached context"
-        out[start:end] = fused_sdpa(q[start:end], k[start:end], v[start:end], scale)[..., :dv]
+        if key_start_loc is None:
+            assert meta.seq_lens_cpu[b] == end - start, "keys of a sequence with cached context are needed"
+            keys = slice(start, end)
+        else:
+            keys = slice(key_start_loc[b], key_start_loc[b + 1])
+            assert keys.stop - keys.start == meta.seq_lens_cpu[b], "a sequence's keys must cover all its tokens"
+        out[start:end] = fused_sdpa(q[start:end], k[keys], v[keys], scale)[..., :dv]
     return out
 
 

@@ -5,12 +5,16 @@ k_pe (Dr values); this front stores exactly those in the paged cache — (C + Dr
 layer, no head axis — and owns wkv_b = [W_UK; W_UV] per head, which turns c into keys and values.
 
 Two equal ways to attend (DeepSeek-V2 §2.1.3):
-  expanded  k = [W_UK c ; k_pe], v = W_UV c per head, then ordinary causal attention. Cheaper for a
-            prompt with nothing cached (compute-bound, Dk < C + Dr per score).
+  expanded  k = [W_UK c ; k_pe], v = W_UV c per head, then ordinary causal attention. Cheaper when
+            many queries share the keys (compute-bound, Dk 192 < C + Dr 576 per score), and on the
+            GPU it runs on flash attention. Prompts take it: fresh ones over this step's latents, ones
+            with cached context (chunked prefill, prefix-cache hits) over their gathered history.
   absorbed  q·k = (W_UKᵀ q_nope)·c + q_pe·k_pe, so the query is folded into latent space and attends
             straight over the cached entries; W_UV is applied to the attention-weighted latents after.
-            Never expands the cache, so decode and prompts with a cached prefix use it.
-A step may mix both kinds of sequences; they are split and each half takes its form.
+            Never expands the cache, so decode uses it (the Triton kernel on the GPU). It is not used
+            for several new tokens over a cache: its 576-wide heads only fit SDPA's math path, which
+            would hold fp32 scores of every head (gigabytes per layer at long contexts).
+A step may mix the kinds of sequences; they are split and each part takes its form.
 
 Shapes: T new tokens, H heads (this rank), C kv_lora_rank, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
 Dv v_head_dim.
@@ -18,10 +22,12 @@ Dv v_head_dim.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from deepserve.kernels.mla_attention import mla_attention_ref, mla_prefill_ref, store_latent_ref
+from deepserve.kernels.mla_attention import gather_latent, mla_attention_ref, mla_prefill_ref, store_latent_ref
 from deepserve.layers.linear import ColumnParallelLinear
 from deepserve.runner.distributed import get_tp_world_size
 from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
@@ -85,20 +91,25 @@ class MLAAttention(nn.Module):
 
     def _split_forms(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                      meta: AttentionMetadata, seqs: range) -> torch.Tensor:
-        """Fresh prompts take the expanded form, sequences with cached context the absorbed one."""
-        fresh = [b for b in seqs if meta.seq_lens_cpu[b] == _num_new(meta, b)]
-        if len(fresh) == meta.num_seqs:
-            out = self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
-        elif not fresh:
-            out = self._absorbed(q_nope, q_pe, meta)
-        else:
-            out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)
-            cached = sorted(set(range(meta.num_seqs)) - set(fresh))
-            rows, sub = select_sequences(meta, fresh)
-            out[rows] = self._expanded(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
-            rows, sub = select_sequences(meta, cached)
-            out[rows] = self._absorbed(q_nope[rows], q_pe[rows], sub)
+        """Each sequence of `seqs` (all of meta's) in its form (`_form`)."""
+        groups: dict[str, list[int]] = {}
+        for b in seqs:
+            groups.setdefault(_form(meta, b), []).append(b)
+        if len(groups) == 1:
+            return self._attend(next(iter(groups)), q_nope, q_pe, kv_c, k_pe, meta)
+        out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)
+        for form, members in groups.items():
+            rows, sub = select_sequences(meta, members)
+            out[rows] = self._attend(form, q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
         return out  # [T, H, Dv]
+
+    def _attend(self, form: str, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if form == FRESH:
+            return self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
+        if form == OVER_CACHE:
+            return self._expanded_over_cache(q_nope, q_pe, meta)
+        return self._absorbed(q_nope, q_pe, meta)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -112,11 +123,40 @@ class MLAAttention(nn.Module):
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
-        kv = self.wkv_b(kv_c).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)  # [T, H, Dn + Dv]
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [T, H, Dn], [T, H, Dv]
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)  # [T, H, Dn + Dr]
+        k, v = self._expand_kv(kv_c, k_pe)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + Dr]
         return mla_prefill_ref(q, k, v, meta, self.scale)  # [T, H, Dv]
+
+    def _expanded_over_cache(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata
+                             ) -> torch.Tensor:
+        """Several new tokens over a cached prefix: every sequence's whole latent history (this step's
+        entries are already stored) is gathered and expanded by one wkv_b GEMM."""
+        latents = torch.cat([gather_latent(self.kv_cache, meta.block_tables[b], meta.seq_lens_cpu[b], meta.block_size)
+                             for b in range(meta.num_seqs)]).to(q_nope.dtype)  # [sum of seq_lens, C + Dr]
+        kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k, v = self._expand_kv(kv_c, k_pe)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        key_start_loc = list(itertools.accumulate(meta.seq_lens_cpu, initial=0))
+        return mla_prefill_ref(q, k, v, meta, self.scale, key_start_loc)  # [T, H, Dv]
+
+    def _expand_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [N, H, Dn + Dr] and values [N, H, Dv] of N latents kv_c [N, C] and roped k_pe [N, Dr]."""
+        kv = self.wkv_b(kv_c).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)  # [N, H, Dn + Dv]
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [N, H, Dn], [N, H, Dv]
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)  # [N, H, Dn + Dr]
+        return k, v
+
+
+FRESH, OVER_CACHE, DECODE = "fresh", "over cache", "decode"
+
+
+def _form(meta: AttentionMetadata, b: int) -> str:
+    """FRESH: nothing cached before this step; OVER_CACHE: several new tokens after a cached prefix;
+    DECODE: one new token after a cached prefix (the expanded forms on flash, the absorbed one)."""
+    num_new = _num_new(meta, b)
+    if meta.seq_lens_cpu[b] == num_new:
+        return FRESH
+    return DECODE if num_new == 1 else OVER_CACHE
 
 
 def _num_new(meta: AttentionMetadata, b: int) -> int:
@@ -124,7 +164,15 @@ def _num_new(meta: AttentionMetadata, b: int) -> int:
 
 
 def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-    """The token rows of sequences `seqs` and the metadata of just those sequences."""
+    """The token rows of sequences `seqs` and the metadata of just those sequences. Built by the first
+    layer that asks and kept in meta.cache for the others: every layer splits the step the same way."""
+    key = ("select_sequences", tuple(seqs))
+    if key not in meta.cache:
+        meta.cache[key] = _select_sequences(meta, seqs)
+    return meta.cache[key]
+
+
+def _select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
     starts = meta.query_start_loc_cpu
     rows = [t for b in seqs for t in range(starts[b], starts[b + 1])]
     query_start_loc = [0]

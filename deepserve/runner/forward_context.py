@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ class AttentionMetadata:
     decode_seq_idx: torch.Tensor | None = None  # [Bd] int64: which sequences decode
     decode_token_idx: torch.Tensor | None = None  # [Bd] int64: their token rows
     prefill_seqs_cpu: list[int] | None = None  # the other sequences, for the per-sequence path
+    # Derived per-step values that every layer would otherwise rebuild (e.g. mla.select_sequences):
+    # computed by the first layer that needs them, read by the rest. Never part of equality.
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepserve.kernels.mla_attention import gather_latent, store_latent_ref
 from deepserve.layers.mla import MLAAttention
@@ -53,7 +54,19 @@ CASES = {
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_front_matches_dense_expanded_attention(case, block_size):
-    seqs = CASES[case]
+    check_front(CASES[case], block_size)
+
+
+@pytest.mark.parametrize("seqs", [[(9, 4), (16, 16), (0, 5)], [(7, 9)]], ids=["fresh-and-over-cache", "over-cache"])
+def test_prompts_attend_on_flash(seqs):
+    # Prompts, with or without a cached prefix, must reach SDPA's flash kernel: only flash is allowed
+    # here (CPU flash), so a call that would fall back to the math path raises instead. The absorbed
+    # form over a cache (576-wide keys, 512-wide values) cannot; prompts over a cache once took it.
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        check_front(seqs, 4)
+
+
+def check_front(seqs: list[tuple[int, int]], block_size: int) -> None:
     gen = torch.Generator().manual_seed(block_size)
     mla = MLAAttention(H, C, DN, DR, DV, SCALE)
     mla.wkv_b.weight.data = torch.randn(H * (DN + DV), C, generator=gen) * 0.3
