@@ -101,10 +101,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """Splits the input features across ranks and all-reduces the partial outputs."""
+    """Splits the input features across ranks and all-reduces the partial outputs. reduce_results=False
+    (vLLM's name) returns this rank's partial output instead, for a caller that adds other partial
+    sums first and reduces them all at once (bias not allowed then: it must be added once, after)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True
+                 ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a RowParallelLinear with a bias must reduce its results")
+        self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
@@ -118,6 +124,9 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if not self.reduce_results:
+            return out
+        out = tp_all_reduce(out)
         # The bias is added once, after the sum, not once per rank.
         return out + self.bias if self.bias is not None else out

@@ -152,10 +152,10 @@ class MoEGate(nn.Module):
 class MLP(nn.Module):
     """SwiGLU FFN of the dense layers and the shared experts: w2(silu(w1 x) * w3 x), w1 and w3 merged."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True) -> None:
         super().__init__()
         self.w13 = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.w2 = RowParallelLinear(intermediate_size, hidden_size)
+        self.w2 = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,11 +238,16 @@ class RoutedExperts(nn.Module):
         return local, (local >= 0) & (local < self.num_local)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """On CUDA with Triton the fused kernel (no host sync: CUDA-graph safe), elsewhere `forward_batched`."""
+        """The sum over all ranks of `partial`."""
+        return tp_all_reduce(self.partial(x, weights, ids))
+
+    def partial(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, not all-reduced: on CUDA with Triton the fused kernel (no host sync:
+        CUDA-graph safe), elsewhere `partial_batched`."""
         fused = _fused_moe_kernel() if x.is_cuda else None
         if fused is not None:
-            return tp_all_reduce(self.forward_fused(fused, x, weights, ids))
-        return self.forward_batched(x, weights, ids)
+            return self.forward_fused(fused, x, weights, ids)
+        return self.partial_batched(x, weights, ids)
 
     def forward_fused(self, fused: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
@@ -330,9 +335,13 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.gate = MoEGate(hidden_size, cfg)
         self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size, cfg.expert_parallel)
-        self.shared_experts = MLP(hidden_size, intermediate_size * num_shared) if num_shared else None
+        # Unreduced: the routed and shared partial sums are added first and all-reduced once.
+        self.shared_experts = (MLP(hidden_size, intermediate_size * num_shared, reduce_results=False)
+                               if num_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, K] each
-        out = self.experts(x, weights, ids)  # [T, E]
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = self.experts.partial(x, weights, ids)  # [T, E]: this rank's part
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tp_all_reduce(out)  # one all-reduce per MoE layer under tensor parallelism

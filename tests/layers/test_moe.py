@@ -117,6 +117,31 @@ def test_shared_experts_add_to_routed():
     torch.testing.assert_close(moe(x), want)
 
 
+def test_one_all_reduce_per_moe_layer(monkeypatch):
+    # Under tensor parallelism the routed and shared experts' partial sums are added on each rank and
+    # all-reduced once (they were reduced separately: two collectives per MoE layer).
+    import deepserve.layers.linear as linear
+    import deepserve.layers.moe as moe_module
+
+    calls = []
+
+    def counting(x):
+        calls.append(tuple(x.shape))
+        return x
+
+    monkeypatch.setattr(moe_module, "tp_all_reduce", counting)
+    monkeypatch.setattr(linear, "tp_all_reduce", counting)
+    torch.manual_seed(0)
+    moe = DeepseekMoE(16, 8, 2, RoutingConfig(4, 2))
+    for p in moe.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(5, 16)
+    out = moe(x)
+    assert calls == [(5, 16)]
+    weights, ids = moe.gate(x)
+    torch.testing.assert_close(out, moe.experts.partial(x, weights, ids) + moe.shared_experts(x))
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(topk_method="sinkhorn"), "topk_method"),
     (dict(scoring_func="tanh"), "scoring_func"),
