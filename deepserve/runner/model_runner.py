@@ -243,7 +243,7 @@ class ModelRunner:
                 self.vocab_size,
                 self.device,
             )
-            result = self.sampler(logits.float(), meta)
+            result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
             pending.sampled = result.sampled
             pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
         # Prompt logprobs are computed here, in the order the workers run their collectives (their
