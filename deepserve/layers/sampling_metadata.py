@@ -9,7 +9,6 @@ penalties, no argmax when every row samples, no per-row generators without seeds
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 
@@ -52,7 +51,11 @@ class SamplingMetadata:
         eos_token_ids: list[frozenset[int]],
         vocab_size: int,
         device: torch.device,
+        request_ids: list[str] | None = None,
+        history: PenaltyHistory | None = None,
     ) -> SamplingMetadata:
+        """`history` (with the rows' `request_ids`) keeps the penalties' token counts on the device from
+        step to step (the model runner holds one); without it they are built from scratch."""
         greedy = [p.greedy for p in params]
         # Greedy rows ignore temperature and the filters: they get the neutral values.
         rnd = [None if g else p for p, g in zip(params, greedy, strict=True)]
@@ -74,7 +77,9 @@ class SamplingMetadata:
         if max(min_p, default=0.0) > 0.0:
             meta.min_p = _f32(min_p, device)
         if any(p.has_penalties for p in params):
-            meta._set_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device)
+            if history is None or request_ids is None:
+                history, request_ids = PenaltyHistory(vocab_size, device), [str(i) for i in range(len(params))]
+            meta._set_penalties(params, prompt_token_ids, output_token_ids, request_ids, history, device)
         meta.min_tokens_index = _min_tokens_index(params, output_token_ids, eos_token_ids, vocab_size, device)
         for i, (p, out) in enumerate(zip(rnd, output_token_ids, strict=True)):
             if p is not None and p.seed is not None:
@@ -91,33 +96,85 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        vocab_size: int,
+        request_ids: list[str],
+        history: PenaltyHistory,
         device: torch.device,
     ) -> None:
         self.repetition_penalty = _f32([p.repetition_penalty for p in params], device)
         self.frequency_penalty = _f32([p.frequency_penalty for p in params], device)
         self.presence_penalty = _f32([p.presence_penalty for p in params], device)
-        # Rows that would not use a history contribute an empty one, so a long prompt
-        # without repetition_penalty costs nothing to pad and transfer.
-        prompts = [
-            ids if p.repetition_penalty != 1.0 else []
-            for p, ids in zip(params, prompt_token_ids, strict=True)
-        ]
-        outputs = [ids if p.has_penalties else [] for p, ids in zip(params, output_token_ids, strict=True)]
-        self.prompt_mask = token_counts(prompts, vocab_size, device) > 0  # [B, V]
-        self.output_counts = token_counts(outputs, vocab_size, device)  # [B, V]
+        self.prompt_mask, self.output_counts = history.rows(params, request_ids, prompt_token_ids, output_token_ids)
 
 
-def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32 count of each token id in each row, by one scatter_add over all rows' ids."""
-    ids = _to(list(chain.from_iterable(rows)), torch.int64, device)  # [N]
-    lengths = _to([len(r) for r in rows], torch.int64, device)  # [B]
-    # Unpadded: flat position row * V + id, so rows of very different lengths cost only their ids.
-    # output_size keeps repeat_interleave from syncing with the device to learn N.
-    row_of = torch.arange(len(rows), device=device).repeat_interleave(lengths, output_size=ids.numel())
-    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)  # [B * V]
-    counts.scatter_add_(0, row_of * vocab_size + ids, torch.ones(ids.shape, device=device))
-    return counts.view(len(rows), vocab_size)
+class PenaltyHistory:
+    """The token history the penalties read, kept on the device between steps: per request, a row
+    saying which tokens its prompt holds (filled once) and a row counting each token of its output
+    (each step adds only the tokens since its last step). Rebuilding both every step cost the host
+    ~57 ms per step for 256 rows of 2,000 prompt tokens (measured on a 2-core CPU machine).
+
+    Rows live in one [slots, V] buffer each; slot 0 stays zero and serves the rows that need no
+    history (a prompt without repetition_penalty costs nothing). A request absent from a step is
+    forgotten (its slot is reused) and rebuilt from its whole history if it comes back, so what a
+    row holds never depends on what happened to other requests.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.slot_of: dict[str, int] = {}
+        self.counted: dict[str, int] = {}  # output tokens already in the request's counts row
+        self.free: list[int] = []
+        self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)  # [slots, V]
+        self.output_counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)  # [slots, V]
+
+    def rows(self, params: list[SamplingParams], request_ids: list[str], prompt_token_ids: list[list[int]],
+             output_token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's [B, V] prompt mask (bool) and output counts (float32), row by row."""
+        wanted = {rid: p for rid, p in zip(request_ids, params, strict=True) if p.has_penalties}
+        lengths = dict(zip(request_ids, map(len, output_token_ids), strict=True))
+        # Forget the absent, and any whose output shrank (never expected: then rebuild, not guess).
+        for rid in [r for r in self.slot_of if r not in wanted or self.counted[r] > lengths[r]]:
+            self.free.append(self.slot_of.pop(rid))
+            del self.counted[rid]
+        fresh = [rid for rid in wanted if rid not in self.slot_of]
+        self._assign(fresh)
+        mask_pos: list[int] = []  # flat slot * V + token positions to set / to count
+        count_pos: list[int] = []
+        for rid, prompt, output in zip(request_ids, prompt_token_ids, output_token_ids, strict=True):
+            p = wanted.get(rid)
+            if p is None:
+                continue
+            base = self.slot_of[rid] * self.vocab_size
+            if rid in fresh and p.repetition_penalty != 1.0:
+                mask_pos += [base + t for t in prompt]
+            start = self.counted[rid]
+            count_pos += [base + t for t in output[start:]]
+            self.counted[rid] = len(output)
+        if mask_pos:
+            self.prompt_mask.view(-1)[_to(mask_pos, torch.int64, self.device)] = True
+        if count_pos:
+            positions = _to(count_pos, torch.int64, self.device)
+            self.output_counts.view(-1).index_add_(0, positions, torch.ones(len(count_pos), device=self.device))
+        slots = _to([self.slot_of.get(rid, 0) if rid in wanted else 0 for rid in request_ids], torch.int64,
+                    self.device)
+        return self.prompt_mask.index_select(0, slots), self.output_counts.index_select(0, slots)
+
+    def _assign(self, request_ids: list[str]) -> None:
+        """Give each request a zeroed slot, growing the buffers (doubling) when none is free."""
+        short = len(request_ids) - len(self.free)
+        if short > 0:
+            old = self.prompt_mask.shape[0]
+            new = max(old + short, 2 * old)
+            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
+            self.output_counts = torch.cat([self.output_counts,
+                                            self.output_counts.new_zeros(new - old, self.vocab_size)])
+            self.free += range(old, new)
+        taken = [self.free.pop() for _ in request_ids]
+        if taken:
+            index = _to(taken, torch.int64, self.device)
+            self.prompt_mask[index] = False
+            self.output_counts[index] = 0.0
+        for rid, slot in zip(request_ids, taken, strict=True):
+            self.slot_of[rid], self.counted[rid] = slot, 0
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:

@@ -16,6 +16,7 @@ import torch
 from deepserve.config import EngineConfig
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
+from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.model_loader import load_model
 from deepserve.runner import distributed as pdist
 from deepserve.runner.cuda_graph import DecodeGraphs
@@ -79,6 +80,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
+        self.penalty_history = PenaltyHistory(self.vocab_size, self.device)  # penalties' token counts
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
@@ -242,6 +244,8 @@ class ModelRunner:
                 [r.eos_token_ids for r in pending.requests],
                 self.vocab_size,
                 self.device,
+                [r.request_id for r in pending.requests],
+                self.penalty_history,
             )
             result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
             pending.sampled = result.sampled

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from deepserve.layers.sampler import (
     apply_penalties,
     compute_token_logprobs,
 )
-from deepserve.layers.sampling_metadata import token_counts
+from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -151,9 +152,52 @@ def _penalised(params: SamplingParams) -> torch.Tensor:
     return out[0]
 
 
-def test_token_counts_rows_of_different_lengths() -> None:
-    counts = token_counts([[0, 1, 1], [], [2, 2, 2, 0]], 4, CPU)
+def test_penalty_history_rows_of_different_lengths() -> None:
+    pen = SamplingParams(repetition_penalty=1.2)
+    freq = SamplingParams(frequency_penalty=0.5)  # no repetition penalty: its prompt is not needed
+    params = [pen, SamplingParams(), freq]
+    mask, counts = PenaltyHistory(4, CPU).rows(params, ["a", "b", "c"], [[3, 3], [0], [1]],
+                                               [[0, 1, 1], [2], [2, 2, 2, 0]])
     assert counts.tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [1, 0, 3, 0]]
+    assert mask.tolist() == [[False, False, False, True], [False] * 4, [False] * 4]
+
+
+def _history_steps(seed: int, steps: int = 40):
+    """Random steps of a changing batch: requests come, grow their outputs, leave and come back."""
+    rng = random.Random(seed)
+    vocab, outputs, prompts = 7, {}, {}
+    for _ in range(steps):
+        alive = [r for r in outputs if rng.random() < 0.8]
+        alive += [f"r{rng.randrange(12)}" for _ in range(rng.randrange(3))]
+        alive = list(dict.fromkeys(alive))
+        rng.shuffle(alive)
+        for r in alive:
+            prompts.setdefault(r, [rng.randrange(vocab) for _ in range(rng.randrange(5))])
+            outputs.setdefault(r, [])
+            outputs[r] += [rng.randrange(vocab) for _ in range(rng.randrange(1, 3))]
+        params = [SamplingParams(repetition_penalty=1.5 if int(r[1:]) % 3 else 1.0,
+                                 presence_penalty=0.0 if int(r[1:]) % 4 == 1 else 0.3) for r in alive]
+        yield vocab, alive, params, [prompts[r] for r in alive], [list(outputs[r]) for r in alive]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_penalty_history_kept_across_steps_equals_a_fresh_one(seed: int) -> None:
+    # The history the runner keeps (only new tokens counted each step, slots reused) must equal one
+    # built from scratch at every step.
+    kept = None
+    for vocab, ids, params, prompts, outputs in _history_steps(seed):
+        kept = kept or PenaltyHistory(vocab, CPU)
+        got = kept.rows(params, ids, prompts, outputs)
+        want = PenaltyHistory(vocab, CPU).rows(params, ids, prompts, outputs)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert kept.prompt_mask.shape[0] <= 2 * (1 + 12)  # slots are reused (12 ids at most), not one per step
+
+
+def test_penalty_history_rebuilds_a_row_whose_output_shrank() -> None:
+    history, params = PenaltyHistory(5, CPU), [SamplingParams(frequency_penalty=1.0)]
+    history.rows(params, ["a"], [[]], [[1, 1, 2]])
+    _, counts = history.rows(params, ["a"], [[]], [[4]])
+    assert counts.tolist() == [[0, 0, 0, 0, 1]]
 
 
 def test_repetition_penalty_hand_computed() -> None:

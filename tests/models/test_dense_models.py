@@ -124,6 +124,41 @@ def test_greedy_generation_matches_transformers(checkpoint, setting):
     assert llm.llm_engine.core.async_scheduling == setting.startswith("async")
 
 
+def hf_greedy_with_repetition_penalty(hf_model, ids: list[int], n: int, penalty: float
+                                      ) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding through transformers' own RepetitionPenaltyLogitsProcessor (prompt and output)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    processor, seq, all_logits = RepetitionPenaltyLogitsProcessor(penalty), list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = processor(torch.tensor([seq]), hf_model(torch.tensor([seq])).logits[:, -1])[0]
+            all_logits.append(logits)
+            seq.append(int(logits.argmax()))
+    return seq[len(ids):], all_logits
+
+
+@pytest.mark.parametrize("setting", ["default", "forced-preemption"])
+def test_repetition_penalty_matches_transformers(checkpoint, setting):
+    # Penalized rows beside an unpenalized one, over many steps: the penalty history the runner keeps
+    # on the device (new tokens counted each step; rebuilt after a preemption) against transformers.
+    path, hf_model = checkpoint
+    max_tokens = 10  # the preemption setting's context is 48 tokens; the longest prompt 37
+    llm = LLM(path, dtype="float32", device="cpu", **{"num_gpu_blocks_override": 64, **ENGINE_SETTINGS[setting]})
+    penalized = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.8)
+    plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = [penalized, plain, penalized, penalized]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for ids, p, out in zip(PROMPTS, params, outputs, strict=True):
+        if p is plain:
+            want, want_logits = hf_greedy(hf_model, ids, max_tokens)
+        else:
+            want, want_logits = hf_greedy_with_repetition_penalty(hf_model, ids, max_tokens, 1.8)
+        assert_same_greedy(out.outputs[0].token_ids, want, want_logits)
+    if setting == "forced-preemption":
+        assert llm.llm_engine.stats().num_preemptions_total > 0
+
+
 def test_logprobs_and_prompt_logprobs_match_transformers(checkpoint):
     path, hf_model = checkpoint
     llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=16)
