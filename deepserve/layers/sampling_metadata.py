@@ -146,9 +146,11 @@ class PenaltyHistory:
             base = self.slot_of[rid] * self.vocab_size
             if rid in fresh and p.repetition_penalty != 1.0:
                 mask_pos += [base + t for t in prompt]
-            start = self.counted[rid]
-            count_pos += [base + t for t in output[start:]]
-            self.counted[rid] = len(output)
+            start, end = self.counted[rid], len(output)
+            while end > start and output[end - 1] < 0:  # a placeholder (async scheduling) is counted once known
+                end -= 1
+            count_pos += [base + t for t in output[start:end]]
+            self.counted[rid] = end
         if mask_pos:
             self.prompt_mask.view(-1)[_to(mask_pos, torch.int64, self.device)] = True
         if count_pos:

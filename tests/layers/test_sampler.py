@@ -193,6 +193,15 @@ def test_penalty_history_kept_across_steps_equals_a_fresh_one(seed: int) -> None
     assert kept.prompt_mask.shape[0] <= 2 * (1 + 12)  # slots are reused (12 ids at most), not one per step
 
 
+def test_penalty_history_counts_a_placeholder_once_its_token_is_known() -> None:
+    # Under async scheduling an output may end in placeholders (-(row + 1)) of tokens still in flight.
+    history, params = PenaltyHistory(5, CPU), [SamplingParams(frequency_penalty=1.0)]
+    _, counts = history.rows(params, ["a"], [[]], [[1, -1]])
+    assert counts.tolist() == [[0, 1, 0, 0, 0]]
+    _, counts = history.rows(params, ["a"], [[]], [[1, 3, -1]])
+    assert counts.tolist() == [[0, 1, 0, 1, 0]]
+
+
 def test_penalty_history_rebuilds_a_row_whose_output_shrank() -> None:
     history, params = PenaltyHistory(5, CPU), [SamplingParams(frequency_penalty=1.0)]
     history.rows(params, ["a"], [[]], [[1, 1, 2]])
