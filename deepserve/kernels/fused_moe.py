@@ -16,8 +16,13 @@ then the I up (w3) rows; w2 [E, H, I]. Every expert's last dimension is contiguo
    to y [T*K, H] at the assignment's row.
 4. out = y.view(T, K, H).sum(1): a fixed-order reduction, so the result is deterministic (no atomics).
 
+Expert parallelism: an id equal to E (one past this rank's last expert) marks an assignment to an expert
+on another rank. `moe_align` leaves it out, so no GEMM touches it, and its y row stays zero (`skips=True`
+zero-fills y). Routing another rank's assignments to a real expert with weight 0 instead would make that
+expert compute all of them; selecting only this rank's assignments would need their count on the host.
+
 Every assignment appears exactly once in the sorted order and each program writes all its valid rows, so
-act and y are torch.empty: sentinel rows are masked and never stored.
+act and y are torch.empty (y zeroed with skips): sentinel rows are masked and never stored.
 
 Shapes: T tokens, H hidden size, E experts (this rank's copy), I intermediate size (this rank's share),
 K experts per token, N = T*K assignments, P padded assignment count (a multiple of block_m).
@@ -74,14 +79,15 @@ def padded_size(num_assignments: int, num_experts: int, block_m: int) -> int:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, K] (ids in [0, num_experts), unchecked: checking would sync) ->
+    """topk_ids [T, K] (ids in [0, num_experts], num_experts = skip; unchecked: checking would sync) ->
     sorted_token_ids [P] int32: assignment ids grouped by expert (ascending expert, ascending id inside
         one), each expert's run padded with the sentinel T*K to a multiple of block_m; the tail past the
         real total is sentinel too;
     expert_ids [P / block_m] int32: the expert of each block, -1 for blocks past the real total;
     num_padded [1] int32: the real padded total (a multiple of block_m), on the device.
     Up to ALIGN_KERNEL_MAX assignments (decode) one Triton program does it all: one launch instead of
-    about twenty small torch ops, which would cost more than the experts' weight stream at T = 1."""
+    about twenty small torch ops, which would cost more than the experts' weight stream at T = 1.
+    Skipped assignments (id num_experts) appear nowhere in sorted_token_ids."""
     n = topk_ids.numel()
     size = padded_size(n, num_experts, block_m)
     if n > ALIGN_KERNEL_MAX:
@@ -93,7 +99,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     _moe_align_kernel[(1,)](
-        ids, sorted_ids, expert_ids, num_padded, n, size,
+        ids, sorted_ids, expert_ids, num_padded, n, size, num_experts,
         BLOCK_N=block_n, BLOCK_E=max(triton.next_power_of_2(num_experts), 16), BLOCK_M=block_m,
         # Loop trip counts are constexpr bounds for any N of this power-of-two bucket, not functions of
         # the runtime size: one compile per bucket (and Triton 3.6's interpreter cannot range over a
@@ -108,7 +114,7 @@ ALIGN_KERNEL_MAX = 4096  # one program sorts at most this many assignments in re
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assign, size,
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assign, size, num_experts,
                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                       SLOT_TILES: tl.constexpr, BLOCK_TILES: tl.constexpr):
     # One program; phases that write a slot another thread wrote or reads are separated by barriers
@@ -119,8 +125,8 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n
         tl.store(sorted_ids_ptr + tile * BLOCK_N + offs, num_assign, mask=tile * BLOCK_N + offs < size)
     for tile in range(BLOCK_TILES):  # BLOCK_TILES * BLOCK_N >= num_blocks
         tl.store(expert_ids_ptr + tile * BLOCK_N + offs, -1, mask=tile * BLOCK_N + offs < num_blocks)
-    valid = offs < num_assign
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)  # [BLOCK_N]
+    ids = tl.load(ids_ptr + offs, mask=offs < num_assign, other=0).to(tl.int32)  # [BLOCK_N]
+    valid = (offs < num_assign) & (ids < num_experts)  # id num_experts: another rank's expert, skipped
     counts = tl.histogram(ids, BLOCK_E, mask=valid)  # [BLOCK_E]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_start = tl.cumsum(padded, 0) - padded  # [BLOCK_E]
@@ -135,7 +141,8 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, n
     keys = tl.sort(tl.where(valid, ids * BLOCK_N + offs, BLOCK_E * BLOCK_N))  # [BLOCK_N], invalid last
     expert = tl.minimum(keys // BLOCK_N, BLOCK_E - 1)
     first = tl.gather(tl.cumsum(counts, 0) - counts, expert, 0)  # [BLOCK_N]
-    tl.store(sorted_ids_ptr + tl.gather(padded_start, expert, 0) + offs - first, keys % BLOCK_N, mask=valid)
+    kept = keys < BLOCK_E * BLOCK_N  # in sorted order: the valid keys come first
+    tl.store(sorted_ids_ptr + tl.gather(padded_start, expert, 0) + offs - first, keys % BLOCK_N, mask=kept)
     tl.debug_barrier()
     carry = -1
     for tile in range(BLOCK_TILES):
@@ -154,25 +161,29 @@ def _max_combine(a, b):
 def _moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, size: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # moe_align's contract from device-side torch ops, for prefill sizes (no bincount: on CUDA it reads
-    # the max id on the host).
+    # the max id on the host). Skipped assignments count as a last expert E whose run is not padded and
+    # whose slots all go to one spare position past the end, cut off.
     flat = topk_ids.flatten().long()  # [N]
     n, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]: integer adds, so order-independent
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = padded.cumsum(0)  # [E]: one past each expert's padded run
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]: integer adds, so order-independent
+    padded = (counts + block_m - 1) // block_m * block_m  # [E + 1]
+    padded[num_experts] = 0
+    padded_end = padded.cumsum(0)  # [E + 1]: one past each expert's padded run
     order = flat.argsort(stable=True)  # [N]: assignment ids by expert
     sorted_expert = flat[order]  # [N]
-    first = counts.cumsum(0) - counts  # [E]: each expert's first position in `order`
+    first = counts.cumsum(0) - counts  # [E + 1]: each expert's first position in `order`
     rank = torch.arange(n, device=device) - first[sorted_expert]  # [N]: position inside the expert's run
     dest = (padded_end - padded)[sorted_expert] + rank  # [N]: slot in the padded order
-    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=device)
+    dest = torch.where(sorted_expert < num_experts, dest, size)
+    sorted_ids = torch.full((size + 1,), n, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, size, block_m, device=device)  # [P / block_m]
     # The run holding a block start is the first expert whose end lies beyond it; empty runs never match.
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True)  # [P / block_m], E past the end
+    ends = padded_end[:num_experts]  # [E]
+    expert_ids = torch.searchsorted(ends, block_start, right=True)  # [P / block_m], E past the end
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+    return sorted_ids[:size], expert_ids, ends[-1:].to(torch.int32)
 
 
 @triton.jit
@@ -318,9 +329,10 @@ def _workspace(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoEConfig | None = None, skips: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights [T, K] float32,
     topk_ids [T, K] -> [T, H] in x's dtype: the routed experts' weighted sum (module docstring).
+    skips: topk_ids may hold E, an assignment to leave out (expert parallelism: another rank's expert).
     fp32 accumulation; no host sync (CUDA-graph safe); deterministic."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
@@ -330,17 +342,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     align = moe_align(topk_ids, e, cfg.block_m)
     act = _workspace(t * k, two_i // 2, x)  # [N, I]
     _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg)
-    y = _workspace(t * k, h, x)  # [N, H], routing weight applied
+    y = torch.zeros(t * k, h, dtype=x.dtype, device=x.device) if skips else _workspace(t * k, h, x)  # [N, H]
     _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg)
     return y.view(t, k, h).sum(dim=1) if k > 1 else y  # fixed-order sum over the K slots
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """What fused_moe must equal: expert by expert, in fp32, cast to x's dtype at the end."""
+                  topk_ids: torch.Tensor, skips: bool = False) -> torch.Tensor:
+    """What fused_moe must equal: expert by expert, in fp32, cast to x's dtype at the end; ids past the
+    last expert (skips) contribute nothing."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-    for e in topk_ids.unique().tolist():
+    for e in [e for e in topk_ids.unique().tolist() if e < w13.shape[0]]:
         rows, slots = (topk_ids == e).nonzero(as_tuple=True)  # [n] each
         xe, w13e = x[rows].float(), w13[e].float()  # [n, H], [2I, H]
         act = torch.nn.functional.silu(xe @ w13e[:inter].T) * (xe @ w13e[inter:].T)  # [n, I]

@@ -255,20 +255,10 @@ class RoutedExperts(nn.Module):
         # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
         if not self.expert_parallel:
             return fused(x, self.w13, self.w2, weights, ids)
+        # Other ranks' assignments get the id num_local, which the kernel skips: no host sync (CUDA
+        # graphs, and eager ranks queue ahead of the GPU) and no expert computes them.
         local, mine = self.local_ids(ids)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # No host sync while capturing: others' assignments go to local expert 0 with weight 0.
-            return fused(x, self.w13, self.w2, torch.where(mine, weights, 0.0), torch.where(mine, local, 0))
-        # Eager (tensor-parallel ranks always run eager): only this rank's assignments, one per row (K = 1).
-        num_tokens, k = ids.shape
-        picked = mine.flatten().nonzero().squeeze(1)  # [N]: flat (token, slot) indices of my assignments
-        if picked.numel() == 0:
-            return torch.zeros_like(x)
-        y = fused(x[picked // k], self.w13, self.w2, weights.flatten()[picked, None],
-                  local.flatten()[picked, None])  # [N, E]
-        out = torch.zeros(num_tokens * k, x.shape[-1], dtype=y.dtype, device=x.device)  # [T*K, E]
-        out[picked] = y
-        return out.view(num_tokens, k, -1).sum(1)  # a fixed-order sum over the slots, as the kernel does
+        return fused(x, self.w13, self.w2, weights, torch.where(mine, local, self.num_local), skips=True)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""

@@ -141,14 +141,16 @@ def test_fused_moe_rejects_bad_inputs(bad, message):
 
 def check_alignment(ids: torch.Tensor, experts: int, block_m: int,
                     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    # ids equal to `experts` are skipped assignments (another rank's expert): they must appear nowhere.
     sorted_ids, expert_ids, num_padded = (t.cpu() for t in align)
     flat, n = ids.flatten().cpu(), ids.numel()
-    counts = torch.bincount(flat, minlength=experts)
+    kept = torch.arange(n, dtype=torch.int32)[flat < experts]
+    counts = torch.bincount(flat[flat < experts], minlength=experts)
     total = int(((counts + block_m - 1) // block_m * block_m).sum())
     assert sorted_ids.numel() == fm.padded_size(n, experts, block_m) and sorted_ids.numel() % block_m == 0
     assert expert_ids.numel() == sorted_ids.numel() // block_m and int(num_padded) == total
     real = sorted_ids[:total]
-    assert torch.equal(real[real < n].sort().values, torch.arange(n, dtype=torch.int32)), "each assignment once"
+    assert torch.equal(real[real < n].sort().values, kept), "each kept assignment once, no skipped one"
     assert (sorted_ids[total:] == n).all() and (expert_ids[total // block_m:] == -1).all(), "sentinel tail"
     for b, block in enumerate(real.view(-1, block_m)):
         valid = block < n
@@ -171,6 +173,38 @@ def test_moe_align_invariants(tokens, experts, k, block_m, path):
     else:
         align = fm._moe_align_torch(ids, experts, block_m, fm.padded_size(ids.numel(), experts, block_m))
     check_alignment(ids, experts, block_m, align)
+
+
+def skip_others(ids: torch.Tensor, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """About half the assignments marked as another rank's (id = experts), as expert parallelism does."""
+    others = torch.rand(ids.shape, generator=gen) < 0.5
+    return torch.where(others.to(ids.device), experts, ids)
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 4, 2, 16), (5, 8, 3, 4), (37, 16, 2, 16), (200, 64, 6, 32)])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_moe_align_leaves_skipped_assignments_out(tokens, experts, k, block_m, path):
+    gen = torch.Generator().manual_seed(tokens)
+    _, ids = routing(tokens, experts, k, gen)
+    ids = skip_others(ids, experts, gen)
+    ids[0, 0] = experts  # at least one skip; all of them in another case below
+    for case in (ids, torch.full_like(ids, experts)):
+        if path == "kernel":
+            align = fm.moe_align(case, experts, block_m)
+        else:
+            align = fm._moe_align_torch(case, experts, block_m, fm.padded_size(case.numel(), experts, block_m))
+        check_alignment(case, experts, block_m, align)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 300])
+def test_fused_moe_skips_other_ranks_assignments(tokens):
+    x, w13, w2, weights, ids = make_case(tokens, 16, 4, 48, 32, torch.float32, seed=tokens)
+    ids = skip_others(ids, 16, torch.Generator().manual_seed(1))
+    out = fm.fused_moe(x, w13, w2, weights, ids, skips=True)
+    # The same sum with the skipped assignments' weights zeroed and sent to a real expert.
+    zeroed = fm.fused_moe_ref(x, w13, w2, torch.where(ids < 16, weights, 0.0), torch.where(ids < 16, ids, 0))
+    assert rel_err(out, zeroed) < TOLERANCE[torch.float32]
+    assert rel_err(out, fm.fused_moe_ref(x, w13, w2, weights, ids)) < TOLERANCE[torch.float32]
 
 
 def test_moe_align_paths_agree():

@@ -115,9 +115,10 @@ def test_ep_partials_sum_to_unsharded(per_expert):
     assert partials[1][0].abs().max() == 0  # rank 1 holds none of token 0's experts
     torch.testing.assert_close(partials[0] + partials[1], expected)
     # the fused path's bookkeeping (local ids, only this rank's assignments), with the kernel's reference
-    def kernel(*args):  # the real kernel's input checks (shapes, contiguity, dtypes), then its reference
+    def kernel(*args, **kwargs):  # the real kernel's input checks (shapes, contiguity, dtypes), then its reference
         _check_inputs(*args)
-        return fused_moe_ref(*args)
+        assert kwargs == {"skips": True}  # other ranks' assignments carry the skip id, not weight 0
+        return fused_moe_ref(*args, **kwargs)
 
     fused = [m.forward_fused(kernel, x, weights, ids) for m in shards]
     torch.testing.assert_close(fused[0] + fused[1], expected)
