@@ -55,32 +55,30 @@ def mla_attention_ref(
 
 def mla_prefill_ref(
     q: torch.Tensor,  # [T, H, Dk]: q_nope and roped q_pe
-    k: torch.Tensor,  # [Tk, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
-    v: torch.Tensor,  # [Tk, H, Dv]: expanded by W_UV
+    k: torch.Tensor,  # [T, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
+    v: torch.Tensor,  # [T, H, Dv]: expanded by W_UV
     meta: AttentionMetadata,
     scale: float,
-    key_start_loc: list[int] | None = None,
 ) -> torch.Tensor:  # [T, H, Dv]
-    """The expanded form: per sequence, causal attention of its new tokens over its keys, on SDPA's
-    flash kernel (`fused_sdpa`). key_start_loc None: the keys are this step's own, in the queries' rows
-    (sequences with nothing cached before); otherwise sequence b's seq_lens[b] keys, cached ones first,
-    are rows key_start_loc[b]:key_start_loc[b + 1] of k and v."""
-    dv = v.shape[-1]
-    if dv < q.shape[-1]:
-        # Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3): zero columns appended to
-        # v add zero columns to the output, which are cut off below.
-        v = F.pad(v, (0, q.shape[-1] - dv))
-    out = q.new_empty(*q.shape[:2], dv)
+    """The expanded form for sequences with nothing cached before this step: causal attention within
+    each sequence's new tokens (`mla_sequence_attention`)."""
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
     for b in range(meta.num_seqs):
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        if key_start_loc is None:
-            assert meta.seq_lens_cpu[b] == end - start, "keys of a sequence with cached context are needed"
-            keys = slice(start, end)
-        else:
-            keys = slice(key_start_loc[b], key_start_loc[b + 1])
-            assert keys.stop - keys.start == meta.seq_lens_cpu[b], "a sequence's keys must cover all its tokens"
-        out[start:end] = fused_sdpa(q[start:end], k[keys], v[keys], scale)[..., :dv]
+        assert meta.seq_lens_cpu[b] == end - start, "the expanded form here needs a sequence without cached context"
+        out[start:end] = mla_sequence_attention(q[start:end], k[start:end], v[start:end], scale)
     return out
+
+
+def mla_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The expanded form for one sequence: its n new queries q [n, H, Dk] over its L keys k [L, H, Dk]
+    and values v [L, H, Dv], the last n keys being the queries' own -> [n, H, Dv], on SDPA's flash
+    kernel (`fused_sdpa`). Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3): zero
+    columns appended to v add zero columns to the output, which are cut off."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    return fused_sdpa(q, k, v, scale)[..., :dv]
 
 
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:

@@ -7,13 +7,15 @@ layer, no head axis — and owns wkv_b = [W_UK; W_UV] per head, which turns c in
 Two equal ways to attend (DeepSeek-V2 §2.1.3):
   expanded  k = [W_UK c ; k_pe], v = W_UV c per head, then ordinary causal attention. Cheaper when
             many queries share the keys (compute-bound, Dk 192 < C + Dr 576 per score), and on the
-            GPU it runs on flash attention. Prompts take it: fresh ones over this step's latents, ones
-            with cached context (chunked prefill, prefix-cache hits) over their gathered history.
+            GPU it runs on flash attention. Fresh prompts take it over this step's latents, and prompt
+            chunks of at least EXPAND_MIN_NEW_TOKENS over a cache (chunked prefill) over their gathered
+            history, one sequence at a time (transient memory: one history, ~1.3 KB per token and head).
   absorbed  q·k = (W_UKᵀ q_nope)·c + q_pe·k_pe, so the query is folded into latent space and attends
             straight over the cached entries; W_UV is applied to the attention-weighted latents after.
-            Never expands the cache, so decode uses it (the Triton kernel on the GPU). It is not used
-            for several new tokens over a cache: its 576-wide heads only fit SDPA's math path, which
-            would hold fp32 scores of every head (gigabytes per layer at long contexts).
+            Never expands the cache, so decode uses it (the Triton kernel on the GPU), and so do fewer
+            new tokens over a cache (prefix-cache hits with a short suffix): expanding costs ~120
+            queries' worth of absorbed attention per history token. Its 576-wide heads fit only SDPA's
+            math path (fp32 scores [H, n, L]), which is why many new tokens do not take it.
 A step may mix the kinds of sequences; they are split and each part takes its form.
 
 Shapes: T new tokens, H heads (this rank), C kv_lora_rank, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
@@ -22,12 +24,16 @@ Dv v_head_dim.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import nn
 
-from deepserve.kernels.mla_attention import gather_latent, mla_attention_ref, mla_prefill_ref, store_latent_ref
+from deepserve.kernels.mla_attention import (
+    gather_latent,
+    mla_attention_ref,
+    mla_prefill_ref,
+    mla_sequence_attention,
+    store_latent_ref,
+)
 from deepserve.layers.linear import ColumnParallelLinear
 from deepserve.runner.distributed import get_tp_world_size
 from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
@@ -109,7 +115,7 @@ class MLAAttention(nn.Module):
             return self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
         if form == OVER_CACHE:
             return self._expanded_over_cache(q_nope, q_pe, meta)
-        return self._absorbed(q_nope, q_pe, meta)
+        return self._absorbed(q_nope, q_pe, meta)  # ABSORBED
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -129,15 +135,19 @@ class MLAAttention(nn.Module):
 
     def _expanded_over_cache(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata
                              ) -> torch.Tensor:
-        """Several new tokens over a cached prefix: every sequence's whole latent history (this step's
-        entries are already stored) is gathered and expanded by one wkv_b GEMM."""
-        latents = torch.cat([gather_latent(self.kv_cache, meta.block_tables[b], meta.seq_lens_cpu[b], meta.block_size)
-                             for b in range(meta.num_seqs)]).to(q_nope.dtype)  # [sum of seq_lens, C + Dr]
-        kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k, v = self._expand_kv(kv_c, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        key_start_loc = list(itertools.accumulate(meta.seq_lens_cpu, initial=0))
-        return mla_prefill_ref(q, k, v, meta, self.scale, key_start_loc)  # [T, H, Dv]
+        """Prompt chunks over a cached prefix: each sequence's whole latent history (this step's entries
+        are already stored) is gathered and expanded, one sequence at a time so the transient memory is
+        one history's, not the step's."""
+        out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)  # [T, H, Dv]
+        for b in range(meta.num_seqs):
+            start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+            seq_len = meta.seq_lens_cpu[b]
+            latents = gather_latent(self.kv_cache, meta.block_tables[b], seq_len, meta.block_size).to(q_nope.dtype)
+            kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [L, C], [L, Dr]
+            k, v = self._expand_kv(kv_c, k_pe)
+            q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)  # [n, H, Dn + Dr]
+            out[start:end] = mla_sequence_attention(q, k, v, self.scale)
+        return out
 
     def _expand_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [N, H, Dn + Dr] and values [N, H, Dv] of N latents kv_c [N, C] and roped k_pe [N, Dr]."""
@@ -147,16 +157,21 @@ class MLAAttention(nn.Module):
         return k, v
 
 
-FRESH, OVER_CACHE, DECODE = "fresh", "over cache", "decode"
+FRESH, OVER_CACHE, ABSORBED = "fresh", "over cache", "absorbed"
+# New tokens over a cache from which the expanded form pays: per history token it costs one wkv_b row
+# (2 C H (Dn + Dv) FLOPs), as much as ~120 queries of absorbed attention (2 H (2 C + Dr) FLOPs each).
+EXPAND_MIN_NEW_TOKENS = 128
 
 
 def _form(meta: AttentionMetadata, b: int) -> str:
-    """FRESH: nothing cached before this step; OVER_CACHE: several new tokens after a cached prefix;
-    DECODE: one new token after a cached prefix (the expanded forms on flash, the absorbed one)."""
+    """FRESH: nothing cached before this step (expanded, this step's latents); OVER_CACHE: at least
+    EXPAND_MIN_NEW_TOKENS after a cached prefix (expanded, gathered history); ABSORBED: fewer new tokens
+    after a cached prefix (decode, short suffixes)."""
     num_new = _num_new(meta, b)
     if meta.seq_lens_cpu[b] == num_new:
         return FRESH
-    return DECODE if num_new == 1 else OVER_CACHE
+    return OVER_CACHE if num_new >= EXPAND_MIN_NEW_TOKENS else ABSORBED
+
 
 
 def _num_new(meta: AttentionMetadata, b: int) -> int:

@@ -1,5 +1,6 @@
 """The latent MLA front against a dense, fully expanded reference written out here: fresh prompts
-(expanded form), continuations over a paged cache (absorbed form), both in one step, decode."""
+(expanded form), continuations over a paged cache (absorbed form below EXPAND_MIN_NEW_TOKENS new
+tokens, expanded over the gathered history from it), both in one step, decode."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import deepserve.layers.mla as mla_module
 from deepserve.kernels.mla_attention import gather_latent, store_latent_ref
 from deepserve.layers.mla import MLAAttention
 from deepserve.runner.forward_context import AttentionMetadata, forward_context
@@ -51,19 +53,30 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("expand_from", [mla_module.EXPAND_MIN_NEW_TOKENS, 2], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_front_matches_dense_expanded_attention(case, block_size):
+def test_front_matches_dense_expanded_attention(case, block_size, expand_from, monkeypatch):
+    # Several new tokens over a cache take the absorbed form below EXPAND_MIN_NEW_TOKENS, the expanded
+    # form over the gathered history from it: both must equal dense attention.
+    monkeypatch.setattr(mla_module, "EXPAND_MIN_NEW_TOKENS", expand_from)
     check_front(CASES[case], block_size)
 
 
 @pytest.mark.parametrize("seqs", [[(9, 4), (16, 16), (0, 5)], [(7, 9)]], ids=["fresh-and-over-cache", "over-cache"])
-def test_prompts_attend_on_flash(seqs):
-    # Prompts, with or without a cached prefix, must reach SDPA's flash kernel: only flash is allowed
-    # here (CPU flash), so a call that would fall back to the math path raises instead. The absorbed
-    # form over a cache (576-wide keys, 512-wide values) cannot; prompts over a cache once took it.
+def test_prompt_chunks_attend_on_flash(seqs, monkeypatch):
+    # Prompts, and prompt chunks over a cache long enough for the expanded form, must reach SDPA's
+    # flash kernel: only flash is allowed here (CPU flash), so a call that would fall back to the math
+    # path raises instead. The absorbed form (576-wide keys, 512-wide values) cannot; every chunk over
+    # a cache once took it.
+    monkeypatch.setattr(mla_module, "EXPAND_MIN_NEW_TOKENS", 4)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         check_front(seqs, 4)
+
+
+def test_default_threshold_sends_long_chunks_to_flash():
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        check_front([(40, mla_module.EXPAND_MIN_NEW_TOKENS), (0, 3)], 16)
 
 
 def check_front(seqs: list[tuple[int, int]], block_size: int) -> None:

@@ -145,6 +145,20 @@ def test_greedy_generation_matches_transformers(checkpoint, setting):
         assert stats.prefix_cache_hits_total > 0
 
 
+def test_chunks_over_the_cache_in_expanded_form_match_transformers(checkpoint, monkeypatch):
+    # 8-token prefill chunks with the expanded form over the gathered history from 2 new tokens on
+    # (by default only chunks of EXPAND_MIN_NEW_TOKENS take it; shorter ones the absorbed form).
+    import deepserve.layers.mla as mla_module
+
+    monkeypatch.setattr(mla_module, "EXPAND_MIN_NEW_TOKENS", 2)
+    path, hf_model = checkpoint
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert_same_greedy(out.outputs[0].token_ids, *hf_greedy(hf_model, ids, 6))
+
+
 @pytest.mark.parametrize("dtype, elem", [("float32", 4), ("bfloat16", 2)])
 def test_latent_cache_holds_exactly_rank_plus_rope_per_token(checkpoint, dtype, elem):
     path, _ = checkpoint
