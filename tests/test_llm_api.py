@@ -83,6 +83,30 @@ def test_min_tokens_holds_a_stop_string_back(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[: text.index(stop)]
 
 
+def _run_to_end(engine, request_id: str, prompt: str, params: SamplingParams) -> list[int]:
+    engine.add_request(request_id, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    return list(final.outputs[0].token_ids)
+
+
+def test_a_reused_request_id_gets_its_own_penalty_history(llm):
+    # A finished request's id may be reused; the penalty state kept between steps must not carry over.
+    # The first "q" samples one token (so its only step saw an empty output, as the next "q"'s first
+    # step does) from a prompt made of the tokens the second "q" would pick without a penalty: a stale
+    # prompt mask would penalize exactly those.
+    engine = llm.llm_engine
+    fresh = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256).llm_engine
+    prompt = [int(t) for t in llm.get_tokenizer().encode("another one")]
+    plain = _run_to_end(fresh, "plain", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    penalized = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=3.0)
+    _run_to_end(engine, "q", plain, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                                  repetition_penalty=3.0))
+    assert _run_to_end(engine, "q", prompt, penalized) == _run_to_end(fresh, "other", prompt, penalized)
+
+
 def test_stop_token_ids_end_the_completion(llm):
     (full,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     stop_id = full.outputs[0].token_ids[3]

@@ -10,6 +10,7 @@ decode and recompute after preemption are all this one rule.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+_serials = itertools.count()
+
+
 class Request:
     def __init__(
         self,
@@ -39,6 +43,9 @@ class Request:
         wait_for: Request | None = None,
     ) -> None:
         self.request_id = request_id
+        # Unique in this process for its whole life, unlike request_id, which a caller may reuse once
+        # the request has finished: state kept per request across steps is keyed by this.
+        self.serial = next(_serials)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

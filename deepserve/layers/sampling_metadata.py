@@ -8,6 +8,7 @@ penalties, no argmax when every row samples, no per-row generators without seeds
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,11 +52,11 @@ class SamplingMetadata:
         eos_token_ids: list[frozenset[int]],
         vocab_size: int,
         device: torch.device,
-        request_ids: list[str] | None = None,
+        request_keys: list[int] | None = None,
         history: PenaltyHistory | None = None,
     ) -> SamplingMetadata:
-        """`history` (with the rows' `request_ids`) keeps the penalties' token counts on the device from
-        step to step (the model runner holds one); without it they are built from scratch."""
+        """`history` (with the rows' `request_keys`, Request.serial) keeps the penalties' token counts on
+        the device from step to step (the model runner holds one); without it they are built from scratch."""
         greedy = [p.greedy for p in params]
         # Greedy rows ignore temperature and the filters: they get the neutral values.
         rnd = [None if g else p for p, g in zip(params, greedy, strict=True)]
@@ -77,9 +78,9 @@ class SamplingMetadata:
         if max(min_p, default=0.0) > 0.0:
             meta.min_p = _f32(min_p, device)
         if any(p.has_penalties for p in params):
-            if history is None or request_ids is None:
-                history, request_ids = PenaltyHistory(vocab_size, device), [str(i) for i in range(len(params))]
-            meta._set_penalties(params, prompt_token_ids, output_token_ids, request_ids, history, device)
+            if history is None or request_keys is None:
+                history, request_keys = PenaltyHistory(vocab_size, device), list(range(len(params)))
+            meta._set_penalties(params, prompt_token_ids, output_token_ids, request_keys, history, device)
         meta.min_tokens_index = _min_tokens_index(params, output_token_ids, eos_token_ids, vocab_size, device)
         for i, (p, out) in enumerate(zip(rnd, output_token_ids, strict=True)):
             if p is not None and p.seed is not None:
@@ -96,14 +97,14 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        request_ids: list[str],
+        request_keys: list[int],
         history: PenaltyHistory,
         device: torch.device,
     ) -> None:
         self.repetition_penalty = _f32([p.repetition_penalty for p in params], device)
         self.frequency_penalty = _f32([p.frequency_penalty for p in params], device)
         self.presence_penalty = _f32([p.presence_penalty for p in params], device)
-        self.prompt_mask, self.output_counts = history.rows(params, request_ids, prompt_token_ids, output_token_ids)
+        self.prompt_mask, self.output_counts = history.rows(params, request_keys, prompt_token_ids, output_token_ids)
 
 
 class PenaltyHistory:
@@ -115,18 +116,21 @@ class PenaltyHistory:
     Rows live in one [slots, V] buffer each; slot 0 stays zero and serves the rows that need no
     history (a prompt without repetition_penalty costs nothing). A request absent from a step is
     forgotten (its slot is reused) and rebuilt from its whole history if it comes back, so what a
-    row holds never depends on what happened to other requests.
+    row holds never depends on what happened to other requests. Requests are keyed by Request.serial,
+    never reused (a request_id may be, once its request has finished). The buffers grow by doubling,
+    to at most max_rows slots (max_num_seqs + 1 is all a step can use): 5 bytes per vocabulary entry
+    and slot, allocated only once a request asks for a penalty.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
-        self.slot_of: dict[str, int] = {}
-        self.counted: dict[str, int] = {}  # output tokens already in the request's counts row
+    def __init__(self, vocab_size: int, device: torch.device, max_rows: int | None = None) -> None:
+        self.vocab_size, self.device, self.max_rows = vocab_size, device, max_rows
+        self.slot_of: dict[Hashable, int] = {}
+        self.counted: dict[Hashable, int] = {}  # output tokens already in the request's counts row
         self.free: list[int] = []
         self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)  # [slots, V]
         self.output_counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)  # [slots, V]
 
-    def rows(self, params: list[SamplingParams], request_ids: list[str], prompt_token_ids: list[list[int]],
+    def rows(self, params: list[SamplingParams], request_ids: list[Hashable], prompt_token_ids: list[list[int]],
              output_token_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's [B, V] prompt mask (bool) and output counts (float32), row by row."""
         wanted = {rid: p for rid, p in zip(request_ids, params, strict=True) if p.has_penalties}
@@ -160,12 +164,12 @@ class PenaltyHistory:
                     self.device)
         return self.prompt_mask.index_select(0, slots), self.output_counts.index_select(0, slots)
 
-    def _assign(self, request_ids: list[str]) -> None:
-        """Give each request a zeroed slot, growing the buffers (doubling) when none is free."""
+    def _assign(self, request_ids: list[Hashable]) -> None:
+        """Give each request a zeroed slot, growing the buffers (doubling, up to max_rows) when none is free."""
         short = len(request_ids) - len(self.free)
         if short > 0:
             old = self.prompt_mask.shape[0]
-            new = max(old + short, 2 * old)
+            new = max(old + short, min(2 * old, self.max_rows or 2 * old))
             self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
             self.output_counts = torch.cat([self.output_counts,
                                             self.output_counts.new_zeros(new - old, self.vocab_size)])

@@ -80,7 +80,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
-        self.penalty_history = PenaltyHistory(self.vocab_size, self.device)  # penalties' token counts
+        # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.
+        self.penalty_history = PenaltyHistory(self.vocab_size, self.device, config.scheduler.max_num_seqs + 1)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
@@ -244,7 +245,7 @@ class ModelRunner:
                 [r.eos_token_ids for r in pending.requests],
                 self.vocab_size,
                 self.device,
-                [r.request_id for r in pending.requests],
+                [r.serial for r in pending.requests],
                 self.penalty_history,
             )
             result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32

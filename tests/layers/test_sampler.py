@@ -202,6 +202,14 @@ def test_penalty_history_counts_a_placeholder_once_its_token_is_known() -> None:
     assert counts.tolist() == [[0, 1, 0, 1, 0]]
 
 
+def test_penalty_history_grows_to_its_cap_only() -> None:
+    # max_num_seqs + 1 rows is all a step can use (slot 0 is the zero row): doubling stops there.
+    history = PenaltyHistory(5, CPU, max_rows=4)
+    params = [SamplingParams(presence_penalty=0.5)] * 3
+    history.rows(params, [1, 2, 3], [[]] * 3, [[0], [1], [2]])
+    assert history.prompt_mask.shape[0] == history.output_counts.shape[0] == 4
+
+
 def test_penalty_history_rebuilds_a_row_whose_output_shrank() -> None:
     history, params = PenaltyHistory(5, CPU), [SamplingParams(frequency_penalty=1.0)]
     history.rows(params, ["a"], [[]], [[1, 1, 2]])
