@@ -60,6 +60,7 @@ class AsyncLLM:
         self._parent_of: dict[str, str] = {}
         self.stats: dict[str, Any] = {}
         self.dead_reason: str | None = None
+        self.stopping: str | None = None  # set by abort_all: the server is shutting down
         self.on_stats: Callable[[dict[str, Any]], None] | None = None
         self.on_dead: Callable[[str], None] | None = None
 
@@ -91,6 +92,8 @@ class AsyncLLM:
                        core_requests: list[EngineCoreRequest]) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self.stopping is not None:  # admitted before abort_all, first iterated after it
+            raise ServerStoppingError(self.stopping)
         stream = _Stream([r.request_id for r in core_requests])
         self.streams[request_id] = stream
         for cid in stream.core_ids:
@@ -123,16 +126,22 @@ class AsyncLLM:
         self._forget(request_id)
 
     def abort_all(self, reason: str) -> int:
-        """End every open request now with ServerStoppingError(reason) and abort it in the engine;
-        how many there were. The streams finish at once, without waiting for the engine."""
-        streams = list(self.streams.items())
-        for request_id, stream in streams:
+        """End every open request now with ServerStoppingError(reason) and abort it in the engine, and
+        refuse (the same way) every generate() not yet started; how many were ended. The streams finish
+        at once, without waiting for the engine. A request whose final result is in but not yet read
+        keeps it."""
+        self.stopping = reason
+        ended = 0
+        for request_id, stream in list(self.streams.items()):
+            if stream.latest is not None and stream.latest.finished:
+                continue
             if stream.error is None:
                 stream.error = ServerStoppingError(reason)
                 stream.event.set()
             if self.dead_reason is None:
                 self.client.abort(self.output_processor.abort_request(request_id))
-        return len(streams)
+            ended += 1
+        return ended
 
     def _forget(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)

@@ -28,7 +28,7 @@ from deepserve.engine.core_process import (
 )
 from deepserve.engine.scheduler import SchedulerStats
 from deepserve.sampling_params import SamplingParams
-from deepserve.server.async_llm import AsyncLLM, RequestFailedError
+from deepserve.server.async_llm import AsyncLLM, RequestFailedError, ServerStoppingError
 
 
 class FakeCore:
@@ -184,6 +184,39 @@ def test_real_engine_process_refuses_one_request_and_serves_the_next():
             outs = [o async for o in llm.generate("good", None, good)]
             assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [4, 4]
             assert llm.dead_reason is None and llm.client.proc.poll() is None
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_abort_all_ends_open_and_not_yet_started_requests_but_keeps_finished_results():
+    # The server's second signal: streams already open end with ServerStoppingError; a generate()
+    # created but not yet iterated (a response whose body runs later) is refused the same way instead
+    # of reaching the engine; a request whose final result is in keeps it.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    async def run() -> None:
+        llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, cpu_kv_cache_gib=0.02))
+        await llm.start()
+        try:
+            done_req = llm.prepare("done", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+            done = llm.generate("done", None, done_req)
+            first = await done.__anext__()
+            while not first.finished:  # read up to the final result, not past it
+                first = await done.__anext__()
+            running = llm.generate("long", None, llm.prepare("long", [5, 6, 7], SamplingParams(
+                max_tokens=100, ignore_eos=True)))
+            await running.__anext__()
+            later = llm.generate("later", None, llm.prepare("later", [8], SamplingParams(max_tokens=4)))
+            assert llm.abort_all("test") == 1
+            with pytest.raises(ServerStoppingError, match="test"):
+                async for _ in running:
+                    pass
+            with pytest.raises(ServerStoppingError, match="test"):
+                await later.__anext__()
+            assert not llm.streams or list(llm.streams) == ["done"]
+            await done.aclose()
         finally:
             await llm.shutdown()
 
