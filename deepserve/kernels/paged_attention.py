@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from deepserve.runner.forward_context import AttentionMetadata
 
@@ -65,8 +65,18 @@ def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     else:
         if group > 1:
             k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(n, length), scale=scale)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=lower_right_causal(n, length), scale=scale)
     return o[0].transpose(0, 1)  # [n, H, Dv]
+
+
+def lower_right_causal(n: int, length: int) -> CausalBias:
+    """torch's lower-right causal bias for n queries over `length` keys, without the storage that
+    `causal_lower_right(n, length)` allocates: that tensor subclass takes its constructor's arguments
+    as a shape, an uninitialized [2, n, length] fp32 host tensor per call (gigabytes at long
+    contexts), though SDPA only reads the variant and the two lengths."""
+    bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
+    bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, n, length
+    return bias
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int

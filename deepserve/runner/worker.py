@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -139,9 +140,16 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
 
 
 def worker_process(*args: Any) -> None:
-    """Spawn target of a rank on node 0. After a clean stop it leaves at once (`leave_now`)."""
-    worker_main(*args)
-    leave_now(0)
+    """Spawn target of a rank on node 0. It leaves at once (`leave_now`): 0 after a clean stop, 1
+    after printing the error that ended it (rank 0 names the rank)."""
+    code = 1
+    try:
+        worker_main(*args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        leave_now(code)
 
 
 def leave_now(code: int) -> None:

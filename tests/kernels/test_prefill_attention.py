@@ -134,3 +134,15 @@ def test_bf16_prefill_runs_on_flash():
     with sdpa_kernel([SDPBackend.MATH]):
         math = paged_attention_ref(query, step_k, step_v, kv_cache, meta, 0.25)
     torch.testing.assert_close(flash.float(), math.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_lower_right_bias_holds_no_storage():
+    # torch's causal_lower_right(n, L) allocates an uninitialized [2, n, L] fp32 host tensor per call;
+    # ours is the same bias without it (a context of 2**20 keys would want 64 GiB there).
+    from torch.nn.attention.bias import CausalVariant
+
+    from deepserve.kernels.paged_attention import lower_right_causal
+
+    bias = lower_right_causal(8192, 2**20)
+    assert bias.untyped_storage().nbytes() == 0
+    assert (bias.variant, bias.seq_len_q, bias.seq_len_kv) == (CausalVariant.LOWER_RIGHT, 8192, 2**20)
