@@ -81,7 +81,6 @@ def _run_worker_node(args: EngineArgs) -> int:
     config = args.create_engine_config()  # the same checks node 0 makes, before joining
     backend = "nccl" if config.model.device == "cuda" else "gloo"
     leave_now(run_node(config.parallel, backend))  # never returns: no teardown of the process group
-    return 1
 
 
 def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:

@@ -348,7 +348,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, skips: bool = False) -> torch.Tensor:
+                  topk_ids: torch.Tensor) -> torch.Tensor:
     """What fused_moe must equal: expert by expert, in fp32, cast to x's dtype at the end; ids past the
     last expert (skips) contribute nothing."""
     inter = w13.shape[1] // 2

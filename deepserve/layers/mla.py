@@ -63,7 +63,7 @@ class MLAAttention(nn.Module):
         if q_nope.is_cuda:
             return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
         store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping)
-        return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta, range(meta.num_seqs)).flatten(1)
+        return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
 
     def _forward_cuda(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
@@ -75,14 +75,14 @@ class MLAAttention(nn.Module):
         if meta.decode_only:
             return self._absorbed_decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.max_seq_len)
         if meta.prefill_seqs_cpu is None:  # metadata without the decode/prefill split: all per sequence
-            return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta, range(meta.num_seqs))
+            return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta)
         out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)  # [T, H, Dv]
         if meta.decode_token_idx is not None and meta.decode_token_idx.numel():
             rows, seqs = meta.decode_token_idx, meta.decode_seq_idx
             out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
                                               meta.max_seq_len)
         rows, sub = select_sequences(meta, meta.prefill_seqs_cpu)
-        out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub, range(sub.num_seqs))
+        out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
         return out
 
     def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor,
@@ -96,11 +96,9 @@ class MLAAttention(nn.Module):
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _split_forms(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                     meta: AttentionMetadata, seqs: range) -> torch.Tensor:
-        """Each sequence of `seqs` (all of meta's) in its form (`_form`)."""
-        groups: dict[str, list[int]] = {}
-        for b in seqs:
-            groups.setdefault(_form(meta, b), []).append(b)
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """Each of meta's sequences in its form (`_forms`)."""
+        groups = _forms(meta)
         if len(groups) == 1:
             return self._attend(next(iter(groups)), q_nope, q_pe, kv_c, k_pe, meta)
         out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)
@@ -172,6 +170,15 @@ def _form(meta: AttentionMetadata, b: int) -> str:
         return FRESH
     return OVER_CACHE if num_new >= EXPAND_MIN_NEW_TOKENS else ABSORBED
 
+
+def _forms(meta: AttentionMetadata) -> dict[str, list[int]]:
+    """meta's sequences by form; built by the first layer that asks and kept in meta.cache."""
+    if "forms" not in meta.cache:
+        groups: dict[str, list[int]] = {}
+        for b in range(meta.num_seqs):
+            groups.setdefault(_form(meta, b), []).append(b)
+        meta.cache["forms"] = groups
+    return meta.cache["forms"]
 
 
 def _num_new(meta: AttentionMetadata, b: int) -> int:

@@ -160,8 +160,7 @@ class PenaltyHistory:
         if count_pos:
             positions = _to(count_pos, torch.int64, self.device)
             self.output_counts.view(-1).index_add_(0, positions, torch.ones(len(count_pos), device=self.device))
-        slots = _to([self.slot_of.get(rid, 0) if rid in wanted else 0 for rid in request_ids], torch.int64,
-                    self.device)
+        slots = _to([self.slot_of.get(rid, 0) for rid in request_ids], torch.int64, self.device)  # 0: no history
         return self.prompt_mask.index_select(0, slots), self.output_counts.index_select(0, slots)
 
     def _assign(self, request_ids: list[Hashable]) -> None:

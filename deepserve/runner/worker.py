@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,8 @@ def runner_config(config: EngineConfig) -> EngineConfig:
     and the other ranks leave without a teardown (`leave_now`). Still opt-in: on 2 x H200 (bench/
     RESULTS.md run 12) tiny checkpoints gave the tokens of one GPU with it, but a W1-sized run
     (R1-Distill-Qwen-7B, 256 sequences, 20 graph sizes) did not finish in 5 minutes, for a reason not
-    yet found. Pipeline stages always run eager: their
-    point-to-point sends sit between stages, outside any one rank's graph."""
+    yet found. Pipeline stages always run eager: their point-to-point sends sit between stages,
+    outside any one rank's graph."""
     eager = (config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
              or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "0") != "1")
     return dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=eager))
@@ -152,7 +152,7 @@ def worker_process(*args: Any) -> None:
         leave_now(code)
 
 
-def leave_now(code: int) -> None:
+def leave_now(code: int) -> NoReturn:
     """How every rank but 0 ends: flush, then exit without tearing down the process group or the
     interpreter. A gloo teardown racing rank 0's own aborted ranks in CI (SIGABRT, "terminate called
     without an active exception": a worker on node 0 once, node 1's first rank later), an NCCL one

@@ -138,8 +138,7 @@ class AsyncLLM:
             if stream.error is None:
                 stream.error = ServerStoppingError(reason)
                 stream.event.set()
-            if self.dead_reason is None:
-                self.client.abort(self.output_processor.abort_request(request_id))
+            self.abort(request_id)
             ended += 1
         return ended
 
