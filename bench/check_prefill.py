@@ -1,6 +1,6 @@
-"""Prefill attention on one GPU: the per-sequence path as it ran until 2026-11-30 (3-D inputs, which
-SDPA's fused kernels refuse, so the math path ran) against today's (`fused_sdpa`: 4-D, flash), and
-torch's one-call `varlen_attn` where this torch has it, for W1's prompt lengths.
+"""Prefill attention on one GPU, for W1's prompt lengths: per-sequence SDPA with SDPA's own backend
+choice (as main ran from 34b42fb to 08e66c9; cuDNN on the H200), the same held to flash, and
+deepserve's one call over the ragged batch (flash's varlen kernel, `varlen_attention`).
 
 Per model shape, one 8,192-token prefill step of fresh prompts (lengths drawn as W1 draws them:
 random.seed(0), randint(100, 1024), as many as fit), plus one chunk of 1,024 new tokens after a
@@ -28,6 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from deepserve.kernels.mla_attention import mla_varlen_attention  # noqa: E402
 from deepserve.kernels.paged_attention import fused_sdpa  # noqa: E402
 
 # name: (query heads, key heads, key head dim, value head dim, layers)
@@ -46,43 +49,49 @@ def w1_lengths(budget: int, lo: int = 100, hi: int = 1024) -> list[int]:
         lengths.append(n)
 
 
-def old_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
-    """How a sequence attended until 2026-11-30: 3-D [heads, tokens, dim] inputs."""
-    n, length = q.shape[0], k.shape[0]
-    mask = None if n == length else torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                       is_causal=mask is None, scale=scale, enable_gqa=group > 1)
-    return o.transpose(0, 1)
-
-
-def new_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+def sdpa_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """Per sequence, 4-D SDPA with SDPA's own backend choice (how main ran from 34b42fb: cuDNN on the H200)."""
     dv = v.shape[-1]
-    if dv < q.shape[-1]:  # as mla_prefill_ref does
+    if dv < q.shape[-1]:  # as MLA's expanded form does
         v = F.pad(v, (0, q.shape[-1] - dv))
     return fused_sdpa(q, k, v, scale, group)[..., :dv]
 
 
-def varlen_path(qs, ks, vs, scale: float, group: int) -> torch.Tensor | None:
-    """One call for all sequences (fresh prompts only), if this torch has varlen_attn on this device;
-    None otherwise."""
-    if qs[0].device.type != "cuda":
-        return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    dv = v.shape[-1]
-    if dv < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - dv))
-    lens = [t.shape[0] for t in qs]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
-    try:
-        return varlen_attn(q, k, v, cu, cu, max(lens), max(lens), scale=scale, window_size=(-1, 0))[..., :dv]
-    except TypeError:  # torch 2.10's signature: is_causal instead of window_size, no scale
-        return None
+def sdpa_flash_path(q, k, v, scale: float, group: int) -> torch.Tensor:
+    """The same with SDPA held to its flash backend (what cuDNN off measured in BENCHMARKS.md)."""
+    backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        return sdpa_path(q, k, v, scale, group)
+
+
+def varlen_path(qs, ks, vs, scale: float, group: int) -> torch.Tensor:
+    """deepserve's prefill: all sequences in one call (`mla_varlen_attention` pads MLA's value head;
+    on CUDA flash's varlen kernel, elsewhere the per-sequence reference)."""
+    lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    device = qs[0].device
+    return mla_varlen_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs),
+                                torch.tensor(cu_q, dtype=torch.int32, device=device),
+                                torch.tensor(cu_k, dtype=torch.int32, device=device), cu_q, cu_k, scale)
+
+
+def strided_varlen_path(qs, ks, vs, scale: float, group: int) -> torch.Tensor:
+    """The same over views of one fused [T, H + 2 Hkv, D] tensor, as a model's split qkv projection
+    hands them over (rows strided, heads contiguous)."""
+    heads, kv_heads = qs[0].shape[1], ks[0].shape[1]
+    fused = torch.cat([torch.cat(qs), torch.cat(ks), torch.cat(vs)], dim=1)
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+    lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    return mla_varlen_attention(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device=q.device),
+                                torch.tensor(cu_k, dtype=torch.int32, device=q.device), cu_q, cu_k, scale)
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
 
 
 def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int) -> torch.Tensor:
@@ -129,9 +138,10 @@ def case(name: str, shape: tuple, lengths: list[int], cached: int, device: str, 
     def per_seq(path):
         return [path(q, k, v, scale, group) for q, k, v in zip(qs, ks, vs, strict=True)]
 
-    variants = {"old 3-D": lambda: per_seq(old_path), "fused_sdpa": lambda: per_seq(new_path)}
-    if cached == 0 and varlen_path(qs[:1], ks[:1], vs[:1], scale, group) is not None:
-        variants["varlen_attn"] = lambda: varlen_path(qs, ks, vs, scale, group)
+    variants = {"sdpa auto": lambda: per_seq(sdpa_path), "sdpa flash": lambda: per_seq(sdpa_flash_path),
+                "flash varlen": lambda: varlen_path(qs, ks, vs, scale, group)}
+    if cached == 0 and dk == dv:
+        variants["varlen strided"] = lambda: strided_varlen_path(qs, ks, vs, scale, group)
     for label, fn in variants.items():
         out = fn()
         out = list(out.split(lengths)) if isinstance(out, torch.Tensor) else out
@@ -163,7 +173,7 @@ def main() -> int:
           f"{'err':>8}")
     bad = 0
     for r in rows:
-        for label in ("old 3-D", "fused_sdpa", "varlen_attn"):
+        for label in ("sdpa auto", "sdpa flash", "flash varlen", "varlen strided"):
             if label in r:
                 v = r[label]
                 flag = "" if v["max_rel_err"] < tol else "  MISMATCH"

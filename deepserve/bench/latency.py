@@ -33,13 +33,20 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
     from deepserve.entrypoints.llm import LLM
 
     llm = LLM(**vars(engine_args))
+    return {"model": engine_args.model, **measure_latency(llm, input_len, output_len, warmups, iters)}
+
+
+def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: int = 3,
+                    iters: int = 10, vocab_size: int = 10001) -> dict[str, Any]:
+    """W2 on an engine with nothing else running: `warmups` requests, then `iters` timed ones; prompt
+    tokens drawn from [0, min(vocab_size, 10001))."""
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ttfts, tpots = [], []
     for i in range(warmups + iters):
         # A fresh prompt each time: a prefix-cache hit would flatter the TTFT.
-        prompt = [rng.randint(0, 10000) for _ in range(input_len)]
+        prompt = [rng.randint(0, min(vocab_size, 10001) - 1) for _ in range(input_len)]
         stamps = _timed_request(engine, prompt, params, f"latency-{i}")
         if i >= warmups:
             ttfts.append(stamps[0])
@@ -47,7 +54,6 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
     tpot_median = statistics.median(tpots)
     bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
     return {
-        "model": engine_args.model,
         "device": device_name(),
         "input_len": input_len,
         "output_len": output_len,

@@ -22,6 +22,11 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
     llm = LLM(**vars(engine_args))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     time_to_ready = time.perf_counter() - process_start  # process start -> first token out
+    return {"model": engine_args.model, **measure_throughput(llm, workload), "time_to_ready_s": time_to_ready}
+
+
+def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
+    """One warm-up generate, then the workload in one timed generate on an engine that is ready."""
     llm.generate([p[:16] for p in workload.prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # the warm-up generate of the definition
     parallel = llm.llm_engine.config.parallel
@@ -37,7 +42,6 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
     stats = llm.llm_engine.stats()
     return {
         "workload": workload.name,
-        "model": engine_args.model,
         "device": device_name(),
         "elapsed_time": elapsed,
         "num_requests": len(workload.prompts),
@@ -47,7 +51,6 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
         "requests_per_second": len(workload.prompts) / elapsed,
         "tokens_per_second": (workload.num_prompt_tokens + num_out) / elapsed,
         "output_tokens_per_second": num_out / elapsed,
-        "time_to_ready_s": time_to_ready,
         "peak_memory_gib": peak_memory_gib(),
         "num_preemptions": stats.num_preemptions_total,
         "kv_cache_blocks": llm.llm_engine.core.num_blocks,

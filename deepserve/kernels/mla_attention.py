@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
-from deepserve.kernels.paged_attention import fused_sdpa
+from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
 from deepserve.runner.forward_context import AttentionMetadata
 
 
@@ -48,7 +49,8 @@ def mla_attention_ref(
         v = k[..., :rank]  # [1, 1, L, C]
         # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
         mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads > 1)
+        with sdpa_kernel(NOT_CUDNN):  # on the GPU too: never cuDNN's per-shape plans (varlen_attention)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads > 1)
         out[start:end] = o[0].transpose(0, 1)  # [n, H, C]
     return out
 
@@ -61,24 +63,30 @@ def mla_prefill_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, H, Dv]
     """The expanded form for sequences with nothing cached before this step: causal attention within
-    each sequence's new tokens (`mla_sequence_attention`)."""
-    out = q.new_empty(*q.shape[:2], v.shape[-1])
-    for b in range(meta.num_seqs):
-        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        assert meta.seq_lens_cpu[b] == end - start, "the expanded form here needs a sequence without cached context"
-        out[start:end] = mla_sequence_attention(q[start:end], k[start:end], v[start:end], scale)
-    return out
+    each sequence's new tokens, all sequences in one call (`mla_varlen_attention`)."""
+    cu = meta.query_start_loc_cpu
+    assert meta.seq_lens_cpu == [b - a for a, b in zip(cu, cu[1:], strict=False)], \
+        "the expanded form here needs sequences without cached context"
+    return mla_varlen_attention(q, k, v, meta.query_start_loc, meta.query_start_loc, cu, cu, scale)
 
 
 def mla_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """The expanded form for one sequence: its n new queries q [n, H, Dk] over its L keys k [L, H, Dk]
-    and values v [L, H, Dv], the last n keys being the queries' own -> [n, H, Dv], on SDPA's flash
-    kernel (`fused_sdpa`). Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3): zero
-    columns appended to v add zero columns to the output, which are cut off."""
+    and values v [L, H, Dv], the last n keys being the queries' own -> [n, H, Dv]."""
+    n, length = q.shape[0], k.shape[0]
+    offsets = torch.tensor([0, n, 0, length], dtype=torch.int32).to(q.device, non_blocking=True)
+    return mla_varlen_attention(q, k, v, offsets[:2], offsets[2:], [0, n], [0, length], scale)
+
+
+def mla_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                         cu_q_cpu: list[int], cu_k_cpu: list[int], scale: float) -> torch.Tensor:
+    """The expanded form over a ragged batch (`varlen_attention`): q [T, H, Dk], k [K, H, Dk],
+    v [K, H, Dv] -> [T, H, Dv]. Flash needs one head size for q, k and v (Dk 192 > Dv 128 in V2/V3):
+    zero columns appended to v add zero columns to the output, which are cut off."""
     dv = v.shape[-1]
     if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
-    return fused_sdpa(q, k, v, scale)[..., :dv]
+    return varlen_attention(q, k, v, cu_q, cu_k, cu_q_cpu, cu_k_cpu, scale)[..., :dv]
 
 
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
+from deepserve.kernels.varlen_attention import varlen_attention
 from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -32,17 +33,24 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.kv_cache.is_cuda:
+        if uses_gpu_kernels(self.kv_cache):
             return _attend_cuda(q, k, v, self.kv_cache, meta, self.scale).flatten(1)
         store_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention_ref(q, k, v, self.kv_cache, meta, self.scale)
         return out.flatten(1)
 
 
+def uses_gpu_kernels(t: torch.Tensor) -> bool:
+    """Whether the attention fronts take their GPU path (Triton kernels, flash varlen) for tensors like
+    t; elsewhere the torch references. One place, so a CPU test can run the GPU path's logic."""
+    return t.is_cuda
+
+
 def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decoding sequences take the Triton paged-decode kernel; sequences with several new tokens
-    (prefill chunks) take the per-sequence path, flash attention when nothing is cached before them."""
+    """Decoding sequences take the Triton paged-decode kernel; the others flash attention's varlen
+    kernel, one call for the fresh prompts (over this step's keys) and one for the chunks over a cached
+    prefix (over their histories, gathered from the cache, where this step's keys are already stored)."""
     from deepserve.kernels.triton_paged_attention import paged_decode_attention, store_kv_cache
 
     store_kv_cache(k, v, kv_cache, meta.slot_mapping)
@@ -56,4 +64,12 @@ def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
             q[rows], kv_cache, meta.block_tables[meta.decode_seq_idx], meta.seq_lens[meta.decode_seq_idx],
             scale, max_seq_len=meta.max_seq_len,
         )
-    return paged_attention_ref(q, k, v, kv_cache, meta, scale, seqs=meta.prefill_seqs_cpu, out=out)
+    if meta.prefill_fresh is not None:
+        g = meta.prefill_fresh
+        out[g.rows] = varlen_attention(q[g.rows], k[g.rows], v[g.rows], g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, scale)
+    if meta.prefill_cached is not None:
+        g = meta.prefill_cached
+        flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D]
+        keys, values = flat[0, g.kv_slots], flat[1, g.kv_slots]  # [Kg, Hkv, D]
+        out[g.rows] = varlen_attention(q[g.rows], keys, values, g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, scale)
+    return out

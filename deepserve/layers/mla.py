@@ -32,8 +32,10 @@ from deepserve.kernels.mla_attention import (
     mla_attention_ref,
     mla_prefill_ref,
     mla_sequence_attention,
+    mla_varlen_attention,
     store_latent_ref,
 )
+from deepserve.layers.attention import uses_gpu_kernels
 from deepserve.layers.linear import ColumnParallelLinear
 from deepserve.runner.distributed import get_tp_world_size
 from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
@@ -60,15 +62,15 @@ class MLAAttention(nn.Module):
                 ) -> torch.Tensor:
         # q_nope: [T, H, Dn], q_pe: [T, H, Dr] (roped), kv_c: [T, C] (normalized), k_pe: [T, Dr] (roped)
         meta = get_forward_context()
-        if q_nope.is_cuda:
+        if uses_gpu_kernels(q_nope):
             return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
         store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping)
         return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
 
     def _forward_cuda(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-        """Decoding sequences take the Triton latent-decode kernel (CUDA-graph safe); the others the
-        per-sequence forms below."""
+        """Decoding sequences take the Triton latent-decode kernel (CUDA-graph safe); fresh prompts the
+        expanded form in one flash varlen call; chunks over a cached prefix the forms below."""
         from deepserve.kernels.triton_paged_attention import store_mla_cache
 
         store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping)  # [T, C + Dr]
@@ -81,8 +83,14 @@ class MLAAttention(nn.Module):
             rows, seqs = meta.decode_token_idx, meta.decode_seq_idx
             out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
                                               meta.max_seq_len)
-        rows, sub = select_sequences(meta, meta.prefill_seqs_cpu)
-        out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
+        if meta.prefill_fresh is not None:  # one flash varlen call over every fresh prompt of the step
+            g = meta.prefill_fresh
+            k, v = self._expand_kv(kv_c[g.rows], k_pe[g.rows])
+            q = torch.cat([q_nope[g.rows], q_pe[g.rows]], dim=-1)  # [Tg, H, Dn + Dr]
+            out[g.rows] = mla_varlen_attention(q, k, v, g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, self.scale)
+        if meta.prefill_cached is not None:  # chunks over a cached prefix: each in its form
+            rows, sub = select_sequences(meta, meta.prefill_cached.seqs)
+            out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
         return out
 
     def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_tables: torch.Tensor,

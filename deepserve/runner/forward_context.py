@@ -16,6 +16,23 @@ import torch
 
 
 @dataclass
+class PrefillGroup:
+    """Sequences of a step with several new tokens, as one ragged batch for `varlen_attention`.
+    Sequence j of the group (step sequence seqs[j]) owns query rows cu_q[j]:cu_q[j+1] of the group's
+    queries and keys cu_k[j]:cu_k[j+1] of its keys: its whole history, this step's tokens last."""
+
+    seqs: list[int]  # which of the step's sequences, in step order
+    rows: torch.Tensor | slice  # their token rows in the step ([Tg] int64, or a slice when contiguous)
+    cu_q: torch.Tensor  # [G + 1] int32
+    cu_k: torch.Tensor  # [G + 1] int32
+    cu_q_cpu: list[int]
+    cu_k_cpu: list[int]
+    # [Kg] int64: the cache slot of every key, sequence by sequence in position order; None for a group
+    # of fresh prompts, whose keys are this step's own (rows) and need no gather from the cache.
+    kv_slots: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Flat batch of T new tokens from B sequences (token order: sequence by sequence)."""
 
@@ -34,6 +51,10 @@ class AttentionMetadata:
     decode_seq_idx: torch.Tensor | None = None  # [Bd] int64: which sequences decode
     decode_token_idx: torch.Tensor | None = None  # [Bd] int64: their token rows
     prefill_seqs_cpu: list[int] | None = None  # the other sequences, for the per-sequence path
+    # The same sequences split for the one-call GPU prefill path (built by prepare_inputs): prompts with
+    # nothing cached before this step, and chunks over a cached prefix (chunked prefill, prefix hits).
+    prefill_fresh: PrefillGroup | None = None
+    prefill_cached: PrefillGroup | None = None
     # Derived per-step values that every layer would otherwise rebuild (e.g. mla.select_sequences):
     # computed by the first layer that needs them, read by the rest. Never part of equality.
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

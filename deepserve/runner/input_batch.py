@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from deepserve.engine.request import SchedulerOutput
-from deepserve.runner.forward_context import AttentionMetadata
+from deepserve.runner.forward_context import AttentionMetadata, PrefillGroup
 
 
 @dataclass
@@ -54,10 +54,15 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     # The decode-row indices exist only for mixed steps; a decode-only step needs none.
     decode_idx = [] if decode_only else decode_seqs
     decode_tokens = [query_start_loc[i] for i in decode_idx]
-    # Two host -> device copies per step: one of every int64 vector, one of every int32 one.
-    longs = _to_device([input_ids, positions, slots, sample_rows, decode_idx, decode_tokens], torch.int64, device)
     block_tables = _block_table([s.request.block_ids for s in out.scheduled])  # [B, max_blocks]
-    ints = _to_device([query_start_loc, seq_lens, block_tables], torch.int32, device)
+    plans = [] if decode_only else _plan_prefill_groups(out, query_start_loc, block_tables, block_size)
+    # Two host -> device copies per step: one of every int64 vector, one of every int32 one.
+    group_longs = [part for plan in plans for part in (plan.row_ids, plan.kv_slots)]
+    group_ints = [part for plan in plans for part in (plan.cu_q, plan.cu_k)]
+    longs = _to_device([input_ids, positions, slots, sample_rows, decode_idx, decode_tokens, *group_longs],
+                       torch.int64, device)
+    ints = _to_device([query_start_loc, seq_lens, block_tables, *group_ints], torch.int32, device)
+    groups = [plan.build(longs[6 + 2 * j: 8 + 2 * j], ints[3 + 2 * j: 5 + 2 * j]) for j, plan in enumerate(plans)]
     attn = AttentionMetadata(
         slot_mapping=longs[2],
         query_start_loc=ints[0],
@@ -71,9 +76,69 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         decode_seq_idx=None if decode_only else longs[4],
         decode_token_idx=None if decode_only else longs[5],
         prefill_seqs_cpu=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1],
+        prefill_fresh=next((g for g, p in zip(groups, plans, strict=True) if p.fresh), None),
+        prefill_cached=next((g for g, p in zip(groups, plans, strict=True) if not p.fresh), None),
     )
     return StepInputs(input_ids=longs[0], positions=longs[1], attn=attn, sample_rows=longs[3],
                       sample_indices=sample_indices, has_placeholders=placeholders)
+
+
+@dataclass
+class _GroupPlan:
+    """A PrefillGroup's host side, before the step's copies."""
+
+    fresh: bool
+    seqs: list[int]
+    rows: slice | None  # the group's token rows when they are contiguous
+    row_ids: list[int]  # else their ids (empty when `rows` is set)
+    cu_q: list[int]
+    cu_k: list[int]
+    kv_slots: np.ndarray  # empty for a fresh group
+
+    def build(self, longs: list[torch.Tensor], ints: list[torch.Tensor]) -> PrefillGroup:
+        return PrefillGroup(seqs=self.seqs, rows=self.rows if self.rows is not None else longs[0],
+                            cu_q=ints[0], cu_k=ints[1], cu_q_cpu=self.cu_q, cu_k_cpu=self.cu_k,
+                            kv_slots=None if self.fresh else longs[1])
+
+
+def _plan_prefill_groups(out: SchedulerOutput, query_start_loc: list[int], block_tables: np.ndarray,
+                         block_size: int) -> list[_GroupPlan]:
+    """The step's sequences with several new tokens, split into fresh prompts (start 0) and chunks over
+    a cached prefix; each non-empty part becomes one ragged batch."""
+    fresh = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start == 0]
+    cached = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start > 0]
+    plans = []
+    for is_fresh, seqs in ((True, fresh), (False, cached)):
+        if not seqs:
+            continue
+        new = [query_start_loc[b + 1] - query_start_loc[b] for b in seqs]
+        lens = [out.scheduled[b].start + n for b, n in zip(seqs, new, strict=True)]
+        rows = _rows(query_start_loc, seqs)
+        plans.append(_GroupPlan(
+            fresh=is_fresh, seqs=seqs, rows=rows if isinstance(rows, slice) else None,
+            row_ids=[] if isinstance(rows, slice) else rows, cu_q=_offsets(new), cu_k=_offsets(lens),
+            kv_slots=np.empty(0, np.int64) if is_fresh else _history_slots(block_tables[seqs], lens, block_size),
+        ))
+    return plans
+
+
+def _rows(query_start_loc: list[int], seqs: list[int]) -> slice | list[int]:
+    """The token rows of `seqs` (in order): a slice when the sequences are adjacent in the step."""
+    if seqs == list(range(seqs[0], seqs[-1] + 1)):
+        return slice(query_start_loc[seqs[0]], query_start_loc[seqs[-1] + 1])
+    return [t for b in seqs for t in range(query_start_loc[b], query_start_loc[b + 1])]
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    return np.concatenate([[0], np.cumsum(lengths)]).tolist()
+
+
+def _history_slots(tables: np.ndarray, lens: list[int], block_size: int) -> np.ndarray:
+    """Cache slots of positions 0 .. len - 1 of each sequence, concatenated: [sum(lens)] int64."""
+    lengths = np.asarray(lens, dtype=np.int64)
+    seq = np.repeat(np.arange(len(lens)), lengths)
+    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
 def _block_table(rows: list[list[int]]) -> np.ndarray:

@@ -1,0 +1,239 @@
+"""The H200 gate: correctness, then W1/W2 of BENCHMARKS.md on every benchmark model, compared with the
+last accepted figures (bench/baseline.json). Every change on the hot path runs it before it lands.
+
+    bash bench/gate.sh                          # on the GPU machine, one device call: all of it
+    python bench/gate.py all --out DIR          # what gate.sh runs (a time budget, a table last)
+    python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
+    python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
+    python bench/gate.py all --smoke --out DIR  # CPU: the demo model, tiny workloads (tests the plumbing)
+
+A figure more than 3 % worse than the baseline prints REGRESSION and makes the exit code 1, as does any
+correctness step that fails. Time to ready is shown beside its target but not gated: the gate runs on a
+fresh machine with cold caches, where it varies by more than 3 %. `all` writes gate.json (the figures,
+the commit, the GPU) and baseline-candidate.json (the same in baseline.json's form) into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROCESS_START = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.03  # a figure more than 3 % worse than its baseline is a regression
+BUDGET_S = 560  # the device tool's limit is 600 s a call; the steps that would not fit are skipped
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str  # "<run>/<metric>"
+    label: str
+    unit: str
+    higher_is_better: bool
+    target: float | None = None
+    gated: bool = True
+
+
+FIGURES = [
+    Figure("r1-distill-qwen-7b/w1", "W1 R1-Distill-Qwen-7B", "out tok/s", True, 13_000),
+    Figure("deepseek-v2-lite/w1", "W1 DeepSeek-V2-Lite", "out tok/s", True, 11_000),
+    Figure("deepseek-llm-7b/w1", "W1 DeepSeek-LLM-7B", "out tok/s", True, 6_200),
+    Figure("v3-slice8/w1", "W1 DeepSeek-V3 8-layer slice", "out tok/s", True),
+    Figure("deepseek-llm-7b/tpot", "W2 TPOT DeepSeek-LLM-7B", "ms", False, 3.4),
+    Figure("deepseek-v2-lite/tpot", "W2 TPOT DeepSeek-V2-Lite", "ms", False, 2.0),
+    Figure("v3-slice8/tpot", "W2 TPOT DeepSeek-V3 8-layer slice", "ms", False),
+    Figure("deepseek-llm-7b/ttft", "W2 TTFT DeepSeek-LLM-7B", "ms", False, 30.0),
+    Figure("deepseek-v2-lite/ttft", "W2 TTFT DeepSeek-V2-Lite", "ms", False),
+    Figure("deepseek-llm-7b/ready", "time to ready DeepSeek-LLM-7B (cold)", "s", False, 30.0, gated=False),
+    Figure("v3-slice8/ready", "time to ready V3 slice (cold)", "s", False, gated=False),
+]
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    name: str
+    preset: str | None  # None: the demo model (smoke)
+    w2: bool
+    layers: int | None = None  # keep only the first N decoder layers
+    timeout_s: int = 150
+
+
+RUNS = [
+    ModelRun("r1-distill-qwen-7b", "r1-distill-qwen-7b", w2=False, timeout_s=110),
+    ModelRun("deepseek-v2-lite", "deepseek-v2-lite", w2=True, timeout_s=140),
+    ModelRun("deepseek-llm-7b", "deepseek-llm-7b", w2=True, timeout_s=140),
+    ModelRun("v3-slice8", "deepseek-v3", w2=True, layers=8, timeout_s=180),
+]
+CHECKS = [  # (name, command, timeout): correctness on the GPU before anything is timed
+    ("prefill attention", [sys.executable, "bench/check_prefill.py"], 60),
+    ("greedy = CPU reference (tiny checkpoints)", [sys.executable, "bench/gpu_check.py", "--no-parallel"], 150),
+]
+
+
+def run_model(run: ModelRun, smoke: bool) -> dict:
+    """One engine: time to ready, W1, then W2 (BENCHMARKS.md's definitions; smaller with smoke)."""
+    from deepserve import LLM, SamplingParams
+    from deepserve.bench import workloads
+    from deepserve.bench.latency import measure_latency
+    from deepserve.bench.throughput import measure_throughput
+
+    engine = dict(model=run.preset, skip_tokenizer_init=True)
+    if run.preset is not None:
+        engine.update(load_format="dummy", max_model_len=4096)
+    if run.layers:
+        engine["hf_overrides"] = {"num_hidden_layers": run.layers}
+    llm = LLM(**engine)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    result = {"ready": time.perf_counter() - PROCESS_START}
+    workload = workloads.w1()
+    if smoke:  # the demo model's vocabulary has 1,000 tokens
+        workload = workloads.fixed(32, 8, 8)
+        workload.prompts = [[t % 1000 for t in p] for p in workload.prompts]
+    w1 = measure_throughput(llm, workload)
+    result.update(w1=w1["output_tokens_per_second"], w1_detail=w1)
+    if run.w2:
+        w2 = measure_latency(llm, 32, 8, 1, 2, vocab_size=1000) if smoke else measure_latency(llm)
+        result.update(tpot=w2["tpot_ms_median"], ttft=w2["ttft_ms_median"], w2_detail=w2)
+    return result
+
+
+def run_all(out: Path, smoke: bool) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    checks, figures, notes = {}, {}, []
+    for name, cmd, timeout in [] if smoke else CHECKS:
+        rc, tail = _step(cmd, timeout, out / f"check-{len(checks)}.log", env)
+        checks[name] = "PASS" if rc == 0 else f"FAIL (rc={rc})"
+        notes.append(f"{name}: {checks[name]}\n{tail}")
+    runs = [ModelRun("demo", None, w2=True, timeout_s=300)] if smoke else RUNS
+    for run in runs:
+        if time.perf_counter() - PROCESS_START + run.timeout_s > BUDGET_S and not smoke:
+            checks[f"run {run.name}"] = f"SKIPPED (would pass the {BUDGET_S} s budget)"
+            continue
+        path = out / f"{run.name}.json"
+        cmd = [sys.executable, __file__, "model", run.name, "--json", str(path)] + (["--smoke"] if smoke else [])
+        rc, tail = _step(cmd, run.timeout_s, out / f"{run.name}.log", env)
+        ran = rc == 0 and path.exists()
+        checks[f"run {run.name}"] = "PASS" if ran else f"FAIL (rc={rc})"
+        if ran:
+            data = json.loads(path.read_text())
+            figures.update({f"{run.name}/{k}": v for k, v in data.items() if isinstance(v, int | float)})
+        else:
+            notes.append(f"{run.name}: FAILED (rc={rc})\n{tail}")
+    result = {"commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
+              "gpu": _gpu(), "settings": "dummy weights, bf16, max_model_len 4096, defaults otherwise",
+              "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures}
+    (out / "gate.json").write_text(json.dumps(result, indent=1))
+    (out / "baseline-candidate.json").write_text(json.dumps(
+        {k: result[k] for k in ("commit", "gpu", "settings", "date", "figures")}, indent=1))
+    print("\n".join(notes))
+    return result
+
+
+def compare(result: dict, baseline: dict | None) -> tuple[list[str], bool]:
+    """The table, and whether the gate passes: every check passed, no gated figure is missing where
+    the baseline has it, none more than TOLERANCE worse."""
+    base = (baseline or {}).get("figures", {})
+    ok = all(v == "PASS" for v in result.get("checks", {}).values())
+    lines = [f"gate: commit {result.get('commit')}{' (dirty)' if result.get('dirty') else ''}, {result.get('gpu')}; "
+             f"baseline: {(baseline or {}).get('commit', 'none')}",
+             f"{'figure':40} {'unit':>9} {'now':>9} {'baseline':>9} {'change':>8} {'target':>8}  verdict"]
+    for name, verdict in result.get("checks", {}).items():
+        lines.append(f"{name:40} {'':>9} {'':>9} {'':>9} {'':>8} {'':>8}  {verdict}")
+    for fig in FIGURES:
+        now, was = result["figures"].get(fig.key), base.get(fig.key)
+        verdict, change = _verdict(fig, now, was)
+        ok = ok and not (fig.gated and verdict in ("REGRESSION", "MISSING"))
+        lines.append(f"{fig.label:40} {fig.unit:>9} {_num(now):>9} {_num(was):>9} {change:>8} "
+                     f"{_num(fig.target):>8}  {verdict}")
+    lines.append("GATE PASSED" if ok else "GATE FAILED")
+    return lines, ok
+
+
+def _verdict(fig: Figure, now: float | None, was: float | None) -> tuple[str, str]:
+    if now is None:
+        return ("MISSING" if was is not None else "not run"), ""
+    met = "" if fig.target is None else (" target met" if _better_or_equal(fig, now, fig.target) else "")
+    if was is None:
+        return "new" + met, ""
+    worse = (was - now) / was if fig.higher_is_better else (now - was) / was
+    change = f"{100 * (now - was) / was:+.1f}%"
+    if worse > TOLERANCE:
+        return ("REGRESSION" if fig.gated else "worse (not gated)") + met, change
+    return "ok" + met, change
+
+
+def _better_or_equal(fig: Figure, a: float, b: float) -> bool:
+    return a >= b if fig.higher_is_better else a <= b
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.2f}"
+
+
+def _step(cmd: list[str], timeout: int, log: Path, env: dict) -> tuple[int, str]:
+    """Runs cmd from the repository root with its output in log; a step past its timeout is killed with
+    every process it started. Returns the exit code (124 on timeout) and the log's last lines."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = 124
+    lines = log.read_text(errors="replace").splitlines()
+    return rc, "\n".join(lines[-12:])
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _gpu() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all")
+    a.add_argument("--out", required=True)
+    a.add_argument("--smoke", action="store_true")
+    a.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
+    m = sub.add_parser("model")
+    m.add_argument("name", choices=[r.name for r in RUNS] + ["demo"])
+    m.add_argument("--json", required=True)
+    m.add_argument("--smoke", action="store_true")
+    c = sub.add_parser("compare")
+    c.add_argument("result")
+    c.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
+    ns = ap.parse_args()
+    if ns.cmd == "model":
+        run = next((r for r in RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
+        Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke)))
+        return 0
+    result = run_all(Path(ns.out), ns.smoke) if ns.cmd == "all" else json.loads(Path(ns.result).read_text())
+    smoke = getattr(ns, "smoke", False)  # a CPU run has nothing to compare with the H200's figures
+    baseline = json.loads(Path(ns.baseline).read_text()) if Path(ns.baseline).exists() and not smoke else None
+    lines, ok = compare(result, baseline)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The H200 gate in one device call (bench/gate.py says what it runs and how it judges):
+#   device run: bash bench/gate.sh
+# The table comes last; $OUT gets gate.json, baseline-candidate.json (copy it to bench/baseline.json when
+# the figures are accepted) and gate-logs.tgz (every step's log).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/gate-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+python3 bench/gate.py all --out /tmp/gate "$@"
+rc=$?
+cp /tmp/gate/gate.json /tmp/gate/baseline-candidate.json "$OUT"/ 2>/dev/null
+tar -czf "$OUT/gate-logs.tgz" -C /tmp/gate . 2>/dev/null
+exit $rc

@@ -1,0 +1,62 @@
+"""bench/gate.py's verdicts: a figure more than 3 % worse than the baseline (in its own direction) is a
+regression and fails the gate, as do a failed check and a gated figure the baseline has but the run lost;
+time to ready is shown, never gated. Plus the whole gate on the CPU (demo model, tiny workloads)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gate", ROOT / "bench" / "gate.py")
+gate = importlib.util.module_from_spec(spec)
+sys.modules["gate"] = gate  # dataclasses look their module up there
+spec.loader.exec_module(gate)
+
+BASE = {"commit": "abc", "figures": {"r1-distill-qwen-7b/w1": 10_000.0, "deepseek-llm-7b/tpot": 4.0,
+                                     "deepseek-llm-7b/ready": 20.0}}
+
+
+def verdicts(figures: dict, checks: dict | None = None) -> tuple[dict[str, str], bool]:
+    lines, ok = gate.compare({"figures": figures, "checks": checks or {}}, BASE)
+    labels = {f.label: f.key for f in gate.FIGURES}
+    found = {}
+    for line in lines:
+        for label, key in labels.items():
+            if line.startswith(label + " "):
+                found[key] = line.rsplit("  ", 1)[-1].strip()
+    return found, ok
+
+
+def test_within_tolerance_passes_and_beyond_fails_in_each_direction():
+    found, ok = verdicts({"r1-distill-qwen-7b/w1": 9_800.0, "deepseek-llm-7b/tpot": 4.1, "deepseek-llm-7b/ready": 20})
+    assert ok and found["r1-distill-qwen-7b/w1"] == "ok" and found["deepseek-llm-7b/tpot"] == "ok"
+    found, ok = verdicts({"r1-distill-qwen-7b/w1": 9_600.0, "deepseek-llm-7b/tpot": 4.0, "deepseek-llm-7b/ready": 20})
+    assert not ok and found["r1-distill-qwen-7b/w1"] == "REGRESSION"  # 4 % fewer tokens/s
+    found, ok = verdicts({"r1-distill-qwen-7b/w1": 10_000.0, "deepseek-llm-7b/tpot": 4.2, "deepseek-llm-7b/ready": 20})
+    assert not ok and found["deepseek-llm-7b/tpot"] == "REGRESSION"  # 5 % slower per token
+
+
+def test_targets_missing_figures_checks_and_ungated_ready():
+    found, ok = verdicts({"r1-distill-qwen-7b/w1": 13_500.0, "deepseek-llm-7b/tpot": 3.3, "deepseek-llm-7b/ready": 40})
+    assert ok, "time to ready is not gated"
+    assert found["r1-distill-qwen-7b/w1"] == "ok target met" and found["deepseek-llm-7b/ready"] == "worse (not gated)"
+    found, ok = verdicts({"deepseek-llm-7b/tpot": 3.9})
+    assert not ok and found["r1-distill-qwen-7b/w1"] == "MISSING"
+    _, ok = verdicts(BASE["figures"], {"greedy": "FAIL (rc=1)"})
+    assert not ok
+
+
+def test_the_whole_gate_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate.py"), "all", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "gate.json").read_text())
+    assert result["checks"] == {"run demo": "PASS"}
+    assert result["figures"]["demo/w1"] > 0 and result["figures"]["demo/tpot"] > 0
+    assert proc.stdout.strip().endswith("GATE PASSED")
+    candidate = json.loads((tmp_path / "baseline-candidate.json").read_text())
+    assert candidate["figures"] == result["figures"]
