@@ -17,7 +17,11 @@ sys.modules["gate"] = gate  # dataclasses look their module up there
 spec.loader.exec_module(gate)
 
 BASE = {"commit": "abc", "figures": {"r1-distill-qwen-7b/w1": 10_000.0, "deepseek-llm-7b/tpot": 4.0,
-                                     "deepseek-llm-7b/ready": 20.0}}
+                                     "deepseek-llm-7b/ready": 20.0, "deepseek-llm-7b/ttft": 20.0}}
+
+
+def figs(changes: dict) -> dict:
+    return {**BASE["figures"], **changes}
 
 
 def verdicts(figures: dict, checks: dict | None = None) -> tuple[dict[str, str], bool]:
@@ -32,18 +36,21 @@ def verdicts(figures: dict, checks: dict | None = None) -> tuple[dict[str, str],
 
 
 def test_within_tolerance_passes_and_beyond_fails_in_each_direction():
-    found, ok = verdicts({"r1-distill-qwen-7b/w1": 9_800.0, "deepseek-llm-7b/tpot": 4.1, "deepseek-llm-7b/ready": 20})
+    found, ok = verdicts(figs({"r1-distill-qwen-7b/w1": 9_800.0, "deepseek-llm-7b/tpot": 4.1}))
     assert ok and found["r1-distill-qwen-7b/w1"] == "ok" and found["deepseek-llm-7b/tpot"] == "ok"
-    found, ok = verdicts({"r1-distill-qwen-7b/w1": 9_600.0, "deepseek-llm-7b/tpot": 4.0, "deepseek-llm-7b/ready": 20})
+    found, ok = verdicts(figs({"r1-distill-qwen-7b/w1": 9_600.0}))
     assert not ok and found["r1-distill-qwen-7b/w1"] == "REGRESSION"  # 4 % fewer tokens/s
-    found, ok = verdicts({"r1-distill-qwen-7b/w1": 10_000.0, "deepseek-llm-7b/tpot": 4.2, "deepseek-llm-7b/ready": 20})
+    found, ok = verdicts(figs({"deepseek-llm-7b/tpot": 4.2}))
     assert not ok and found["deepseek-llm-7b/tpot"] == "REGRESSION"  # 5 % slower per token
 
 
 def test_targets_missing_figures_checks_and_ungated_ready():
-    found, ok = verdicts({"r1-distill-qwen-7b/w1": 13_500.0, "deepseek-llm-7b/tpot": 3.3, "deepseek-llm-7b/ready": 40})
+    found, ok = verdicts(figs({"r1-distill-qwen-7b/w1": 13_500.0, "deepseek-llm-7b/tpot": 3.3,
+                               "deepseek-llm-7b/ready": 40}))
     assert ok, "time to ready is not gated"
     assert found["r1-distill-qwen-7b/w1"] == "ok target met" and found["deepseek-llm-7b/ready"] == "worse (not gated)"
+    found, ok = verdicts(figs({"deepseek-llm-7b/ttft": 25.0}))
+    assert not ok and found["deepseek-llm-7b/ttft"] == "REGRESSION target met"  # under 30 ms, 25 % over 20 ms
     found, ok = verdicts({"deepseek-llm-7b/tpot": 3.9})
     assert not ok and found["r1-distill-qwen-7b/w1"] == "MISSING"
     _, ok = verdicts(BASE["figures"], {"greedy": "FAIL (rc=1)"})
