@@ -91,14 +91,24 @@ def prefill_runner(llm: LLM, total_tokens: int, prompt_len: int):
     return run
 
 
-def prefill_ms(run) -> float:
-    """Wall ms of one prefill step; the first call warms up."""
+def prefill_ms(llm: LLM, run) -> tuple[float, int]:
+    """Wall ms of one prefill call, and the engine steps it took; the first call warms up."""
     run()
     sync()
+    scheduler = llm.llm_engine.core.scheduler
+    schedule, steps = scheduler.schedule, [0]
+
+    def counted():
+        steps[0] += 1
+        return schedule()
+
+    scheduler.schedule = counted
     start = time.perf_counter()
     run()
     sync()
-    return (time.perf_counter() - start) * 1e3
+    elapsed = (time.perf_counter() - start) * 1e3
+    scheduler.schedule = schedule
+    return elapsed, steps[0]
 
 
 def linear_flops_per_token(llm: LLM) -> float:
@@ -177,12 +187,15 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ns = ap.parse_args()
     tag = f"{ns.model}-b{ns.batch}"
+    # Room for the prefill window's prompts (512 tokens each) in one step. With max_num_seqs = batch = 1
+    # its 16 prompts went one per step, 16 steps: the likely reading of the 1,231 ms that BENCHMARKS.md's
+    # V2-Lite batch-1 profile printed for "8,192 tokens". The window now also counts its engine steps.
     llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
-              max_num_seqs=max(ns.batch, 1), skip_tokenizer_init=True)
-    prefill, top_prefill = None, []
+              max_num_seqs=max(ns.batch, ns.prefill_tokens // 512, 1), skip_tokenizer_init=True)
+    prefill, prefill_steps, top_prefill = None, 0, []
     if ns.prefill_tokens:
         run_prefill = prefill_runner(llm, ns.prefill_tokens, 512)
-        prefill = prefill_ms(run_prefill)
+        prefill, prefill_steps = prefill_ms(llm, run_prefill)
         top_prefill = kernel_table(run_prefill, 1, f"{ns.out}/{tag}-prefill-kernels.txt")
     prefill_tflops = prefill and linear_flops_per_token(llm) * ns.prefill_tokens / (prefill * 1e-3) / 1e12
     start_decoding(llm, ns.batch, ns.prompt_len, ns.temperature)
@@ -224,6 +237,7 @@ def main() -> int:
               "eager_wall_ms_per_step": round(eager_ms, 3), "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
               "graph_replay_ms": replay and round(replay, 3),
               "prefill_ms": prefill and round(prefill, 2), "prefill_tokens": ns.prefill_tokens,
+              "prefill_engine_steps": prefill_steps,
               "prefill_linear_tflops": prefill_tflops and round(prefill_tflops, 1),
               "host_phases_ms": phases,
               "graph_top_kernels_us": [(n[:80], round(u, 1), c) for n, u, c in top_graph[:15]],
@@ -234,6 +248,7 @@ def main() -> int:
     print(json.dumps(result, indent=1))
     print(f"SUMMARY {tag}: wall {wall_ms:.3f} ms/step, async {async_ms:.3f} (eager {eager_ms:.3f}, "
           f"graphs again {graph_again_ms:.3f}), prefill of {ns.prefill_tokens} tokens {prefill} ms "
+          f"in {prefill_steps} engine steps "
           f"({prefill_tflops} TFLOP/s in the linear layers), "
           f"graph replay {replay} ms, phases {phases}")
     return 0
