@@ -136,7 +136,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Refused here, before any process starts, rather than by a layer on some rank.
-        from deepserve.runner.tp_check import EXPERT_PARALLEL_ATTR, check_pp_fits, check_tp_divides
+        from deepserve.distributed.layout import EXPERT_PARALLEL_ATTR, check_pp_fits, check_tp_divides
 
         if self.parallel.tensor_parallel_size > 1:
             check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size,

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
+from deepserve.kernels.paged_attention import PagedLayout
 from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
-from deepserve.runner.forward_context import AttentionMetadata
 
 
 def store_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -33,17 +33,17 @@ def mla_attention_ref(
     q_latent: torch.Tensor,  # [T, H, C]: q_nope with W_UK folded in
     q_pe: torch.Tensor,  # [T, H, Dr]: roped
     kv_cache: torch.Tensor,  # [num_blocks, block_size, C + Dr], this step's entries already stored
-    meta: AttentionMetadata,
+    layout: PagedLayout,
     scale: float,
 ) -> torch.Tensor:  # [T, H, C]: attention-weighted latents, W_UV still to apply
     """The absorbed form: scores are q_latent·c + q_pe·k_pe over every cached token of the sequence."""
     num_heads, rank = q_latent.shape[1], q_latent.shape[2]
     query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + Dr]
     out = q_latent.new_empty(q_latent.shape)
-    for b in range(meta.num_seqs):
-        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        seq_len, num_new = meta.seq_lens_cpu[b], end - start
-        entries = gather_latent(kv_cache, meta.block_tables[b], seq_len, meta.block_size).to(query.dtype)
+    for b in range(layout.num_seqs):
+        start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
+        seq_len, num_new = layout.seq_lens[b], end - start
+        entries = gather_latent(kv_cache, layout.block_tables[b], seq_len, layout.block_size).to(query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, C + Dr]
         k = entries[None, None]  # [1, 1, L, C + Dr]: one key head shared by all H
         v = k[..., :rank]  # [1, 1, L, C]
@@ -59,15 +59,13 @@ def mla_prefill_ref(
     q: torch.Tensor,  # [T, H, Dk]: q_nope and roped q_pe
     k: torch.Tensor,  # [T, H, Dk]: k_nope expanded by W_UK and the shared roped k_pe
     v: torch.Tensor,  # [T, H, Dv]: expanded by W_UV
-    meta: AttentionMetadata,
+    cu: torch.Tensor,  # [B + 1] int32: sequence b owns rows cu[b]:cu[b+1], all of them new
+    cu_cpu: list[int],  # the same on the host
     scale: float,
 ) -> torch.Tensor:  # [T, H, Dv]
     """The expanded form for sequences with nothing cached before this step: causal attention within
     each sequence's new tokens, all sequences in one call (`mla_varlen_attention`)."""
-    cu = meta.query_start_loc_cpu
-    assert meta.seq_lens_cpu == [b - a for a, b in zip(cu, cu[1:], strict=False)], \
-        "the expanded form here needs sequences without cached context"
-    return mla_varlen_attention(q, k, v, meta.query_start_loc, meta.query_start_loc, cu, cu, scale)
+    return mla_varlen_attention(q, k, v, cu, cu, cu_cpu, cu_cpu, scale)
 
 
 def mla_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

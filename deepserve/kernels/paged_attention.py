@@ -7,11 +7,25 @@ The reference runs on CPU and GPU; the Triton kernels of the GPU fast path are t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from deepserve.runner.forward_context import AttentionMetadata
+
+class PagedLayout(NamedTuple):
+    """Where a flat batch's sequences live: sequence b owns query rows query_start_loc[b]:[b+1] and has
+    seq_lens[b] tokens in the cache (this step's included), in blocks block_tables[b]."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_size: int
+    query_start_loc: list[int]  # [B + 1], on the host
+    seq_lens: list[int]  # [B], on the host
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -27,7 +41,7 @@ def paged_attention_ref(
     key: torch.Tensor,  # [T, Hkv, D]: this step's keys (already stored in the cache too)
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    meta: AttentionMetadata,
+    layout: PagedLayout,
     scale: float,
     seqs: list[int] | None = None,  # which sequences to compute (default: all)
     out: torch.Tensor | None = None,  # [T, H, D]: rows of other sequences are left as they are
@@ -37,13 +51,13 @@ def paged_attention_ref(
     gathers its keys from the cache and attends with the causal mask aligned to the last key."""
     out = torch.empty_like(query) if out is None else out
     group = query.shape[1] // key.shape[1]
-    for b in range(meta.num_seqs) if seqs is None else seqs:
-        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
-        seq_len = meta.seq_lens_cpu[b]
+    for b in range(layout.num_seqs) if seqs is None else seqs:
+        start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
+        seq_len = layout.seq_lens[b]
         if seq_len == end - start:  # nothing cached before: plain causal attention over this step's keys
             k, v = key[start:end], value[start:end]
         else:
-            k, v = _gather(kv_cache, meta.block_tables[b], seq_len, meta.block_size)
+            k, v = _gather(kv_cache, layout.block_tables[b], seq_len, layout.block_size)
         out[start:end] = fused_sdpa(query[start:end], k.to(query.dtype), v.to(query.dtype), scale, group)
     return out
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
 from deepserve.kernels.varlen_attention import varlen_attention
-from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
 
 
 class Attention(nn.Module):
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         if uses_gpu_kernels(self.kv_cache):
             return _attend_cuda(q, k, v, self.kv_cache, meta, self.scale).flatten(1)
         store_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
-        out = paged_attention_ref(q, k, v, self.kv_cache, meta, self.scale)
+        out = paged_attention_ref(q, k, v, self.kv_cache, meta.paged, self.scale)
         return out.flatten(1)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.runner.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
+from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 
 
 def _divide(n: int, world: int, what: str) -> int:

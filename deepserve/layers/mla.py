@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepserve.distributed.parallel_state import get_tp_world_size
+from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.mla_attention import (
     gather_latent,
     mla_attention_ref,
@@ -37,8 +39,6 @@ from deepserve.kernels.mla_attention import (
 )
 from deepserve.layers.attention import uses_gpu_kernels
 from deepserve.layers.linear import ColumnParallelLinear
-from deepserve.runner.distributed import get_tp_world_size
-from deepserve.runner.forward_context import AttentionMetadata, get_forward_context
 
 
 class MLAAttention(nn.Module):
@@ -130,14 +130,14 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, C]
-        o_latent = mla_attention_ref(q_latent, q_pe, self.kv_cache, meta, self.scale)  # [T, H, C]
+        o_latent = mla_attention_ref(q_latent, q_pe, self.kv_cache, meta.paged, self.scale)  # [T, H, C]
         return torch.einsum("thc,hdc->thd", o_latent, w_uv)  # [T, H, Dv]
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         k, v = self._expand_kv(kv_c, k_pe)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + Dr]
-        return mla_prefill_ref(q, k, v, meta, self.scale)  # [T, H, Dv]
+        return mla_prefill_ref(q, k, v, meta.query_start_loc, meta.query_start_loc_cpu, self.scale)  # [T, H, Dv]
 
     def _expanded_over_cache(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata
                              ) -> torch.Tensor:

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepserve.distributed.layout import EXPERT_PARALLEL_ATTR
+from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
-from deepserve.runner.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
-from deepserve.runner.tp_check import EXPERT_PARALLEL_ATTR
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")

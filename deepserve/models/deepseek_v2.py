@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve.distributed.parallel_state import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from deepserve.layers.mla import MLAAttention
@@ -35,7 +36,6 @@ from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
 from deepserve.loader.checkpoint import stage_weights
 from deepserve.loader.fp8 import dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
-from deepserve.runner.distributed import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 
 # The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
 # not config.rms_norm_eps.

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve.distributed.parallel_state import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.attention import Attention
 from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from deepserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters
-from deepserve.runner.distributed import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 
 
 class LlamaMLP(nn.Module):

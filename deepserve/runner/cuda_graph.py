@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from deepserve.runner.forward_context import AttentionMetadata, forward_context
+from deepserve.forward_context import AttentionMetadata, forward_context
 from deepserve.runner.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)

@@ -164,7 +164,7 @@ def _shutdown(workers: _Workers) -> None:
             logger.warning("could not free the decode CUDA graphs before shutdown: %s", e)
     if dist.is_initialized():
         dist.destroy_process_group()
-    from deepserve.runner.distributed import reset_model_parallel
+    from deepserve.distributed.parallel_state import reset_model_parallel
 
     reset_model_parallel()
 
@@ -179,7 +179,7 @@ class MultiprocExecutor:
             raise ValueError(f"node {par.node_rank} does not run the engine: start it with `deepserve serve ... "
                              f"--node-rank {par.node_rank}`, which serves only its ranks (docs/parallel.md)")
         if par.pipeline_parallel_size > 1:
-            from deepserve.runner.tp_check import check_pp_fits
+            from deepserve.distributed.layout import check_pp_fits
 
             check_pp_fits(config.model.hf_config, par.pipeline_parallel_size)
         self.pipeline = par.pipeline_parallel_size > 1

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from deepserve.engine.request import SchedulerOutput
-from deepserve.runner.forward_context import AttentionMetadata, PrefillGroup
+from deepserve.forward_context import AttentionMetadata, PrefillGroup
 
 
 @dataclass

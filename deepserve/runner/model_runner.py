@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from deepserve.config import EngineConfig
+from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
+from deepserve.forward_context import forward_context
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.model_loader import load_model
-from deepserve.runner import distributed as pdist
 from deepserve.runner.cuda_graph import DecodeGraphs
-from deepserve.runner.forward_context import forward_context
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def init_group(rank: int, world: int, addr: str, port: int, backend: str, timeou
 def init_model_parallel(config: EngineConfig) -> None:
     """Under pipeline parallelism, every rank (0 included, in this order, right after the config
     broadcast) makes the per-stage tensor-parallel groups; under tensor parallelism alone, nothing."""
-    from deepserve.runner.distributed import init_model_parallel as init
+    from deepserve.distributed.parallel_state import init_model_parallel as init
 
     init(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from deepserve.forward_context import AttentionMetadata
 from deepserve.kernels.mla_attention import mla_prefill_ref
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
-from deepserve.runner.forward_context import AttentionMetadata
 
 BLOCK = 4
 
@@ -85,7 +85,7 @@ def test_paged_prefill_matches_explicit_softmax(heads, kv_heads, cached, only_fl
     store_kv_ref(step_k, step_v, kv_cache, meta.slot_mapping)
     query = torch.randn(sum(new), heads, dim, generator=gen)
 
-    out = run(lambda: paged_attention_ref(query, step_k, step_v, kv_cache, meta, scale), only_flash)
+    out = run(lambda: paged_attention_ref(query, step_k, step_v, kv_cache, meta.paged, scale), only_flash)
 
     starts = meta.query_start_loc_cpu
     for b in range(len(new)):
@@ -110,7 +110,7 @@ def test_mla_expanded_prefill_matches_explicit_softmax(dk, dv, only_flash):
     k = torch.randn(sum(new), heads, dk, generator=gen)
     v = torch.randn(sum(new), heads, dv, generator=gen)
 
-    out = run(lambda: mla_prefill_ref(q, k, v, meta, scale), only_flash)
+    out = run(lambda: mla_prefill_ref(q, k, v, meta.query_start_loc, meta.query_start_loc_cpu, scale), only_flash)
 
     assert out.shape == (sum(new), heads, dv)
     starts = meta.query_start_loc_cpu
@@ -130,9 +130,9 @@ def test_bf16_prefill_runs_on_flash():
     step_v = torch.randn(9, 2, 16, generator=gen).bfloat16()
     store_kv_ref(step_k, step_v, kv_cache, meta.slot_mapping)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        flash = paged_attention_ref(query, step_k, step_v, kv_cache, meta, 0.25)
+        flash = paged_attention_ref(query, step_k, step_v, kv_cache, meta.paged, 0.25)
     with sdpa_kernel([SDPBackend.MATH]):
-        math = paged_attention_ref(query, step_k, step_v, kv_cache, meta, 0.25)
+        math = paged_attention_ref(query, step_k, step_v, kv_cache, meta.paged, 0.25)
     torch.testing.assert_close(flash.float(), math.float(), atol=2e-2, rtol=2e-2)
 
 

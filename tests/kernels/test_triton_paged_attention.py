@@ -23,9 +23,9 @@ from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
 tpa = import_kernels("deepserve.kernels.triton_paged_attention")
 
+from deepserve.forward_context import AttentionMetadata  # noqa: E402
 from deepserve.kernels.mla_attention import mla_attention_ref  # noqa: E402
 from deepserve.kernels.paged_attention import paged_attention_ref  # noqa: E402
-from deepserve.runner.forward_context import AttentionMetadata  # noqa: E402
 
 pytestmark = MARKS
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -367,7 +367,7 @@ def test_decode_reference_matches_engine_reference(group):
     key, value = (torch.stack([tpa._gather_rows(half, table[b], n)[-1] for b, n in enumerate(lens)])
                   for half in kv_cache)  # [B, Hkv, D] each
     ours = tpa.paged_decode_attention_ref(query, kv_cache, table, seq_lens, 0.125)
-    theirs = paged_attention_ref(query, key, value, kv_cache, decode_meta(lens, table, 16), 0.125)
+    theirs = paged_attention_ref(query, key, value, kv_cache, decode_meta(lens, table, 16).paged, 0.125)
     assert rel_err(ours, theirs) < 1e-5
 
 
@@ -377,7 +377,7 @@ def test_mla_reference_matches_engine_reference():
     q_latent, q_rope, table = q_latent[keep], q_rope[keep], table[keep]
     seq_lens, lens = seq_lens[keep], [lens[b] for b in keep]
     ours = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, table, seq_lens, 0.2)
-    theirs = mla_attention_ref(q_latent, q_rope, cache, decode_meta(lens, table, 16), 0.2)
+    theirs = mla_attention_ref(q_latent, q_rope, cache, decode_meta(lens, table, 16).paged, 0.2)
     assert rel_err(ours, theirs) < 1e-5
 
 

@@ -9,9 +9,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import deepserve.layers.mla as mla_module
+from deepserve.forward_context import AttentionMetadata, forward_context
 from deepserve.kernels.mla_attention import gather_latent, store_latent_ref
 from deepserve.layers.mla import MLAAttention
-from deepserve.runner.forward_context import AttentionMetadata, forward_context
 
 H, C, DN, DR, DV = 4, 16, 8, 4, 12
 SCALE = 0.3

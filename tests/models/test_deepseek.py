@@ -19,7 +19,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Conf
 from deepserve import LLM, SamplingParams
 from deepserve.config import EngineArgs
 from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
-from deepserve.runner.forward_context import forward_context
+from deepserve.forward_context import forward_context
 from deepserve.runner.input_batch import prepare_inputs
 from deepserve.runner.model_runner import ModelRunner
 from tests.conftest import save_checkpoint

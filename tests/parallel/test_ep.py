@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from deepserve.config import EngineArgs
+from deepserve.distributed.layout import tp_problems
 from deepserve.kernels.fused_moe import _check_inputs, fused_moe_ref
 from deepserve.layers.moe import RoutedExperts
-from deepserve.runner.tp_check import tp_problems
 from tests.conftest import save_checkpoint
 from tests.models.test_deepseek import VARIANTS, make_hf_model
 from tests.parallel.conftest import GREEDY, PROMPTS, greedy_tokens, make_llm, shutdown

@@ -8,9 +8,9 @@ from collections import defaultdict
 
 import pytest
 
+from deepserve.distributed.layout import check_pp_fits
+from deepserve.distributed.parallel_state import stage_layers
 from deepserve.loader import checkpoint
-from deepserve.runner.distributed import stage_layers
-from deepserve.runner.tp_check import check_pp_fits
 from tests.conftest import save_checkpoint
 from tests.models.test_deepseek import VARIANTS, make_hf_model
 from tests.parallel.conftest import DENSE, greedy_tokens, make_llm, shutdown

@@ -103,7 +103,7 @@ def test_non_dividing_tp_is_refused_naming_the_field(llama_path, field, override
 def test_moe_intermediate_size_is_checked():
     from types import SimpleNamespace
 
-    from deepserve.runner.tp_check import tp_problems
+    from deepserve.distributed.layout import tp_problems
 
     cfg = SimpleNamespace(num_attention_heads=8, intermediate_size=64, moe_intermediate_size=12, n_routed_experts=4)
     assert tp_problems(cfg, 8) == ["moe_intermediate_size (12) is not divisible by tensor_parallel_size (8)"]

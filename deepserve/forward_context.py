@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from deepserve.kernels.paged_attention import PagedLayout
+
 
 @dataclass
 class PrefillGroup:
@@ -62,6 +64,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def paged(self) -> PagedLayout:
+        """What the kernels' references take: plain tensors and host lists."""
+        return PagedLayout(self.block_tables, self.block_size, self.query_start_loc_cpu, self.seq_lens_cpu)
 
 
 _current: AttentionMetadata | None = None
