@@ -3,7 +3,7 @@
 1. `raw`: two ranks, torch's NCCL process group, a graph holding a matmul and an all-reduce: capture,
    replay, compare with the sum computed eagerly. Each rank dumps its Python stack and exits if it
    is still running after 40 s (faulthandler), so a hang shows where it hangs.
-2. `llm`: LLM(tensor_parallel_size=2) on a tiny Llama with DEEPSERVE_TP_CUDA_GRAPHS=1 and greedy
+2. `llm`: LLM(tensor_parallel_size=2) on a tiny Llama with enforce_eager=False (decode graphs on TP ranks) and greedy
    tokens compared with one GPU. Run it with PYTHONFAULTHANDLER=1 and send SIGABRT to the ranks
    after a timeout: every process then prints its stack.
 
@@ -62,14 +62,12 @@ def raw(mode: str, reset: bool) -> None:
 
 
 def llm() -> None:
-    import os
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from deepserve import LLM, SamplingParams
 
     logging.basicConfig(level=logging.INFO)
-    os.environ["DEEPSERVE_TP_CUDA_GRAPHS"] = "1"
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
@@ -80,7 +78,7 @@ def llm() -> None:
         results = {}
         for tp in (1, 2):
             engine = LLM(path, dtype="float32", device="cuda", num_gpu_blocks_override=128, block_size=16,
-                         skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp)
+                         skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp, enforce_eager=False)
             print(f"tp={tp}: engine ready", flush=True)
             results[tp] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
             print(f"tp={tp}: generated", flush=True)

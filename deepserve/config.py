@@ -7,9 +7,10 @@ returned by the code that measures them, never written back here.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from deepserve import envs
 
 DEFAULT_CHUNKED_TOKEN_BUDGET = 8192
 
@@ -53,6 +54,12 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.swap_space > 0:  # accepted for vLLM's configs, but never silently ignored
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "swap_space=%s GiB does nothing yet: preempted requests are recomputed, not swapped to host "
+                "memory", self.swap_space)
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
 
@@ -136,13 +143,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Refused here, before any process starts, rather than by a layer on some rank.
-        from deepserve.distributed.layout import EXPERT_PARALLEL_ATTR, check_pp_fits, check_tp_divides
+        from deepserve.distributed.layout import check_pp_fits, check_tp_divides
 
         if self.parallel.tensor_parallel_size > 1:
             check_tp_divides(self.model.hf_config, self.parallel.tensor_parallel_size,
                              self.parallel.enable_expert_parallel)
-        # The model's layers see only the hf_config (which travels to every rank with this config).
-        setattr(self.model.hf_config, EXPERT_PARALLEL_ATTR, self.parallel.enable_expert_parallel)
         if self.parallel.pipeline_parallel_size > 1:
             check_pp_fits(self.model.hf_config, self.parallel.pipeline_parallel_size)
 
@@ -175,7 +180,9 @@ class EngineArgs:
     load_format: str = "auto"
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
-    enforce_eager: bool = False
+    # None: decode CUDA graphs in one process, eager ranks under tensor parallelism (graphs there are
+    # correct on tiny checkpoints but unmeasured at W1 size; False asks for them); True: no graphs at all.
+    enforce_eager: bool | None = None
     skip_tokenizer_init: bool = False  # token ids in and out, no text (benchmarks on model-shape presets)
     # None: on where it pays, a CUDA device in one process (the host's work then overlaps the GPU's).
     async_scheduling: bool | None = None
@@ -215,7 +222,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             device=device,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.tensor_parallel_size > 1 if self.enforce_eager is None else self.enforce_eager,
         )
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -261,4 +268,4 @@ def _resolve_device(device: str) -> str:
 def _demo_model_path() -> str:
     from deepserve.demo import ensure_demo_model
 
-    return ensure_demo_model(os.environ.get("DEEPSERVE_DEMO_MODEL_DIR"))
+    return ensure_demo_model(envs.DEEPSERVE_DEMO_MODEL_DIR)

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
+from deepserve import envs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -202,7 +204,7 @@ def write_demo_model(path: str) -> str:
 
 
 def default_demo_path() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = envs.XDG_CACHE_HOME or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "deepserve", CACHE_NAME)
 
 

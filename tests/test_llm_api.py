@@ -169,3 +169,15 @@ def test_cli_hf_overrides_replace_config_fields():
     assert config.model.hf_config.num_hidden_layers == 8  # the preset has 61
     with pytest.raises(SystemExit):
         parser.parse_args(["--hf-overrides", "[8]"])
+
+
+def test_swap_space_warns_that_it_does_nothing_yet(caplog):
+    import logging
+
+    from deepserve.config import CacheConfig
+
+    with caplog.at_level(logging.WARNING, logger="deepserve.config"):
+        CacheConfig(swap_space=0.0)
+        assert not caplog.records
+        CacheConfig(swap_space=4.0)
+    assert any("swap_space=4.0 GiB does nothing yet" in r.getMessage() for r in caplog.records)

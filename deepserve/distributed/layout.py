@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# Set on the hf_config (EngineConfig, from --enable-expert-parallel): the MoE layers see only the hf_config.
-EXPERT_PARALLEL_ATTR = "_deepserve_enable_expert_parallel"
-
 
 def _split_sizes(hf_config: Any, expert_parallel: bool = False) -> dict[str, int]:
     """config.json field -> the size every rank must get an equal share of."""

@@ -43,7 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "instead of each expert's intermediate size")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
-    g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run without decode CUDA graphs (default: graphs on one GPU, eager under tensor "
+                        "parallelism; --no-enforce-eager captures them on tensor-parallel ranks too, "
+                        "experimental); pipeline stages always run eager")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous step's tokens are read, so "
                         "host work overlaps the GPU (default: on for one CUDA GPU; opt-in under tensor "

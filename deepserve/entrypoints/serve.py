@@ -8,12 +8,12 @@ a flag given on the command line wins over the file.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
 import yaml
 
+from deepserve import envs
 from deepserve.server.settings import ServerSettings
 
 DEMO_MODEL_NAME = "deepserve-demo"
@@ -84,8 +84,8 @@ def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def settings_from(ns: argparse.Namespace) -> ServerSettings:
     api_keys = list(ns.api_key or [])
-    if os.environ.get("DEEPSERVE_API_KEY"):
-        api_keys.append(os.environ["DEEPSERVE_API_KEY"])
+    if envs.DEEPSERVE_API_KEY:
+        api_keys.append(envs.DEEPSERVE_API_KEY)
     return ServerSettings(
         host=ns.host, port=ns.port, served_model_names=list(ns.served_model_name or []),
         api_keys=api_keys, api_keys_file=ns.api_keys, ssl_keyfile=ns.ssl_keyfile,

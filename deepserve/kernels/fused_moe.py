@@ -30,12 +30,16 @@ K experts per token, N = T*K assignments, P padded assignment count (a multiple 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from deepserve import envs
+
+# Triton decides at decoration, when the module is imported; a launch must not reread the environment.
+INTERPRET = envs.TRITON_INTERPRET
 
 
 @dataclass(frozen=True)
@@ -303,7 +307,7 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     # fp32 inputs: "ieee", not the tf32 default, so fp32 matches the reference to 1e-5.
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                DOT_UPCAST=dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1")
+                DOT_UPCAST=dtype != torch.float32 and INTERPRET)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,

@@ -31,12 +31,16 @@ Shapes: T tokens, X routed experts, K experts per token, G groups.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+from deepserve import envs
+
+# Triton decides at decoration, when the module is imported; a launch must not reread the environment.
+INTERPRET = envs.TRITON_INTERPRET
 
 if TYPE_CHECKING:  # attributes only: the kernel does not depend on the layers at run time
     from deepserve.layers.moe import RoutingConfig
@@ -154,7 +158,7 @@ def _check_inputs(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor |
              f"logits must be [T, {cfg.num_experts}], got {tuple(logits.shape)}")
     _require(logits.dtype in LOGIT_DTYPES, f"logits dtype {logits.dtype} is not one of {LOGIT_DTYPES}")
     _require(logits.stride(1) == 1 or logits.shape[1] == 1, "the logits' last dimension must be contiguous")
-    _require(logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+    _require(logits.is_cuda or INTERPRET,
              f"logits on {logits.device}: the kernel runs on CUDA (or CPU under TRITON_INTERPRET=1)")
     if cfg.topk_method != "noaux_tc":
         return  # `route` ignores the bias there too
@@ -169,7 +173,7 @@ def default_block_t(num_tokens: int) -> int:
     """Tokens per program. On the GPU one: a decode batch then spreads over as many SMs as it has tokens
     and each program is one warp of short reductions (latency, not throughput, is what counts at
     T <= 256). The interpreter runs programs one after another, so there it routes 16 at a time."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         return min(16, triton.next_power_of_2(max(num_tokens, 1)))
     return 1
 

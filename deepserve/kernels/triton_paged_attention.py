@@ -28,12 +28,16 @@ P qk_rope_head_dim, S splits, N tokens per tile.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from deepserve import envs
+
+# Triton decides at decoration, when the module is imported; a launch must not reread the environment.
+INTERPRET = envs.TRITON_INTERPRET
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic for the H200 (132 SMs), tuned with CUDA-graph replays (bench/check_kernels.py).
@@ -111,7 +115,7 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRET:
     _patch_interpreter_index()
 
 
@@ -361,7 +365,7 @@ def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     # fp32 inputs: "ieee", not the tf32 default, so fp32 matches the reference to 1e-5.
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                DOT_UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+                DOT_UPCAST=dtype == torch.bfloat16 and INTERPRET)
 
 
 def choose_num_splits(programs_per_split: int, max_seq_len: int, target_programs: int | None = None) -> int:

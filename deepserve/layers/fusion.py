@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from deepserve import envs
 
 F = TypeVar("F", bound=Callable)
 logger = logging.getLogger(__name__)
@@ -54,4 +55,4 @@ def _enabled() -> bool:
     # Each (model shape, layer kind) specializes once; a process serving one model needs a few, a
     # test process that builds many models more than the default limit of 8.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-    return os.environ.get("DEEPSERVE_TORCH_COMPILE", "1") != "0"
+    return envs.DEEPSERVE_TORCH_COMPILE

@@ -22,7 +22,6 @@ as under tensor parallelism sums the ranks' partial outputs. Shared experts stay
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.distributed.layout import EXPERT_PARALLEL_ATTR
+from deepserve import envs
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
@@ -82,7 +81,7 @@ class RoutingConfig:
             )
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> RoutingConfig:
+    def from_hf(cls, hf_config: Any, expert_parallel: bool = False) -> RoutingConfig:
         # Defaults are what each generation shipped with when the config leaves a field out.
         v3 = getattr(hf_config, "model_type", "") == "deepseek_v3"
         return cls(
@@ -94,7 +93,7 @@ class RoutingConfig:
             topk_group=getattr(hf_config, "topk_group", None) or 1,
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", None) or 1.0),
-            expert_parallel=bool(getattr(hf_config, EXPERT_PARALLEL_ATTR, False)),
+            expert_parallel=expert_parallel,
         )
 
 
@@ -311,7 +310,7 @@ def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
 def _fused_router(cfg: RoutingConfig) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """kernels.moe_routing.fused_route (`route`'s signature), or None where Triton is not installed,
     the config is past the kernel's limits, or DEEPSERVE_FUSED_ROUTING=0 (looked up once per config)."""
-    if os.environ.get("DEEPSERVE_FUSED_ROUTING", "1") == "0":
+    if not envs.DEEPSERVE_FUSED_ROUTING:
         return None
     try:
         from deepserve.kernels.moe_routing import fits, fused_route

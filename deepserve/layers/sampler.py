@@ -14,13 +14,13 @@ read from them after sampling).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from deepserve import envs
 from deepserve.layers.sampling_metadata import SamplingMetadata
 
 __all__ = [
@@ -74,7 +74,7 @@ def _fusable(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
 def _fused_sampler() -> Callable[..., torch.Tensor] | None:
     """kernels.sampling.gumbel_sample, or None without Triton or with DEEPSERVE_FUSED_SAMPLING=0 (looked
     up once, as the MoE layer's fused kernels are)."""
-    if os.environ.get("DEEPSERVE_FUSED_SAMPLING", "1") == "0":
+    if not envs.DEEPSERVE_FUSED_SAMPLING:
         return None
     try:
         from deepserve.kernels.sampling import gumbel_sample

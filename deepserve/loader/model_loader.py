@@ -14,11 +14,15 @@ from deepserve.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 
-def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               enable_expert_parallel: bool = False) -> nn.Module:
+    """The model of `config` on `device`, its weights loaded (or dummy). Options that are not the
+    checkpoint's (expert parallelism) reach the model class as constructor arguments."""
     model_class = get_model_class(config.hf_config)
+    options = dict(enable_expert_parallel=enable_expert_parallel)
     if device.type == "cpu":
-        _check_host_memory(_build(model_class, config, torch.device("meta"), dtype), dtype)
-    model = _build(model_class, config, device, dtype)
+        _check_host_memory(_build(model_class, config, torch.device("meta"), dtype, options), dtype)
+    model = _build(model_class, config, device, dtype, options)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
@@ -27,12 +31,13 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) ->
     return model.eval()
 
 
-def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.device, dtype: torch.dtype,
+           options: dict) -> nn.Module:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return model_class(config.hf_config)
+            return model_class(config.hf_config, **options)
     finally:
         torch.set_default_dtype(previous)
 

@@ -117,12 +117,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     # runner captures them in CUDA graphs like the dense models.
     supports_cuda_graphs = True
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, enable_expert_parallel: bool = False) -> None:
         super().__init__()
         check_supported(config)
         self.config = config
         # Built before any layer, so a bad routing field is refused before weights are allocated.
-        routing = RoutingConfig.from_hf(config) if getattr(config, "n_routed_experts", None) else None
+        routing = (RoutingConfig.from_hf(config, enable_expert_parallel)
+                   if getattr(config, "n_routed_experts", None) else None)
         rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, rope_parameters(config),
                                  interleaved=rope_interleaved(config))
         # Under pipeline parallelism this stage builds only layers [start, end), the first stage the

@@ -121,7 +121,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, enable_expert_parallel: bool = False) -> None:
+        # Every model class takes the model options load_model passes; a dense model has no experts to split.
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_biases(config))

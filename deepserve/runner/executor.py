@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import socket
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from deepserve import envs
 from deepserve.config import EngineConfig
 from deepserve.engine.request import SchedulerOutput
 from deepserve.runner import worker
@@ -51,10 +51,6 @@ STALE_HEARTBEAT_S = 3.0
 
 class TensorParallelError(RuntimeError):
     """A rank died or stopped answering; the engine cannot continue."""
-
-
-def _env_seconds(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
 
 
 def _free_port() -> int:
@@ -186,7 +182,7 @@ class MultiprocExecutor:
         self.parallel = par
         self.world = par.world_size
         self.local_world = par.ranks_per_node
-        self.timeout_s = _env_seconds("DEEPSERVE_TP_TIMEOUT_S", 300.0)
+        self.timeout_s = envs.DEEPSERVE_TP_TIMEOUT_S
         self.failed: TensorParallelError | None = None
         backend = "nccl" if config.model.device == "cuda" else "gloo"
         addr = par.master_addr if par.nnodes > 1 else "127.0.0.1"
@@ -206,12 +202,12 @@ class MultiprocExecutor:
             if par.nnodes > 1:
                 self.workers.remote = _RemoteHeartbeats(
                     addr, port, [r for node in range(1, par.nnodes) for r in par.node_ranks(node)],
-                    _env_seconds("DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S", 10.0))
+                    envs.DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S)
             worker.broadcast_object(config, self.group)
             worker.init_model_parallel(config)
             self.runner = ModelRunner(worker.runner_config(config))
             self.workers.release_graphs = self.runner.release_graphs
-            self._wait_loaded(_env_seconds("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0))
+            self._wait_loaded(envs.DEEPSERVE_TP_LOAD_TIMEOUT_S)
             self.workers.healthy = True
         except BaseException:
             self.shutdown()

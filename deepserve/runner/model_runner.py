@@ -77,7 +77,7 @@ class ModelRunner:
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, self.device, self.dtype)
+        self.model = load_model(config.model, self.device, self.dtype, config.parallel.enable_expert_parallel)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
         # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.

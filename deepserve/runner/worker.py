@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from deepserve import envs
 from deepserve.config import EngineConfig
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -87,8 +88,9 @@ def broadcast_object(obj: Any, group: Any) -> Any:
 
 
 def runner_config(config: EngineConfig) -> EngineConfig:
-    """Each rank's ModelRunner config. Tensor-parallel ranks run eager unless DEEPSERVE_TP_CUDA_GRAPHS=1:
-    then the decode CUDA graphs capture the NCCL all-reduces too (every rank captures the same sizes in
+    """Each rank's ModelRunner config. Tensor-parallel ranks run eager unless --no-enforce-eager
+    (EngineArgs.enforce_eager=False; the default there is eager): then the decode CUDA graphs capture the
+    NCCL all-reduces too (every rank captures the same sizes in
     the same order at initialize_cache, and replays the same size each step, since all ranks see the
     same step); rank 0 frees its graphs before it destroys the process group (ModelRunner.release_graphs)
     and the other ranks leave without a teardown (`leave_now`). Still opt-in: on 2 x H200 (bench/
@@ -96,8 +98,7 @@ def runner_config(config: EngineConfig) -> EngineConfig:
     (R1-Distill-Qwen-7B, 256 sequences, 20 graph sizes) did not finish in 5 minutes, for a reason not
     yet found. Pipeline stages always run eager: their point-to-point sends sit between stages,
     outside any one rank's graph."""
-    eager = (config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
-             or os.environ.get("DEEPSERVE_TP_CUDA_GRAPHS", "0") != "1")
+    eager = config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1
     return dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=eager))
 
 
@@ -237,7 +238,7 @@ def run_node(parallel: Any, backend: str, timeout_s: float | None = None) -> int
     stops; 0 on a clean stop. The caller must then leave at once (`leave_now`): this process's group
     is still up."""
     if timeout_s is None:
-        timeout_s = float(os.environ.get("DEEPSERVE_TP_TIMEOUT_S", 300.0))
+        timeout_s = envs.DEEPSERVE_TP_TIMEOUT_S
     world, local = parallel.world_size, parallel.ranks_per_node
     ranks = parallel.node_ranks(parallel.node_rank)
     first = ranks[0]

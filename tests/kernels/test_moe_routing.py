@@ -197,7 +197,7 @@ def test_rejects_bad_inputs(bad, message):
 
 @pytest.mark.skipif(ON_GPU, reason="on CUDA the kernel runs")
 def test_rejects_cpu_tensors_without_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels are already decorated: only the check sees it
+    monkeypatch.setattr(mr, "INTERPRET", False)  # the kernels are already decorated: only the check sees it
     with pytest.raises(ValueError, match="runs on CUDA"):
         mr.fused_route(torch.zeros(2, 64), CONFIGS["v2-lite"], None)
 

@@ -1,5 +1,6 @@
-"""Which ranks capture decode CUDA graphs: tensor-parallel ranks only with DEEPSERVE_TP_CUDA_GRAPHS=1
-(the all-reduces are then captured with the rest); pipeline stages and --enforce-eager never."""
+"""Which ranks capture decode CUDA graphs: one process by default; tensor-parallel ranks only when asked
+(enforce_eager=False, --no-enforce-eager: the all-reduces are then captured with the rest); pipeline
+stages and enforce_eager=True never."""
 
 from __future__ import annotations
 
@@ -15,20 +16,25 @@ def _config(**kw):
 
 
 @pytest.mark.parametrize("kw, eager", [
-    ({"tensor_parallel_size": 2}, False),  # with DEEPSERVE_TP_CUDA_GRAPHS=1 (set below)
+    ({}, False),
+    ({"tensor_parallel_size": 2}, True),  # the default under tensor parallelism
+    ({"tensor_parallel_size": 2, "enforce_eager": False}, False),
     ({"tensor_parallel_size": 2, "enforce_eager": True}, True),
+    ({"enforce_eager": True}, True),
     ({"pipeline_parallel_size": 2}, True),
-    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, True),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "enforce_eager": False}, True),
 ])
-def test_graphs_under_tensor_parallelism_only(kw, eager, monkeypatch):
-    monkeypatch.setenv("DEEPSERVE_TP_CUDA_GRAPHS", "1")
+def test_which_ranks_capture_graphs(kw, eager):
     assert runner_config(_config(**kw)).model.enforce_eager is eager
 
 
-@pytest.mark.parametrize("value", [None, "0"])
-def test_tensor_parallel_ranks_are_eager_by_default(value, monkeypatch):
-    if value is None:
-        monkeypatch.delenv("DEEPSERVE_TP_CUDA_GRAPHS", raising=False)
-    else:
-        monkeypatch.setenv("DEEPSERVE_TP_CUDA_GRAPHS", value)
-    assert runner_config(_config(tensor_parallel_size=2)).model.enforce_eager is True
+def test_the_cli_flag_is_three_valued():
+    import argparse
+
+    from deepserve.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).enforce_eager is None
+    assert parser.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args(["--no-enforce-eager"]).enforce_eager is False

@@ -1,0 +1,58 @@
+"""Every environment variable deepserve reads: its name, default and meaning, in one place.
+
+`envs.NAME` reads the variable when asked (processes spawned with a changed environment and tests that
+set one see it). Code on a per-step path reads a switch once, at import or construction, and keeps the
+value. Engine behaviour a user chooses is a flag or an `LLM(...)` argument, not a variable: these are
+escape hatches for debugging and tests, deployment plumbing, and settings for spawned processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "1" if default else "0") not in ("0", "", "false", "False")
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name, default))
+
+
+def _str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
+VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "DEEPSERVE_DEMO_MODEL_DIR": (_str("DEEPSERVE_DEMO_MODEL_DIR"),
+                                 "where the built-in demo model is written (default: the user cache)"),
+    "DEEPSERVE_API_KEY": (_str("DEEPSERVE_API_KEY"), "an API key `deepserve serve` accepts beside --api-key(s)"),
+    "DEEPSERVE_TP_TIMEOUT_S": (_float("DEEPSERVE_TP_TIMEOUT_S", 300.0),
+                               "how long a collective or the multi-node rendezvous may wait, in seconds"),
+    "DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S": (_float("DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S", 10.0),
+                                         "how long a silent remote node is given before it counts as dead"),
+    "DEEPSERVE_TP_LOAD_TIMEOUT_S": (_float("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0),
+                                    "how long node 0 waits for every rank to load its weights, in seconds"),
+    "DEEPSERVE_TORCH_COMPILE": (_flag("DEEPSERVE_TORCH_COMPILE", True),
+                                "0: run the fused elementwise chains (norms, rope, SiLU-and-mul) eagerly"),
+    "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
+                                "0: MoE routing by torch ops instead of the Triton routing kernel"),
+    "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),
+                                 "0: sampling by torch ops instead of the fused Triton pass"),
+    "TRITON_INTERPRET": (_flag("TRITON_INTERPRET", False),
+                         "Triton's own: 1 runs the kernels in its interpreter (CPU tests); read when a kernel "
+                         "module is imported"),
+    "XDG_CACHE_HOME": (_str("XDG_CACHE_HOME"), "the user cache (the demo model goes under it)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in VARIABLES:
+        return VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(VARIABLES)
