@@ -62,6 +62,13 @@ class SamplingParams:
         """True when sampling reads the request's earlier tokens (presence / frequency / repetition)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def needs_known_tokens(self) -> bool:
+        """True when sampling a token reads the request's earlier output tokens on the host side, so
+        they must be real tokens, not placeholders of a step still running (async scheduling then steps
+        one at a time while such a request runs). Penalties today; a grammar's state would be another."""
+        return self.has_penalties
+
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 

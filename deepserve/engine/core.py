@@ -122,8 +122,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         # A request whose sampling reads its earlier tokens (penalties) needs them real, not
-        # placeholders: while there is one, steps run one at a time.
-        if self.async_scheduling and not self.scheduler.num_with_penalties:
+        # placeholders (SamplingParams.needs_known_tokens): while there is one, steps run one at a time.
+        if self.async_scheduling and not self.scheduler.num_needing_known_tokens:
             return self._step_async()
         outputs = self._finish_inflight()
         if outputs:
@@ -163,19 +163,19 @@ class EngineCore:
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
     outputs = []
     for i, sched in enumerate(scheduled.scheduled):
-        request, token_id = sched.request, result.sampled[i]
+        request, tokens = sched.request, result.sampled[i]
         prompt_lps = result.prompt_logprobs.get(request.request_id)
         if prompt_lps:
             request.prompt_logprobs.extend(prompt_lps)
-        if token_id is None and prompt_lps is None:
+        if not tokens and prompt_lps is None:
             continue
-        entry = result.logprobs[i] if result.logprobs else None
+        entries = result.logprobs[i][:len(tokens)] if result.logprobs else []
         outputs.append(EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=[] if token_id is None else [token_id],
+            new_token_ids=tokens,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            new_logprobs=None if entry is None else [entry],
+            new_logprobs=entries or None,
             prompt_logprobs=prompt_lps,
             num_cached_tokens=request.num_cached_tokens,
         ))

@@ -154,18 +154,21 @@ class Request:
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute token_ids[start:start+num_new_tokens]."""
+    """One request's share of a step: compute token_ids[start:start+num_new_tokens], then sample
+    num_sampled tokens. The step's result for it is a list of tokens (RunnerOutput.sampled), which
+    may be shorter: a token that ends the request drops the rest."""
 
     request: Request
     num_new_tokens: int
     start: int  # == request.num_computed_tokens when scheduled
-    # True when this chunk reaches the end of the known tokens, so the step samples a token. Fixed
-    # when scheduled: under async scheduling the request gains a placeholder token right after.
-    samples: bool = field(init=False)
-    output_index: int = -1  # async scheduling: the output index of this step's placeholder token
+    # 1 when this chunk reaches the end of the known tokens, so the step samples the next token; 0 for
+    # a prefill chunk short of it. Fixed when scheduled: under async scheduling the request gains a
+    # placeholder per sampled token right after.
+    num_sampled: int = field(init=False)
+    output_indices: list[int] = field(default_factory=list)  # async scheduling: the placeholders' output indices
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.num_sampled = int(self.start + self.num_new_tokens == self.request.num_tokens)
 
 
 @dataclass

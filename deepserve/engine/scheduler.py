@@ -39,16 +39,17 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
-        # Unfinished requests whose sampling reads their earlier tokens (EngineCore steps one at a time
-        # while there are any under async scheduling); kept here so no step has to scan for them.
-        self.num_with_penalties = 0
+        # Unfinished requests whose sampling needs their earlier tokens known (SamplingParams.
+        # needs_known_tokens: EngineCore steps one at a time while there are any under async
+        # scheduling); counted here so no step has to scan for them.
+        self.num_needing_known_tokens = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self.num_with_penalties += request.sampling_params.has_penalties
+        self.num_needing_known_tokens += request.sampling_params.needs_known_tokens
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -131,8 +132,9 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """Async scheduling: count the step as computed now, before it has run, so the next step can
-        be scheduled while this one is on the device. Each sampling request gets a placeholder for
-        its token (Request.append_placeholder); update_from_output(committed=True) fills it in."""
+        be scheduled while this one is on the device. Each token a request samples gets a placeholder
+        (Request.append_placeholder), its sampling rows numbered in step order; update_from_output
+        (committed=True) fills them in."""
         row = 0
         for sched in out.scheduled:
             request = sched.request
@@ -141,41 +143,51 @@ class Scheduler:
             # schedule on (n > 1 children admitted behind their parent's prompt, shared prefixes):
             # their KV comes from steps queued ahead of any step that could read it.
             self.block_manager.cache_full_blocks(request, request.num_known_tokens)
-            if sched.samples:
-                sched.output_index = request.append_placeholder(row)
-                row += 1
+            sched.output_indices = [request.append_placeholder(row + j) for j in range(sched.num_sampled)]
+            row += sched.num_sampled
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
+    def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]],
                            committed: bool = False) -> list[Request]:
-        """Advance the counters by what the step computed (unless `commit` already did); the requests
-        that gained a token. A request that finished or was aborted while the step ran gets nothing:
-        its entry in `sampled` is set to None."""
+        """Advance the counters by what the step computed (unless `commit` already did) and take each
+        request's sampled tokens in order; the requests that gained tokens. A token that ends its
+        request drops the ones after it, and a request that finished or was aborted while the step ran
+        gets none: `sampled` is trimmed to what each request kept."""
         progressed = []
-        max_len = self.config.max_model_len
-        for i, (sched, token_id) in enumerate(zip(out.scheduled, sampled, strict=True)):
+        for i, (sched, tokens) in enumerate(zip(out.scheduled, sampled, strict=True)):
             request = sched.request
             if request.is_finished:  # aborted, or (async) finished by the step before, while this one ran
-                sampled[i] = None
-                continue
-            if committed:
-                if token_id is not None:
-                    request.set_output_token(sched.output_index, token_id)
-            else:
-                request.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
-            if token_id is None:
+                sampled[i] = []
                 continue
             if not committed:
-                request.append_output_token(token_id)
+                request.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if not tokens:
+                continue
             progressed.append(request)
             was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
-            if request.check_stop(max_len, sched.output_index if committed else None):
+            kept = self._take_tokens(request, sched, tokens, committed)
+            sampled[i] = tokens[:kept]
+            if request.is_finished:
                 if was_waiting:
                     self.waiting.remove(request)
                 self._release(request)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         return progressed
+
+    def _take_tokens(self, request: Request, sched: ScheduledRequest, tokens: list[int], committed: bool) -> int:
+        """Put the step's tokens in the request (in their placeholders' places when committed), checking
+        the stop rules after each; how many it kept."""
+        for j, token_id in enumerate(tokens):
+            if committed:
+                index = sched.output_indices[j]
+                request.set_output_token(index, token_id)
+            else:
+                request.append_output_token(token_id)
+                index = None
+            if request.check_stop(self.config.max_model_len, index):
+                return j + 1
+        return len(tokens)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string); unknown ids are ignored."""
@@ -197,7 +209,7 @@ class Scheduler:
         request.drop_placeholders()
         self.block_manager.free(request)
         if self.requests.pop(request.request_id, None) is not None:
-            self.num_with_penalties -= request.sampling_params.has_penalties
+            self.num_needing_known_tokens -= request.sampling_params.needs_known_tokens
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -1,7 +1,7 @@
 """Attention fronts over the paged KV cache.
 
 `Attention` is the MHA/GQA front (Llama, Qwen2). The model runner allocates each layer's cache from
-`kv_cache_shape()` and binds it to `layer.kv_cache` before the first step; per-step metadata comes
+its `kv_cache_spec()` and binds it to `layer.kv_cache` before the first step; per-step metadata comes
 from the forward context. The latent MLA front (DeepSeek-V2/V3) is the second cache layout.
 """
 
@@ -13,6 +13,7 @@ from torch import nn
 from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
 from deepserve.kernels.varlen_attention import varlen_attention
+from deepserve.layers.kv_cache_spec import KVCacheSpec
 
 
 class Attention(nn.Module):
@@ -24,8 +25,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D], bound by the runner
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(entry_shape=(self.num_kv_heads, self.head_dim), planes=2, dtype=dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]

@@ -38,6 +38,7 @@ from deepserve.kernels.mla_attention import (
     store_latent_ref,
 )
 from deepserve.layers.attention import uses_gpu_kernels
+from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.linear import ColumnParallelLinear
 
 
@@ -55,8 +56,9 @@ class MLAAttention(nn.Module):
         self.wkv_b = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, C + Dr], bound by the runner
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        # No head axis: every head (and every tensor-parallel rank) reads the same latent entry.
+        return KVCacheSpec(entry_shape=(self.kv_lora_rank + self.qk_rope_head_dim,), planes=1, dtype=dtype)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
                 ) -> torch.Tensor:

@@ -62,12 +62,28 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled, ids, logprobs, ranks)
 
 
+# What the fused Gumbel kernel cannot do, by name: a step with any of these takes the torch path. The
+# kernel itself does temperature sampling (greedy rows included) over bf16/fp16/fp32 logits on the GPU.
+FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], bool]] = {
+    "not on the GPU": lambda logits, meta: not logits.is_cuda,
+    "2**31 logits or more (int32 offsets)": lambda logits, meta: logits.numel() >= 2**31,
+    "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy,
+    "min_tokens": lambda logits, meta: meta.min_tokens_index is not None,
+    "penalties": lambda logits, meta: meta.output_counts is not None,
+    "top_k": lambda logits, meta: meta.top_k is not None,
+    "top_p": lambda logits, meta: meta.top_p is not None,
+    "min_p": lambda logits, meta: meta.min_p is not None,
+    "seeded rows": lambda logits, meta: bool(meta.generators),
+}
+
+
+def unfused_reasons(logits: torch.Tensor, meta: SamplingMetadata) -> list[str]:
+    """Why this step cannot take the fused sampler; empty when it can."""
+    return [name for name, applies in FUSED_SAMPLER_EXCLUDES.items() if applies(logits, meta)]
+
+
 def _fusable(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
-    """True when temperature / greedy is all the step asks for, on the GPU (and the kernel's int32
-    offsets reach every logit)."""
-    return (logits.is_cuda and logits.numel() < 2**31 and not meta.all_greedy and meta.min_tokens_index is None
-            and meta.output_counts is None and meta.top_k is None and meta.top_p is None
-            and meta.min_p is None and not meta.generators)
+    return not any(applies(logits, meta) for applies in FUSED_SAMPLER_EXCLUDES.values())
 
 
 @functools.cache

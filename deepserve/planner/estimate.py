@@ -23,7 +23,7 @@ GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside 
 
 FORMULAS = {
     "weights": "parameters and buffers of this rank's layers × dtype bytes (engine classes on the meta device)",
-    "kv_bytes_per_token": "Σ over this stage's layers of kv_cache_shape(1 block, 1 token) × KV dtype bytes: "
+    "kv_bytes_per_token": "Σ over this stage's layers of their KV-cache spec's elements per token × KV dtype bytes: "
                           "MLA = kv_lora_rank + qk_rope_head_dim (latent, replicated on every TP rank); "
                           "MHA/GQA = 2 × kv_heads/TP (at least 1) × head_dim",
     "activations": "T × (4·hidden + attn_width + 2·ffn_width) × dtype bytes + max_num_seqs × vocab × 4, "

@@ -113,8 +113,9 @@ def _layer_bytes(layers: nn.ModuleList) -> list[int]:
 
 
 def _kv_elems(layer: nn.Module) -> int:
-    # Exactly what ModelRunner allocates: kv_cache_shape(num_blocks=1, block_size=1) per attention module.
-    return sum(int(torch.Size(m.kv_cache_shape(1, 1)).numel()) for m in layer.modules() if hasattr(m, "kv_cache_shape"))
+    # Exactly what ModelRunner allocates: each attention module's KV-cache spec, per token.
+    modules = [m for m in layer.modules() if hasattr(m, "kv_cache_spec")]
+    return sum(m.kv_cache_spec(torch.bfloat16).elements_per_token for m in modules)
 
 
 @functools.lru_cache(maxsize=32)

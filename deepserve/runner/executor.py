@@ -42,7 +42,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.request import SchedulerOutput
 from deepserve.runner import worker
 from deepserve.runner.model_runner import ModelRunner, RunnerOutput
-from deepserve.runner.step_message import describe_step
+from deepserve.runner.step_message import broadcast_message, config_to_message, describe_step
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _shutdown(workers: _Workers) -> None:
     if told:
         workers.healthy = False
         try:
-            worker.broadcast_object({"op": "stop"}, workers.group)  # every rank, on every node
+            broadcast_message({"op": "stop"}, workers.group)  # every rank, on every node
         except Exception as e:
             told = False
             logger.warning("could not tell the parallel ranks to stop: %s", e)
@@ -203,7 +203,7 @@ class MultiprocExecutor:
                 self.workers.remote = _RemoteHeartbeats(
                     addr, port, [r for node in range(1, par.nnodes) for r in par.node_ranks(node)],
                     envs.DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S)
-            worker.broadcast_object(config, self.group)
+            broadcast_message(config_to_message(config), self.group)
             worker.init_model_parallel(config)
             self.runner = ModelRunner(worker.runner_config(config))
             self.workers.release_graphs = self.runner.release_graphs
@@ -282,7 +282,7 @@ class MultiprocExecutor:
         self._check_alive(doing)
         try:
             self.workers.wake()
-            worker.broadcast_object(msg, self.group)
+            broadcast_message(msg, self.group)
             result = fn()
         except TensorParallelError:
             raise

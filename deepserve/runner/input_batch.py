@@ -46,7 +46,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
-        if sched.samples:
+        if sched.num_sampled:  # the last new token's logits sample the next token (one per request today)
             sample_rows.append(len(input_ids) - 1)
             sample_indices.append(i)
     decode_seqs = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]

@@ -30,8 +30,10 @@ LogprobEntry = list[tuple[int, float, int]]  # (token id, logprob, rank); the ch
 
 @dataclass
 class RunnerOutput:
-    sampled: list[int | None]  # aligned with SchedulerOutput.scheduled; None where the step only prefilled
-    logprobs: list[LogprobEntry | None] = field(default_factory=list)  # aligned; for rows that asked
+    # Aligned with SchedulerOutput.scheduled: each request's tokens in order (empty where the step only
+    # prefilled), and their logprob entries (empty unless the request asked).
+    sampled: list[list[int]]
+    logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # new prompt positions
 
 
@@ -82,17 +84,14 @@ class ModelRunner:
         self.sampler = Sampler()
         # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.
         self.penalty_history = PenaltyHistory(self.vocab_size, self.device, config.scheduler.max_num_seqs + 1)
-        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_shape")]
+        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_spec")]
+        # The cache keeps the model's dtype (kv_cache_dtype "auto", the only one so far).
+        self.kv_specs = [layer.kv_cache_spec(self.dtype) for layer in self.attention_layers]
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        total = 0
-        for layer in self.attention_layers:
-            shape = layer.kv_cache_shape(1, self.block_size)
-            total += elem * int(torch.Size(shape).numel())
-        return total
+        return self.block_size * sum(spec.bytes_per_token for spec in self.kv_specs)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -138,9 +137,8 @@ class ModelRunner:
             layer.kv_cache = None
         if num_blocks == 0:
             return
-        for layer in self.attention_layers:
-            shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for layer, spec in zip(self.attention_layers, self.kv_specs, strict=True):
+            layer.kv_cache = spec.allocate(num_blocks, self.block_size, self.device)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and, on the GPU, capture the decode CUDA graphs over it."""
@@ -264,13 +262,13 @@ class ModelRunner:
         """The step's tokens on the host (its one device -> host sync, which waits for this step only,
         not for a step launched after it)."""
         out = pending.out
-        sampled: list[int | None] = [None] * len(out.scheduled)
-        logprobs: list[LogprobEntry | None] = [None] * len(out.scheduled)
+        sampled: list[list[int]] = [[] for _ in out.scheduled]
+        logprobs: list[list[LogprobEntry]] = [[] for _ in out.scheduled]
         if pending.sampled is not None:
             host = pending.host_values()
             tokens = host[0].tolist()
-            for row, i in enumerate(pending.sample_indices):
-                sampled[i] = tokens[row]
+            for row, i in enumerate(pending.sample_indices):  # one sampling row per sampled token
+                sampled[i].append(tokens[row])
             if host[2] is not None:
                 _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
         prompt_logprobs = {request_id: _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
@@ -331,7 +329,7 @@ def _attach_logprobs(host: list[torch.Tensor], requests: list[Request], indices:
     for row, (request, i) in enumerate(zip(requests, indices, strict=True)):
         k = request.sampling_params.logprobs
         if k is not None:
-            logprobs[i] = _entries([ids[row]], [lps[row]], [ranks[row]], k)[0]
+            logprobs[i].append(_entries([ids[row]], [lps[row]], [ranks[row]], k)[0])
 
 
 def _entries(ids: list[list[int]], lps: list[list[float]], ranks: list[int], k: int) -> list[LogprobEntry]:

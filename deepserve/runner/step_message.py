@@ -1,17 +1,55 @@
-"""The one message rank 0 sends the tensor-parallel workers each step, and its inverse.
+"""What rank 0 sends the other ranks, and how: the engine config once, then one command per step.
 
 A worker runs the same `prepare_inputs` and forward as rank 0, so it needs of each scheduled
 request only what those read: the new tokens (not the whole sequence), the block table, the sizes
-that decide sampling rows, and — only for the rare prompt-logprobs request — the prompt. The
-message is plain lists, ints and strs, sent with torch.distributed's own object broadcast.
+that decide sampling rows, and — only for the rare prompt-logprobs request — the prompt. Every
+message is plain dicts, lists, ints, floats and strs, framed with msgpack (as the engine socket is)
+and broadcast as a byte tensor over the host-side group: no pickle crosses a process boundary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+import torch
+import torch.distributed as dist
+
+from deepserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepserve.engine.request import ScheduledRequest, SchedulerOutput
+
+
+def broadcast_message(msg: Any, group: Any) -> Any:
+    """Rank 0 sends `msg` (msgpack-able), every other rank passes None and gets it; two broadcasts on
+    the host-side group `group`: the length, then the bytes."""
+    is_sender = dist.get_rank() == 0
+    payload = msgpack.packb(msg, use_bin_type=True) if is_sender else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if is_sender
+            else torch.empty(int(size), dtype=torch.uint8))
+    dist.broadcast(data, src=0, group=group)
+    return msg if is_sender else msgpack.unpackb(data.numpy().tobytes(), raw=False, strict_map_key=False)
+
+
+def config_to_message(config: EngineConfig) -> dict[str, Any]:
+    """The EngineConfig as plain values: each part's fields, the model's hf_config as its dict."""
+    model = dataclasses.asdict(dataclasses.replace(config.model, hf_config=None))
+    model["hf_config"] = config.model.hf_config.to_dict()
+    return {"model": model, "cache": dataclasses.asdict(config.cache),
+            "scheduler": dataclasses.asdict(config.scheduler), "parallel": dataclasses.asdict(config.parallel)}
+
+
+def config_from_message(msg: dict[str, Any]) -> EngineConfig:
+    from transformers import AutoConfig
+
+    fields = dict(msg["model"]["hf_config"])
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = ModelConfig(**{**msg["model"], "hf_config": hf_config})
+    return EngineConfig(model=model, cache=CacheConfig(**msg["cache"]), scheduler=SchedulerConfig(**msg["scheduler"]),
+                        parallel=ParallelConfig(**msg["parallel"]))
 
 
 def describe_step(out: SchedulerOutput) -> dict[str, Any]:

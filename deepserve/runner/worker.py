@@ -1,7 +1,7 @@
 """A worker: every rank but 0 (tensor- and pipeline-parallel alike), each a process of its own.
 
 Lifecycle (rank 0's side is executor.py):
-  1. join the process group, receive the EngineConfig from rank 0 (object broadcast);
+  1. join the process group, receive the EngineConfig from rank 0 (a msgpack message, step_message.py);
   2. build the model — layers read the rank and world size at construction — and load its slices;
   3. mark itself loaded in `progress`, then loop: wait for rank 0's go-ahead on this rank's
      semaphore, receive one command, run it, until `stop` is set or rank 0's process is gone.
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from deepserve import envs
 from deepserve.config import EngineConfig
+from deepserve.runner.step_message import broadcast_message, config_from_message
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_TIMEOUT = timedelta(days=365)  # the multi-node control group: an idle engine waits in it
@@ -79,12 +80,6 @@ def _store_beat(addr: str, port: int, rank: int) -> None:
             time.sleep(HEARTBEAT_INTERVAL_S)
     except Exception:  # the store is gone: rank 0 has stopped; the command loop finds out too
         return
-
-
-def broadcast_object(obj: Any, group: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def runner_config(config: EngineConfig) -> EngineConfig:
@@ -182,7 +177,7 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
     group = init_group(rank, world, addr, port, backend, timeout_s, multinode)
     if multinode:
         threading.Thread(target=_store_beat, args=(addr, port, rank), daemon=True).start()
-    config = broadcast_object(None, group)
+    config = config_from_message(broadcast_message(None, group))
     init_model_parallel(config)
     from deepserve.runner.model_runner import ModelRunner
 
@@ -191,14 +186,14 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
     if progress is not None:
         progress[rank] = done  # loaded
     if go is None:
-        while (msg := broadcast_object(None, group))["op"] != "stop":
+        while (msg := broadcast_message(None, group))["op"] != "stop":
             run_command(runner, msg, group)
             done += 1
             if progress is not None:
                 progress[rank] = done
     else:
         while _wait_for_go(go, stop):
-            run_command(runner, broadcast_object(None, group), group)
+            run_command(runner, broadcast_message(None, group), group)
             done += 1
             progress[rank] = done
 

@@ -70,7 +70,7 @@ class ScriptedRunner:
                     assert previous is not None and -(token + 1) < len(previous.sampled)
                     token = previous.sampled[-(token + 1)]
                 self.kv[self._slot(request, p)] = token
-            if sched.samples:
+            for _ in range(sched.num_sampled):
                 sampled.append(_token(request.request_id, sched.start + sched.num_new_tokens, token))
         pending = _Pending(out, sampled)
         pending.step = step
@@ -79,7 +79,7 @@ class ScriptedRunner:
     def wait(self, pending: _Pending) -> RunnerOutput:
         self.calls.append(("wait", pending.step))
         rows = iter(pending.sampled)
-        return RunnerOutput([next(rows) if s.samples else None for s in pending.out.scheduled])
+        return RunnerOutput([[next(rows) for _ in range(s.num_sampled)] for s in pending.out.scheduled])
 
     def execute(self, out) -> RunnerOutput:
         return self.wait(self.launch(out))

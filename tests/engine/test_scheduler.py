@@ -25,7 +25,7 @@ def add(sched: Scheduler, rid: str, num_prompt: int, max_tokens: int = 100, firs
 def step(sched: Scheduler, token: int = 7) -> list[tuple[str, int]]:
     """One step where every sampling request samples `token`; returns (id, num_new_tokens)."""
     out = sched.schedule()
-    sched.update_from_output(out, [token if s.samples else None for s in out.scheduled])
+    sched.update_from_output(out, [[token] * s.num_sampled for s in out.scheduled])
     return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
@@ -179,3 +179,31 @@ def test_never_more_running_requests_than_budget_tokens():
     # a and b decode; c and d wait instead of starving behind them.
     assert step(sched) == [("a", 1), ("b", 1)]
     assert [r.request_id for r in sched.waiting] == ["c", "d"]
+
+
+def test_a_step_may_return_several_tokens_and_a_stop_drops_the_rest():
+    # The step contract carries a list of tokens per request (speculative decoding will return up to
+    # k + 1): they are taken in order, and one that ends the request drops those after it.
+    sched = make_scheduler()
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=[99]))
+    sched.add_request(req)
+    step(sched, token=5)  # the prompt, then its first token
+    out = sched.schedule()
+    sampled = [[6, 7, 8]]
+    assert sched.update_from_output(out, sampled) == [req]
+    assert req.output_token_ids == [5, 6, 7, 8] and req.num_tokens == 7 and not req.is_finished
+    out = sched.schedule()
+    sampled = [[9, 99, 10, 11]]
+    sched.update_from_output(out, sampled)
+    assert sampled == [[9, 99]], "the tokens after the stop token are dropped from the step's result"
+    assert req.output_token_ids == [5, 6, 7, 8, 9, 99] and req.is_finished and req.stop_reason == 99
+    assert not sched.running and not sched.block_manager.usage
+
+
+def test_a_finished_request_takes_none_of_a_steps_tokens():
+    sched = make_scheduler()
+    req = add(sched, "r", 3)
+    out = sched.schedule()
+    sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)  # aborted while the step ran
+    sampled = [[4, 5]]
+    assert sched.update_from_output(out, sampled) == [] and sampled == [[]] and req.output_token_ids == []

@@ -87,7 +87,7 @@ def check_front(seqs: list[tuple[int, int]], block_size: int) -> None:
     # Scatter every sequence over shuffled blocks, so paging is really exercised.
     free = torch.randperm(64, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    mla.kv_cache = torch.zeros(mla.kv_cache_shape(64, block_size))
+    mla.kv_cache = torch.zeros(mla.kv_cache_spec(torch.float32).shape(64, block_size))
     data = [(torch.randn(n, H, DN, generator=gen), torch.randn(n, H, DR, generator=gen),
              torch.randn(n, C, generator=gen), torch.randn(n, DR, generator=gen)) for n in lengths]
     # What earlier steps would have stored.
@@ -109,7 +109,8 @@ def check_front(seqs: list[tuple[int, int]], block_size: int) -> None:
 
 def test_cache_has_no_head_axis():
     mla = MLAAttention(128, 512, 128, 64, 128, 0.1)
-    assert mla.kv_cache_shape(10, 16) == (10, 16, 576)
+    assert mla.kv_cache_spec(torch.bfloat16).shape(10, 16) == (10, 16, 576)
+    assert mla.kv_cache_spec(torch.bfloat16).bytes_per_token == 576 * 2
 
 
 @pytest.mark.gpu
@@ -123,7 +124,7 @@ def test_front_on_gpu_matches_cpu():
     num_new = sum(b for _, b in seqs)
     inputs = [torch.randn(num_new, H, DN), torch.randn(num_new, H, DR), torch.randn(num_new, C),
               torch.randn(num_new, DR)]
-    cache = torch.randn(mla.kv_cache_shape(64, block_size))
+    cache = torch.randn(mla.kv_cache_spec(torch.float32).shape(64, block_size))
     outs = []
     for device in ("cpu", "cuda"):
         mla.to(device)

@@ -365,3 +365,15 @@ def test_any_float_dtype(dtype: torch.dtype) -> None:
     params = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, min_p=0.05, seed=1)] * 2
     out = sample(logits, params)
     assert out.shape == (4,) and out[0] == logits[0].float().argmax()
+
+
+def test_the_fused_sampler_names_what_it_leaves_to_torch():
+    from deepserve.layers.sampler import unfused_reasons
+
+    logits = torch.randn(2, 50)
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
+    assert unfused_reasons(logits, build(plain, 50)) == ["not on the GPU"]
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert "every row greedy (argmax is cheaper)" in unfused_reasons(logits, build(greedy, 50))
+    mixed = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, seed=3, top_p=0.9)]
+    assert {"top_k", "top_p", "seeded rows"} <= set(unfused_reasons(logits, build(mixed, 50)))

@@ -204,8 +204,8 @@ def test_presets_have_the_published_shapes(name, billions, kv_bytes):
     with torch.device("meta"):
         model = get_model_class(config)(config)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.005)
-    layers = [m for m in model.modules() if hasattr(m, "kv_cache_shape")]
-    assert sum(torch.Size(m.kv_cache_shape(1, 1)).numel() for m in layers) * 2 == kv_bytes
+    layers = [m for m in model.modules() if hasattr(m, "kv_cache_spec")]
+    assert sum(m.kv_cache_spec(torch.bfloat16).bytes_per_token for m in layers) == kv_bytes
 
 
 def test_preset_needs_dummy_weights():
