@@ -90,7 +90,7 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
         engine["hf_overrides"] = {"num_hidden_layers": run.layers}
     llm = LLM(**engine)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    result = {"ready": time.perf_counter() - PROCESS_START}
+    result = {"ready": time.perf_counter() - PROCESS_START, "startup_s": llm.llm_engine.core.startup_s}
     workload = workloads.w1()
     if smoke:  # the demo model's vocabulary has 1,000 tokens
         workload = workloads.fixed(32, 8, 8)
@@ -106,7 +106,7 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
 def run_all(out: Path, smoke: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    checks, figures, notes = {}, {}, []
+    checks, figures, startup, notes = {}, {}, {}, []
     for name, cmd, timeout in [] if smoke else CHECKS:
         rc, tail = _step(cmd, timeout, out / f"check-{len(checks)}.log", env)
         checks[name] = "PASS" if rc == 0 else f"FAIL (rc={rc})"
@@ -124,13 +124,14 @@ def run_all(out: Path, smoke: bool) -> dict:
         if ran:
             data = json.loads(path.read_text())
             figures.update({f"{run.name}/{k}": v for k, v in data.items() if isinstance(v, int | float)})
+            startup[run.name] = data.get("startup_s")
         else:
             notes.append(f"{run.name}: FAILED (rc={rc})\n{tail}")
     # The device machine's copy of the tree may carry a stale .git: gate.sh passes the commit it was sent.
     commit = os.environ.get("GATE_COMMIT") or _git("rev-parse", "--short", "HEAD")
     result = {"commit": commit, "dirty": not os.environ.get("GATE_COMMIT") and bool(_git("status", "--porcelain")),
               "gpu": _gpu(), "settings": "dummy weights, bf16, max_model_len 4096, defaults otherwise",
-              "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures}
+              "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures, "startup_s": startup}
     (out / "gate.json").write_text(json.dumps(result, indent=1))
     (out / "baseline-candidate.json").write_text(json.dumps(
         {k: result[k] for k in ("commit", "gpu", "settings", "date", "figures")}, indent=1))
@@ -226,6 +227,9 @@ def main() -> int:
     c.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
     ns = ap.parse_args()
     if ns.cmd == "model":
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run = next((r for r in RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
         Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke)))
         return 0

@@ -64,6 +64,7 @@ def test_the_whole_gate_runs_on_cpu(tmp_path):
     result = json.loads((tmp_path / "gate.json").read_text())
     assert result["checks"] == {"run demo": "PASS"}
     assert result["figures"]["demo/w1"] > 0 and result["figures"]["demo/tpot"] > 0
+    assert result["startup_s"]["demo"]["load"] > 0
     assert proc.stdout.strip().endswith("GATE PASSED")
     candidate = json.loads((tmp_path / "baseline-candidate.json").read_text())
     assert candidate["figures"] == result["figures"]

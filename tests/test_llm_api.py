@@ -181,3 +181,12 @@ def test_swap_space_warns_that_it_does_nothing_yet(caplog):
         assert not caplog.records
         CacheConfig(swap_space=4.0)
     assert any("swap_space=4.0 GiB does nothing yet" in r.getMessage() for r in caplog.records)
+
+
+def test_start_up_phases_are_timed():
+    from deepserve import LLM
+
+    llm = LLM(device="cpu")
+    phases = llm.llm_engine.core.startup_s
+    assert set(phases) == {"load", "kv_cache_sizing", "kv_cache_and_graphs"}
+    assert all(v >= 0 for v in phases.values()) and phases["load"] > 0

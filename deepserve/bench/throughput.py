@@ -22,7 +22,8 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
     llm = LLM(**vars(engine_args))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     time_to_ready = time.perf_counter() - process_start  # process start -> first token out
-    return {"model": engine_args.model, **measure_throughput(llm, workload), "time_to_ready_s": time_to_ready}
+    return {"model": engine_args.model, **measure_throughput(llm, workload), "time_to_ready_s": time_to_ready,
+            "startup_s": llm.llm_engine.core.startup_s}
 
 
 def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
