@@ -132,6 +132,11 @@ class Request:
             known -= 1
         return known
 
+    def truncate_output(self, num_output: int) -> None:
+        """Keep the first num_output output tokens (a stop inside a step's several tokens)."""
+        del self.output_token_ids[num_output:]
+        del self.token_ids[self.num_prompt_tokens + num_output:]
+
     def drop_placeholders(self) -> None:
         """Forget tokens still on their way (a request ended while a step for it ran)."""
         while self.output_token_ids and self.output_token_ids[-1] < 0:

@@ -143,7 +143,10 @@ class Scheduler:
             # schedule on (n > 1 children admitted behind their parent's prompt, shared prefixes):
             # their KV comes from steps queued ahead of any step that could read it.
             self.block_manager.cache_full_blocks(request, request.num_known_tokens)
-            sched.output_indices = [request.append_placeholder(row + j) for j in range(sched.num_sampled)]
+            if sched.num_sampled == 1:  # every step today
+                sched.output_indices = [request.append_placeholder(row)]
+            elif sched.num_sampled:
+                sched.output_indices = [request.append_placeholder(row + j) for j in range(sched.num_sampled)]
             row += sched.num_sampled
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]],
@@ -158,7 +161,15 @@ class Scheduler:
             if request.is_finished:  # aborted, or (async) finished by the step before, while this one ran
                 sampled[i] = []
                 continue
-            if not committed:
+            if len(tokens) > sched.num_sampled:
+                raise ValueError(f"the step returned {len(tokens)} tokens for request {request.request_id!r}, "
+                                 f"which was scheduled to sample {sched.num_sampled}")
+            if committed:
+                # Real tokens into their placeholders before any block is hashed: `commit` already
+                # counted them as computed, and a hash over a placeholder would never match again.
+                for index, token_id in zip(sched.output_indices, tokens, strict=False):
+                    request.set_output_token(index, token_id)
+            else:
                 request.num_computed_tokens += sched.num_new_tokens
             self.block_manager.cache_full_blocks(request)
             if not tokens:
@@ -166,7 +177,8 @@ class Scheduler:
             progressed.append(request)
             was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
             kept = self._take_tokens(request, sched, tokens, committed)
-            sampled[i] = tokens[:kept]
+            if kept < len(tokens):
+                sampled[i] = tokens[:kept]
             if request.is_finished:
                 if was_waiting:
                     self.waiting.remove(request)
@@ -176,16 +188,24 @@ class Scheduler:
         return progressed
 
     def _take_tokens(self, request: Request, sched: ScheduledRequest, tokens: list[int], committed: bool) -> int:
-        """Put the step's tokens in the request (in their placeholders' places when committed), checking
-        the stop rules after each; how many it kept."""
-        for j, token_id in enumerate(tokens):
+        """Check the stop rules after each of the step's tokens (appending them first unless committed,
+        where they already sit in their placeholders' places); how many the request keeps. Tokens after
+        the one that ends it are dropped, placeholders included."""
+        max_len = self.config.max_model_len
+        if len(tokens) == 1:  # every step today: no per-token loop
             if committed:
-                index = sched.output_indices[j]
-                request.set_output_token(index, token_id)
+                request.check_stop(max_len, sched.output_indices[0])
             else:
+                request.append_output_token(tokens[0])
+                request.check_stop(max_len)
+            return 1
+        for j, token_id in enumerate(tokens):
+            index = sched.output_indices[j] if committed else None
+            if not committed:
                 request.append_output_token(token_id)
-                index = None
-            if request.check_stop(self.config.max_model_len, index):
+            if request.check_stop(max_len, index):
+                if committed:
+                    request.truncate_output(index + 1)
                 return j + 1
         return len(tokens)
 

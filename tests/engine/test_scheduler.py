@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.request import Request, RequestStatus
@@ -189,10 +191,12 @@ def test_a_step_may_return_several_tokens_and_a_stop_drops_the_rest():
     sched.add_request(req)
     step(sched, token=5)  # the prompt, then its first token
     out = sched.schedule()
+    out.scheduled[0].num_sampled = 3  # as a speculative step will schedule it
     sampled = [[6, 7, 8]]
     assert sched.update_from_output(out, sampled) == [req]
     assert req.output_token_ids == [5, 6, 7, 8] and req.num_tokens == 7 and not req.is_finished
     out = sched.schedule()
+    out.scheduled[0].num_sampled = 4
     sampled = [[9, 99, 10, 11]]
     sched.update_from_output(out, sampled)
     assert sampled == [[9, 99]], "the tokens after the stop token are dropped from the step's result"
@@ -207,3 +211,53 @@ def test_a_finished_request_takes_none_of_a_steps_tokens():
     sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)  # aborted while the step ran
     sampled = [[4, 5]]
     assert sched.update_from_output(out, sampled) == [] and sampled == [[]] and req.output_token_ids == []
+
+
+def test_more_tokens_than_scheduled_is_refused():
+    sched = make_scheduler()
+    add(sched, "r", 3)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="returned 2 tokens for request 'r', which was scheduled to sample 1"):
+        sched.update_from_output(out, [[4, 5]])
+
+
+def test_committed_tokens_fill_their_placeholders_and_a_stop_drops_the_rest():
+    sched = make_scheduler()
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=[99]))
+    sched.add_request(req)
+    out = sched.schedule()
+    out.scheduled[0].num_sampled = 3
+    sched.commit(out)
+    assert req.output_token_ids == [-1, -2, -3] and out.scheduled[0].output_indices == [0, 1, 2]
+    sampled = [[9, 99, 10]]
+    sched.update_from_output(out, sampled, committed=True)
+    assert sampled == [[9, 99]] and req.output_token_ids == [9, 99] and req.token_ids == [1, 2, 3, 9, 99]
+    assert req.is_finished and not sched.running
+
+
+def run_async(sched: Scheduler, first_token: int = 100) -> None:
+    """Drive the scheduler as the async engine does: schedule and commit step n+1, then fill step n."""
+    inflight, token = None, first_token
+    while sched.has_unfinished_requests() or inflight is not None:
+        out = sched.schedule()
+        if not out.is_empty():
+            sched.commit(out)
+        if inflight is not None:
+            sched.update_from_output(inflight, [[token] * s.num_sampled for s in inflight.scheduled], committed=True)
+            token += 1
+        inflight = None if out.is_empty() else out
+
+
+def test_blocks_of_generated_tokens_are_cached_under_async_scheduling():
+    # A follow-up prompt that repeats prompt + output (a chat's next turn) finds every full block of it.
+    # Hashing a block before its placeholder got the real token (a mistake made once) found 4 of 16.
+    sched = make_scheduler(block_size=4)
+    req = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, ignore_eos=True))
+    sched.add_request(req)
+    run_async(sched)
+    history = req.prompt_token_ids + req.output_token_ids
+    assert len(history) == 17 and all(t >= 0 for t in history)
+    follow_up = Request("r2", history + [7], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add_request(follow_up)
+    sched.schedule()
+    assert follow_up.num_cached_tokens == 16
