@@ -52,11 +52,14 @@ class AttentionMetadata:
     decode_only: bool = False
     decode_seq_idx: torch.Tensor | None = None  # [Bd] int64: which sequences decode
     decode_token_idx: torch.Tensor | None = None  # [Bd] int64: their token rows
-    prefill_seqs_cpu: list[int] | None = None  # the other sequences, for the per-sequence path
+    # The other sequences; None for metadata built without the decode/prefill split (tests, the profile
+    # step), which the fronts then run through their per-sequence references.
+    prefill_seqs_cpu: list[int] | None = None
     # The same sequences split for the one-call GPU prefill path (built by prepare_inputs): prompts with
-    # nothing cached before this step, and chunks over a cached prefix (chunked prefill, prefix hits).
+    # nothing cached before this step, and chunks over a cached prefix (chunked prefill, prefix hits),
+    # the latter in batches of bounded history (input_batch.MAX_GATHERED_KEYS).
     prefill_fresh: PrefillGroup | None = None
-    prefill_cached: PrefillGroup | None = None
+    prefill_cached: list[PrefillGroup] = field(default_factory=list)
     # Derived per-step values that every layer would otherwise rebuild (e.g. mla.select_sequences):
     # computed by the first layer that needs them, read by the rest. Never part of equality.
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

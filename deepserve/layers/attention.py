@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.paged_attention import paged_attention_ref, store_kv_ref
-from deepserve.kernels.varlen_attention import varlen_attention
+from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
 from deepserve.layers.kv_cache_spec import KVCacheSpec
 
 
@@ -65,11 +66,13 @@ def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
             q[rows], kv_cache, meta.block_tables[meta.decode_seq_idx], meta.seq_lens[meta.decode_seq_idx],
             scale, max_seq_len=meta.max_seq_len,
         )
+    if meta.prefill_seqs_cpu is None:  # metadata without the prefill groups: the per-sequence reference
+        with sdpa_kernel(NOT_CUDNN):
+            return paged_attention_ref(q, k, v, kv_cache, meta.paged, scale, out=out)
     if meta.prefill_fresh is not None:
         g = meta.prefill_fresh
         out[g.rows] = varlen_attention(q[g.rows], k[g.rows], v[g.rows], g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, scale)
-    if meta.prefill_cached is not None:
-        g = meta.prefill_cached
+    for g in meta.prefill_cached:
         flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D]
         keys, values = flat[0, g.kv_slots], flat[1, g.kv_slots]  # [Kg, Hkv, D]
         out[g.rows] = varlen_attention(q[g.rows], keys, values, g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, scale)

@@ -90,8 +90,8 @@ class MLAAttention(nn.Module):
             k, v = self._expand_kv(kv_c[g.rows], k_pe[g.rows])
             q = torch.cat([q_nope[g.rows], q_pe[g.rows]], dim=-1)  # [Tg, H, Dn + Dr]
             out[g.rows] = mla_varlen_attention(q, k, v, g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, self.scale)
-        if meta.prefill_cached is not None:  # chunks over a cached prefix: each in its form
-            rows, sub = select_sequences(meta, meta.prefill_cached.seqs)
+        if meta.prefill_cached:  # chunks over a cached prefix: each in its form
+            rows, sub = select_sequences(meta, [b for g in meta.prefill_cached for b in g.seqs])
             out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
         return out
 

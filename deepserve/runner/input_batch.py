@@ -77,7 +77,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         decode_token_idx=None if decode_only else longs[5],
         prefill_seqs_cpu=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1],
         prefill_fresh=next((g for g, p in zip(groups, plans, strict=True) if p.fresh), None),
-        prefill_cached=next((g for g, p in zip(groups, plans, strict=True) if not p.fresh), None),
+        prefill_cached=[g for g, p in zip(groups, plans, strict=True) if not p.fresh],
     )
     return StepInputs(input_ids=longs[0], positions=longs[1], attn=attn, sample_rows=longs[3],
                       sample_indices=sample_indices, has_placeholders=placeholders)
@@ -101,14 +101,21 @@ class _GroupPlan:
                             kv_slots=None if self.fresh else longs[1])
 
 
+# The most history keys one ragged batch of chunks over a cached prefix gathers from the cache (the
+# transient [K, Hkv, D] key and value copies): about a step's own token budget, which the start-up
+# profile step's activations reserve room for. A longer single history goes alone, as it always did.
+MAX_GATHERED_KEYS = 8192
+
+
 def _plan_prefill_groups(out: SchedulerOutput, query_start_loc: list[int], block_tables: np.ndarray,
                          block_size: int) -> list[_GroupPlan]:
-    """The step's sequences with several new tokens, split into fresh prompts (start 0) and chunks over
-    a cached prefix; each non-empty part becomes one ragged batch."""
+    """The step's sequences with several new tokens, split into fresh prompts (start 0), one ragged
+    batch, and chunks over a cached prefix, ragged batches of at most MAX_GATHERED_KEYS history keys."""
     fresh = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start == 0]
     cached = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start > 0]
     plans = []
-    for is_fresh, seqs in ((True, fresh), (False, cached)):
+    parts = [(True, fresh)] + [(False, seqs) for seqs in _bounded(cached, out, MAX_GATHERED_KEYS)]
+    for is_fresh, seqs in parts:
         if not seqs:
             continue
         new = [query_start_loc[b + 1] - query_start_loc[b] for b in seqs]
@@ -120,6 +127,20 @@ def _plan_prefill_groups(out: SchedulerOutput, query_start_loc: list[int], block
             kv_slots=np.empty(0, np.int64) if is_fresh else _history_slots(block_tables[seqs], lens, block_size),
         ))
     return plans
+
+
+def _bounded(seqs: list[int], out: SchedulerOutput, limit: int) -> list[list[int]]:
+    """seqs in order, cut into runs whose histories (start + new tokens) add up to at most limit each."""
+    runs: list[list[int]] = []
+    total = limit + 1
+    for b in seqs:
+        length = out.scheduled[b].start + out.scheduled[b].num_new_tokens
+        if total + length > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(b)
+        total += length
+    return runs
 
 
 def _rows(query_start_loc: list[int], seqs: list[int]) -> slice | list[int]:

@@ -43,10 +43,13 @@ def config_to_message(config: EngineConfig) -> dict[str, Any]:
 
 
 def config_from_message(msg: dict[str, Any]) -> EngineConfig:
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING
 
     fields = dict(msg["model"]["hf_config"])
-    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    # The class's defaults, then rank 0's values set as they are: no second validation, which overrides
+    # applied on rank 0 (--hf-overrides num_hidden_layers, say, with Qwen2's layer_types) would fail.
+    hf_config = CONFIG_MAPPING[fields.pop("model_type")]()
+    hf_config.update(fields)
     model = ModelConfig(**{**msg["model"], "hf_config": hf_config})
     return EngineConfig(model=model, cache=CacheConfig(**msg["cache"]), scheduler=SchedulerConfig(**msg["scheduler"]),
                         parallel=ParallelConfig(**msg["parallel"]))

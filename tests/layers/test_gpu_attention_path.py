@@ -139,3 +139,38 @@ def test_greedy_on_the_gpu_path_matches_transformers(checkpoint, gpu_path, setti
         for want, out in zip(wants, llm.generate(prompts, params, use_tqdm=False), strict=True):
             assert_same_greedy(out.outputs[0].token_ids, *want)
     assert llm.llm_engine.stats().prefix_cache_hits_total > 0 and gpu_path.calls
+
+
+def test_chunks_over_a_cache_are_batched_under_a_key_budget(checkpoint, gpu_path, monkeypatch):
+    # With a budget of 24 history keys, step 2's two chunks over a cache (histories 20 + 37 = 57 keys)
+    # go in separate varlen calls; the logits still equal transformers'.
+    import deepserve.runner.input_batch as input_batch
+
+    monkeypatch.setattr(input_batch, "MAX_GATHERED_KEYS", 24)
+    monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", 2)
+    path, hf_model = checkpoint
+    runner = make_runner(path)
+    runner.allocate_kv_cache(64)
+    requests = with_blocks(runner, PROMPTS[:3])
+    cuts = [3, 20, 0]
+    run_step(runner, [(r, 0, c) for r, c in zip(requests, cuts, strict=True) if c])
+    step = [(r, c, len(r.prompt_token_ids) - c) for r, c in zip(requests, cuts, strict=True)]
+    gpu_path.calls.clear()
+    logits = run_step(runner, step)
+    for (request, cut, n), got in zip(step, logits.split([n for *_, n in step]), strict=True):
+        want = unguarded(gpu_path, lambda r=request: hf_logits(hf_model, r.prompt_token_ids))[cut:cut + n]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if isinstance(hf_model, LlamaForCausalLM):  # MHA: one call for the fresh prompt, one per cached batch
+        assert sorted(gpu_path.calls) == [1] * 3 * LLAMA["num_hidden_layers"]
+
+
+def test_cached_chunks_are_cut_into_runs_under_the_budget():
+    from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
+    from deepserve.runner.input_batch import _bounded
+
+    def chunk(history: int) -> ScheduledRequest:
+        return ScheduledRequest(Request("r", [1] * history, SamplingParams()), 2, history - 2)
+
+    out = SchedulerOutput([chunk(5), chunk(6), chunk(20), chunk(3), chunk(4)])
+    assert _bounded([0, 1, 2, 3, 4], out, 12) == [[0, 1], [2], [3, 4]]
+    assert _bounded([], out, 12) == []

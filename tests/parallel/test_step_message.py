@@ -1,10 +1,11 @@
 """What rank 0 sends the other ranks travels as msgpack, not pickle: the engine config survives the
-round trip for every architecture and preset (hf_config included), and a step command too."""
+round trip for every architecture and preset (hf_config included, with overrides), and so does a step."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
+import torch
 
 from deepserve.config import EngineArgs
 from deepserve.runner.step_message import config_from_message, config_to_message
@@ -17,6 +18,8 @@ def _round_trip(msg):
 @pytest.mark.parametrize("preset, kw", [
     ("deepseek-llm-7b", {"tensor_parallel_size": 2}),
     ("r1-distill-qwen-7b", {"pipeline_parallel_size": 2, "max_num_batched_tokens": 1024}),
+    # An override that the config class would refuse if it validated again (layer_types keeps 28).
+    ("r1-distill-qwen-7b", {"tensor_parallel_size": 2, "hf_overrides": {"num_hidden_layers": 2}}),
     ("deepseek-v2-lite", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("deepseek-v3", {"tensor_parallel_size": 8, "hf_overrides": {"num_hidden_layers": 4}}),
 ])
@@ -29,3 +32,25 @@ def test_engine_config_round_trips(preset, kw):
         assert getattr(got, part) == getattr(config, part)
     for field in ("model", "dtype", "max_model_len", "load_format", "device", "enforce_eager", "tokenizer"):
         assert getattr(got.model, field) == getattr(config.model, field)
+
+
+def test_step_command_round_trips():
+    from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
+    from deepserve.runner.input_batch import prepare_inputs
+    from deepserve.runner.step_message import describe_step, rebuild_step
+    from deepserve.sampling_params import SamplingParams
+
+    fresh = Request("a", list(range(10, 30)), SamplingParams(prompt_logprobs=2))
+    fresh.block_ids = [3, 1]
+    decoding = Request("b", [5, 6, 7], SamplingParams())
+    decoding.append_output_token(8)
+    decoding.block_ids = [0]
+    out = SchedulerOutput([ScheduledRequest(fresh, 16, 0), ScheduledRequest(decoding, 1, 3)])
+    rebuilt = rebuild_step(_round_trip(describe_step(out)))
+    ours, theirs = (prepare_inputs(o, 16, torch.device("cpu")) for o in (out, rebuilt))
+    for field in ("input_ids", "positions", "sample_rows"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field))
+    assert torch.equal(ours.attn.slot_mapping, theirs.attn.slot_mapping)
+    assert ours.sample_indices == theirs.sample_indices == [1]
+    assert [s.num_sampled for s in rebuilt.scheduled] == [0, 1]
+    assert rebuilt.scheduled[0].request.sampling_params.prompt_logprobs == 2
