@@ -37,9 +37,16 @@ def mla_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, H, C]: attention-weighted latents, W_UV still to apply
     """The absorbed form: scores are q_latent·c + q_pe·k_pe over every cached token of the sequence."""
-    num_heads, rank = q_latent.shape[1], q_latent.shape[2]
     query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + Dr]
     out = q_latent.new_empty(q_latent.shape)
+    with sdpa_kernel(NOT_CUDNN):  # on the GPU too: never cuDNN's per-shape plans (varlen_attention)
+        _absorbed_per_sequence(query, kv_cache, layout, scale, out)
+    return out
+
+
+def _absorbed_per_sequence(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, scale: float,
+                           out: torch.Tensor) -> None:
+    num_heads, rank = out.shape[1], out.shape[2]
     for b in range(layout.num_seqs):
         start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
         seq_len, num_new = layout.seq_lens[b], end - start
@@ -49,10 +56,8 @@ def mla_attention_ref(
         v = k[..., :rank]  # [1, 1, L, C]
         # New token i sits at position seq_len - num_new + i and sees keys 0 ..= that position.
         mask = torch.ones(num_new, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - num_new)
-        with sdpa_kernel(NOT_CUDNN):  # on the GPU too: never cuDNN's per-shape plans (varlen_attention)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads > 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads > 1)
         out[start:end] = o[0].transpose(0, 1)  # [n, H, C]
-    return out
 
 
 def mla_prefill_ref(
@@ -65,14 +70,18 @@ def mla_prefill_ref(
 ) -> torch.Tensor:  # [T, H, Dv]
     """The expanded form for sequences with nothing cached before this step: causal attention within
     each sequence's new tokens, all sequences in one call (`mla_varlen_attention`)."""
+    assert cu_cpu[-1] == q.shape[0] == k.shape[0], "the expanded form here needs sequences without cached context"
     return mla_varlen_attention(q, k, v, cu, cu, cu_cpu, cu_cpu, scale)
 
 
-def mla_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           offsets: torch.Tensor | None = None) -> torch.Tensor:
     """The expanded form for one sequence: its n new queries q [n, H, Dk] over its L keys k [L, H, Dk]
-    and values v [L, H, Dv], the last n keys being the queries' own -> [n, H, Dv]."""
+    and values v [L, H, Dv], the last n keys being the queries' own -> [n, H, Dv]. offsets: [0, n, 0, L]
+    int32 on q's device, when the caller has them there already (else copied here)."""
     n, length = q.shape[0], k.shape[0]
-    offsets = torch.tensor([0, n, 0, length], dtype=torch.int32).to(q.device, non_blocking=True)
+    if offsets is None:
+        offsets = torch.tensor([0, n, 0, length], dtype=torch.int32).to(q.device, non_blocking=True)
     return mla_varlen_attention(q, k, v, offsets[:2], offsets[2:], [0, n], [0, length], scale)
 
 

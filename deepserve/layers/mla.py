@@ -147,6 +147,7 @@ class MLAAttention(nn.Module):
         are already stored) is gathered and expanded, one sequence at a time so the transient memory is
         one history's, not the step's."""
         out = q_nope.new_empty(*q_nope.shape[:2], self.v_head_dim)  # [T, H, Dv]
+        offsets = _sequence_offsets(meta)  # [B, 4]
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
             seq_len = meta.seq_lens_cpu[b]
@@ -154,7 +155,7 @@ class MLAAttention(nn.Module):
             kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [L, C], [L, Dr]
             k, v = self._expand_kv(kv_c, k_pe)
             q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)  # [n, H, Dn + Dr]
-            out[start:end] = mla_sequence_attention(q, k, v, self.scale)
+            out[start:end] = mla_sequence_attention(q, k, v, self.scale, offsets[b])
         return out
 
     def _expand_kv(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +190,16 @@ def _forms(meta: AttentionMetadata) -> dict[str, list[int]]:
             groups.setdefault(_form(meta, b), []).append(b)
         meta.cache["forms"] = groups
     return meta.cache["forms"]
+
+
+def _sequence_offsets(meta: AttentionMetadata) -> torch.Tensor:
+    """[B, 4] int32 on the device: [0, new tokens, 0, seq_len] of each of meta's sequences, the
+    one-sequence varlen offsets of the over-cache form; one copy per step, kept in meta.cache."""
+    if "sequence_offsets" not in meta.cache:
+        rows = [[0, _num_new(meta, b), 0, meta.seq_lens_cpu[b]] for b in range(meta.num_seqs)]
+        device = meta.slot_mapping.device
+        meta.cache["sequence_offsets"] = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+    return meta.cache["sequence_offsets"]
 
 
 def _num_new(meta: AttentionMetadata, b: int) -> int:
