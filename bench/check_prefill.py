@@ -64,27 +64,24 @@ def sdpa_flash_path(q, k, v, scale: float, group: int) -> torch.Tensor:
         return sdpa_path(q, k, v, scale, group)
 
 
-def varlen_path(qs, ks, vs, scale: float, group: int) -> torch.Tensor:
-    """deepserve's prefill: all sequences in one call (`mla_varlen_attention` pads MLA's value head;
-    on CUDA flash's varlen kernel, elsewhere the per-sequence reference)."""
+def packed_varlen(qs, ks, vs, strided: bool = False):
+    """deepserve's prefill, all sequences in one call (`mla_varlen_attention` pads MLA's value head; on
+    CUDA flash's varlen kernel, elsewhere the per-sequence reference), with its inputs packed here,
+    outside the timed call, as prepare_inputs and the projections hand them over. strided: q, k, v are
+    views of one fused [T, H + 2 Hkv, D] tensor, as a model's split qkv projection gives them (rows
+    strided, heads contiguous)."""
     lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
     device = qs[0].device
-    return mla_varlen_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs),
-                                torch.tensor(cu_q, dtype=torch.int32, device=device),
-                                torch.tensor(cu_k, dtype=torch.int32, device=device), cu_q, cu_k, scale)
-
-
-def strided_varlen_path(qs, ks, vs, scale: float, group: int) -> torch.Tensor:
-    """The same over views of one fused [T, H + 2 Hkv, D] tensor, as a model's split qkv projection
-    hands them over (rows strided, heads contiguous)."""
-    heads, kv_heads = qs[0].shape[1], ks[0].shape[1]
-    fused = torch.cat([torch.cat(qs), torch.cat(ks), torch.cat(vs)], dim=1)
-    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
-    lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
-    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
-    return mla_varlen_attention(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device=q.device),
-                                torch.tensor(cu_k, dtype=torch.int32, device=q.device), cu_q, cu_k, scale)
+    if strided:
+        heads, kv_heads = qs[0].shape[1], ks[0].shape[1]
+        fused = torch.cat([torch.cat(qs), torch.cat(ks), torch.cat(vs)], dim=1)
+        q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+    else:
+        q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=device)
+    return lambda scale: mla_varlen_attention(q, k, v, cu_q_t, cu_k_t, cu_q, cu_k, scale)
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -138,10 +135,12 @@ def case(name: str, shape: tuple, lengths: list[int], cached: int, device: str, 
     def per_seq(path):
         return [path(q, k, v, scale, group) for q, k, v in zip(qs, ks, vs, strict=True)]
 
+    varlen = packed_varlen(qs, ks, vs)
     variants = {"sdpa auto": lambda: per_seq(sdpa_path), "sdpa flash": lambda: per_seq(sdpa_flash_path),
-                "flash varlen": lambda: varlen_path(qs, ks, vs, scale, group)}
+                "flash varlen": lambda: varlen(scale)}
     if cached == 0 and dk == dv:
-        variants["varlen strided"] = lambda: strided_varlen_path(qs, ks, vs, scale, group)
+        strided = packed_varlen(qs, ks, vs, strided=True)
+        variants["varlen strided"] = lambda: strided(scale)
     for label, fn in variants.items():
         out = fn()
         out = list(out.split(lengths)) if isinstance(out, torch.Tensor) else out

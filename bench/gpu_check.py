@@ -1,5 +1,6 @@
 """GPU correctness on tiny random checkpoints: greedy tokens on CUDA (CUDA graphs on, eager, chunked
-prefill) equal the CPU reference path, for every architecture variant; with two or more GPUs also
+prefill) equal the CPU reference path, for every architecture variant; in bf16, prompt logprobs with
+prefill on flash's varlen kernel are as close to the CPU's as with prefill on SDPA; with two or more GPUs also
 tensor parallelism (NCCL), pipeline parallelism and expert parallelism. Prints one line per case
 and exits non-zero on a mismatch. Run on a GPU machine: python bench/gpu_check.py"""
 
@@ -52,6 +53,39 @@ def greedy(path: str, device: str, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True) -> list[float]:
+    """The logprob of every prompt token (positions 1..), prompts in 32-token chunks so steps mix fresh
+    prompts with chunks over a cached prefix. flash=False sends prefill attention to SDPA instead of
+    flash's varlen kernel (the reference the flash path is judged against)."""
+    import deepserve.kernels.varlen_attention as varlen
+
+    fits = varlen.flash_varlen_fits
+    if not flash:
+        varlen.flash_varlen_fits = lambda q, v: False
+    try:
+        llm = LLM(path, dtype=dtype, device=device, num_gpu_blocks_override=256, block_size=16,
+                  skip_tokenizer_init=True, max_num_seqs=16, max_num_batched_tokens=32, enforce_eager=True)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    finally:
+        varlen.flash_varlen_fits = fits
+    return [o.prompt_logprobs[pos][ids[pos]].logprob for ids, o in zip(prompts(), outs, strict=True)
+            for pos in range(1, len(ids))]
+
+
+def check_bf16_flash(name: str, path: str) -> bool:
+    """bf16 on the GPU, prefill on flash's varlen kernel through the engine's own step bookkeeping: its
+    prompt logprobs may be no further from the fp32 CPU reference than twice the distance of the same
+    bf16 run with prefill on SDPA, plus 0.01 (bf16's own rounding differs between the two)."""
+    want = torch.tensor(prompt_logprobs(path, "cpu", "float32"))
+    flash = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16")) - want).abs().max().item()
+    sdpa = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16", flash=False)) - want).abs().max().item()
+    ok = flash <= 2 * sdpa + 0.01
+    print(f"{name:10s} {'bf16-flash':13s} {'OK' if ok else 'MISMATCH'} prompt logprob error {flash:.4f} "
+          f"(SDPA path {sdpa:.4f})")
+    return ok
+
+
 def parallel_cases(name: str) -> list[tuple[str, dict]]:
     """Multi-GPU layouts (NCCL), only where the machine has the GPUs for them."""
     gpus = 0 if "--no-parallel" in sys.argv else torch.cuda.device_count()
@@ -90,6 +124,12 @@ def main() -> int:
                 ok = same == len(want)
                 failures += not ok
                 print(f"{name:10s} {label:13s} {'OK' if ok else 'MISMATCH'} {same}/{len(want)} sequences equal")
+            if torch.cuda.is_available() and "--no-bf16" not in sys.argv:
+                try:
+                    failures += not check_bf16_flash(name, path)
+                except Exception as e:
+                    failures += 1
+                    print(f"{name:10s} {'bf16-flash':13s} ERROR {type(e).__name__}: {e}")
     return 1 if failures else 0
 
 
