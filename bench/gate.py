@@ -129,7 +129,8 @@ def run_all(out: Path, smoke: bool) -> dict:
             notes.append(f"{run.name}: FAILED (rc={rc})\n{tail}")
     # The device machine's copy of the tree may carry a stale .git: gate.sh passes the commit it was sent.
     commit = os.environ.get("GATE_COMMIT") or _git("rev-parse", "--short", "HEAD")
-    result = {"commit": commit, "dirty": not os.environ.get("GATE_COMMIT") and bool(_git("status", "--porcelain")),
+    dirty = commit.endswith("-dirty") if os.environ.get("GATE_COMMIT") else bool(_git("status", "--porcelain"))
+    result = {"commit": commit, "dirty": dirty,
               "gpu": _gpu(), "settings": "dummy weights, bf16, max_model_len 4096, defaults otherwise",
               "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures, "startup_s": startup}
     (out / "gate.json").write_text(json.dumps(result, indent=1))

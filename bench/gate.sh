@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 gate in one device call (bench/gate.py says what it runs and how it judges):
-#   device run: GATE_COMMIT=$(git rev-parse --short HEAD) bash bench/gate.sh   (the commit, from this side:
-#   the device copy of the tree may carry a stale .git)
+#   device run: GATE_COMMIT=$(git describe --always --dirty) bash bench/gate.sh   (the commit, from this
+#   side, "-dirty" when the tree has uncommitted changes: the device copy of the tree may carry a stale .git)
 # The table comes last; $OUT gets gate.json, baseline-candidate.json (copy it to bench/baseline.json when
 # the figures are accepted) and gate-logs.tgz (every step's log).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -23,11 +23,12 @@ save() {
 }
 (while sleep 20; do save; done) & saver=$!
 if [ "$mode" = tp ]; then
-  export DEEPSERVE_TP_CUDA_GRAPHS=1
+  # Decode graphs on the TP ranks: DEEPSERVE_TP_CUDA_GRAPHS=1 when this ran; --no-enforce-eager since.
+  GRAPHS=--no-enforce-eager
   PYTHONPATH=$PWD timeout 150 python3 bench/gpu_check.py --cases=cuda-tp2,cuda-tp2-ep > $O/gpucheck-tp2.log 2>&1; save
-  EXTRA=--async-scheduling TAG=-graphs-async H 0,1 120 w1:r1-distill-qwen-7b:2; save
-  EXTRA=--async-scheduling TAG=-graphs-async H 0,1 140 w1:deepseek-v2-lite:2; save
-  EXTRA=--async-scheduling TAG=-graphs-async H 0,1 140 w1:deepseek-v2-lite:2:ep; save
+  EXTRA="--async-scheduling $GRAPHS" TAG=-graphs-async H 0,1 120 w1:r1-distill-qwen-7b:2; save
+  EXTRA="--async-scheduling $GRAPHS" TAG=-graphs-async H 0,1 140 w1:deepseek-v2-lite:2; save
+  EXTRA="--async-scheduling $GRAPHS" TAG=-graphs-async H 0,1 140 w1:deepseek-v2-lite:2:ep; save
 elif [ "$mode" = a ]; then
   H 0 60 prefill; save
   H 0 100 profile:r1-distill-qwen-7b:256:600:0.6; save

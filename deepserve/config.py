@@ -224,6 +224,13 @@ class EngineArgs:
             device=device,
             enforce_eager=self.tensor_parallel_size > 1 if self.enforce_eager is None else self.enforce_eager,
         )
+        if self.enforce_eager is False and self.tensor_parallel_size > 1:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "enforce_eager=False: decode CUDA graphs on tensor-parallel ranks are experimental (correct on tiny "
+                "checkpoints; a W1-sized run on 2 H200s once did not finish); leave enforce_eager unset for eager "
+                "ranks")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_CHUNKED_TOKEN_BUDGET

@@ -45,6 +45,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                          "Triton's own: 1 runs the kernels in its interpreter (CPU tests); read when a kernel "
                          "module is imported"),
     "XDG_CACHE_HOME": (_str("XDG_CACHE_HOME"), "the user cache (the demo model goes under it)"),
+    "CUDA_VISIBLE_DEVICES": (_str("CUDA_VISIBLE_DEVICES"),
+                             "CUDA's own: which GPUs this process sees (the energy meter maps them to NVML's)"),
 }
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 import torch
+
+from deepserve import envs
 
 
 @dataclass
@@ -38,7 +39,7 @@ class EnergyMeter:
 
 def _visible_handles(pynvml, count: int) -> list:
     # NVML numbers every GPU of the host; CUDA numbers only CUDA_VISIBLE_DEVICES, in its order.
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = envs.CUDA_VISIBLE_DEVICES
     idents = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
     return [pynvml.nvmlDeviceGetHandleByIndex(int(i)) if i.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(i)
             for i in idents[:count]]

@@ -29,7 +29,8 @@ FORMULAS = {
     "activations": "T × (4·hidden + attn_width + 2·ffn_width) × dtype bytes + max_num_seqs × vocab × 4, "
                    "T = min(max_num_batched_tokens, max_model_len); ffn_width per rank (MoE: (top_k + shared) "
                    "× expert width), attn_width = q + k + v columns per rank (MLA: q, latent and expanded k/v)",
-    "cuda_graphs": "0 with --enforce-eager, else max_num_seqs × (vocab × 4 + 8·hidden × dtype bytes "
+    "cuda_graphs": "0 with --enforce-eager or tensor parallelism (its ranks run eager by default), "
+                   "else max_num_seqs × (vocab × 4 + 8·hidden × dtype bytes "
                    "+ 4·⌈max_model_len/block_size⌉) + 512 MiB (CUDA context, graph pool)",
     "kv_cache": "GPU memory × gpu_memory_utilization − weights − activations − cuda_graphs",
 }
@@ -173,7 +174,9 @@ def _activations(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes:
 def _graphs(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int, hf_config) -> int:
     from deepserve.models.registry import get_model_class
 
-    if req.enforce_eager or not getattr(get_model_class(hf_config), "supports_cuda_graphs", True):
+    # The engine runs tensor-parallel ranks eager unless asked otherwise (EngineArgs.enforce_eager).
+    eager = req.enforce_eager or req.tensor_parallel_size > 1
+    if eager or not getattr(get_model_class(hf_config), "supports_cuda_graphs", True):
         return 0
     block_table = 4 * -(-max_len // req.block_size)
     per_seq = shape.vocab_size * 4 + 8 * shape.hidden_size * dtype_bytes + block_table

@@ -123,3 +123,11 @@ def test_cli_json_shape_and_exit_codes(capsys):
 def test_gpu_sizes():
     assert gpu_memory_bytes("80") == ("80 GiB", 80 * GIB)
     assert gpu_memory_bytes("H200")[1] > gpu_memory_bytes("h20")[1] > gpu_memory_bytes("a100-80g")[1]
+
+
+def test_graph_memory_only_where_the_engine_captures_graphs():
+    # One GPU captures decode graphs; tensor-parallel ranks run eager by default; --enforce-eager never.
+    one = plan(PlanRequest("deepseek-llm-7b", max_model_len=4096))
+    assert one.cuda_graph_bytes > 0
+    assert plan(PlanRequest("deepseek-llm-7b", max_model_len=4096, enforce_eager=True)).cuda_graph_bytes == 0
+    assert plan(PlanRequest("deepseek-llm-7b", max_model_len=4096, tensor_parallel_size=2)).cuda_graph_bytes == 0
