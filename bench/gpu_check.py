@@ -75,13 +75,14 @@ def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True) -> l
 
 def check_bf16_flash(name: str, path: str) -> bool:
     """bf16 on the GPU, prefill on flash's varlen kernel through the engine's own step bookkeeping: its
-    prompt logprobs may be no further from the fp32 CPU reference than twice the distance of the same
-    bf16 run with prefill on SDPA, plus 0.01 (bf16's own rounding differs between the two)."""
+    prompt logprobs may be no further from the fp32 CPU reference, on average over every prompt token,
+    than 1.5 times the same bf16 run with prefill on SDPA, plus 0.01 (bf16's own rounding differs
+    between the two, and a near-tie in routing may flip in either; a wrong row or offset is far off)."""
     want = torch.tensor(prompt_logprobs(path, "cpu", "float32"))
-    flash = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16")) - want).abs().max().item()
-    sdpa = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16", flash=False)) - want).abs().max().item()
-    ok = flash <= 2 * sdpa + 0.01
-    print(f"{name:10s} {'bf16-flash':13s} {'OK' if ok else 'MISMATCH'} prompt logprob error {flash:.4f} "
+    flash = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16")) - want).abs().mean().item()
+    sdpa = (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16", flash=False)) - want).abs().mean().item()
+    ok = flash <= 1.5 * sdpa + 0.01
+    print(f"{name:10s} {'bf16-flash':13s} {'OK' if ok else 'MISMATCH'} mean prompt logprob error {flash:.4f} "
           f"(SDPA path {sdpa:.4f})")
     return ok
 
