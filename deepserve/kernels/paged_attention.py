@@ -43,15 +43,14 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     layout: PagedLayout,
     scale: float,
-    seqs: list[int] | None = None,  # which sequences to compute (default: all)
-    out: torch.Tensor | None = None,  # [T, H, D]: rows of other sequences are left as they are
+    out: torch.Tensor | None = None,  # [T, H, D], written in full
 ) -> torch.Tensor:  # [T, H, D]
     """Per sequence, one SDPA call in the layout its fused (flash) kernels accept (`fused_sdpa`): a
     sequence with nothing cached attends causally over this step's keys; one with a cached prefix
     gathers its keys from the cache and attends with the causal mask aligned to the last key."""
     out = torch.empty_like(query) if out is None else out
     group = query.shape[1] // key.shape[1]
-    for b in range(layout.num_seqs) if seqs is None else seqs:
+    for b in range(layout.num_seqs):
         start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
         seq_len = layout.seq_lens[b]
         if seq_len == end - start:  # nothing cached before: plain causal attention over this step's keys

@@ -54,9 +54,10 @@ def flash_varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                  max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """Flash attention's varlen forward, causal. Its schema's positional part (q, k, v, cu_seq_q,
-    cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask) and `scale` are the same from torch
-    2.4 through 2.14; later keywords (window sizes, a block table) are left at their defaults."""
+    """Flash attention's varlen forward, causal. Only the schema's positional part (q, k, v, cu_seq_q,
+    cu_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask) and `scale` are passed: the same in
+    torch 2.11 (run on the H200) and 2.13 (its schema); later keywords (window sizes, a block table)
+    vary between releases and keep their defaults."""
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16), "flash takes fp16/bf16"
     assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash takes one head size for q, k and v"
     assert q.shape[1] % k.shape[1] == 0, "query heads must be a multiple of key heads"
