@@ -34,7 +34,6 @@ from deepserve.kernels.mla_attention import (
     mla_attention_ref,
     mla_prefill_ref,
     mla_sequence_attention,
-    mla_varlen_attention,
     store_latent_ref,
 )
 from deepserve.layers.attention import uses_gpu_kernels
@@ -86,10 +85,8 @@ class MLAAttention(nn.Module):
             out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], meta.block_tables[seqs], meta.seq_lens[seqs],
                                               meta.max_seq_len)
         if meta.prefill_fresh is not None:  # one flash varlen call over every fresh prompt of the step
-            g = meta.prefill_fresh
-            k, v = self._expand_kv(kv_c[g.rows], k_pe[g.rows])
-            q = torch.cat([q_nope[g.rows], q_pe[g.rows]], dim=-1)  # [Tg, H, Dn + Dr]
-            out[g.rows] = mla_varlen_attention(q, k, v, g.cu_q, g.cu_k, g.cu_q_cpu, g.cu_k_cpu, self.scale)
+            g = meta.prefill_fresh  # fresh prompts: cu_k == cu_q
+            out[g.rows] = self._expanded(q_nope[g.rows], q_pe[g.rows], kv_c[g.rows], k_pe[g.rows], g.cu_q, g.cu_q_cpu)
         if meta.prefill_cached:  # chunks over a cached prefix: each in its form
             rows, sub = select_sequences(meta, [b for g in meta.prefill_cached for b in g.seqs])
             out[rows] = self._split_forms(q_nope[rows], q_pe[rows], kv_c[rows], k_pe[rows], sub)
@@ -120,7 +117,7 @@ class MLAAttention(nn.Module):
     def _attend(self, form: str, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if form == FRESH:
-            return self._expanded(q_nope, q_pe, kv_c, k_pe, meta)
+            return self._expanded(q_nope, q_pe, kv_c, k_pe, meta.query_start_loc, meta.query_start_loc_cpu)
         if form == OVER_CACHE:
             return self._expanded_over_cache(q_nope, q_pe, meta)
         return self._absorbed(q_nope, q_pe, meta)  # ABSORBED
@@ -136,10 +133,11 @@ class MLAAttention(nn.Module):
         return torch.einsum("thc,hdc->thd", o_latent, w_uv)  # [T, H, Dv]
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
+                  cu: torch.Tensor, cu_cpu: list[int]) -> torch.Tensor:
+        """Fresh prompts (sequence b owns rows cu[b]:cu[b+1], nothing cached before) in one varlen call."""
         k, v = self._expand_kv(kv_c, k_pe)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + Dr]
-        return mla_prefill_ref(q, k, v, meta.query_start_loc, meta.query_start_loc_cpu, self.scale)  # [T, H, Dv]
+        return mla_prefill_ref(q, k, v, cu, cu_cpu, self.scale)  # [T, H, Dv]
 
     def _expanded_over_cache(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata
                              ) -> torch.Tensor:
