@@ -59,6 +59,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_flag(ctx: Any) -> Any:
+    """The flag that tells node 0's workers to exit (`.value`, 0 or 1): a byte in shared memory with no
+    lock. An mp.Event's lock, which every worker's check takes, stays held forever when a worker is
+    SIGKILLed inside that check, and rank 0's shutdown then blocked in Event.set() for good (seen once
+    in a full test run, test_worker_killed_mid_generation_is_named_quickly)."""
+    return ctx.RawValue("b", 0)
+
+
 class _Workers:
     """The spawned processes and what they share with rank 0 (no reference to the executor, so
     that the finalizer can hold it)."""
@@ -68,7 +76,7 @@ class _Workers:
         ctx = mp.get_context("spawn")
         local = world // nnodes
         self.multinode = nnodes > 1
-        self.stop = ctx.Event()
+        self.stop = stop_flag(ctx)
         self.go = [ctx.Semaphore(0) for _ in range(local)]  # index = rank; go[0] unused
         self.progress = ctx.Array("q", world, lock=False)  # commands each worker finished (1 = loaded)
         self.heartbeat = ctx.Array("d", world, lock=False)
@@ -139,7 +147,7 @@ def _shutdown(workers: _Workers) -> None:
         except Exception as e:
             told = False
             logger.warning("could not tell the parallel ranks to stop: %s", e)
-    workers.stop.set()
+    workers.stop.value = 1
     workers.wake()
     # A stopped process never sees the stop signal; neither does a multi-node worker that was not
     # told "stop": it waits inside the control broadcast, which has no timeout.

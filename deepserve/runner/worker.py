@@ -130,9 +130,9 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
     """True when rank 0 has a command; False to exit (shutdown, or rank 0's process is gone)."""
     parent = mp.parent_process()
     while not go.acquire(timeout=1.0):
-        if stop.is_set() or (parent is not None and not parent.is_alive()):
+        if stop.value or (parent is not None and not parent.is_alive()):
             return False
-    return not stop.is_set()
+    return not stop.value
 
 
 def worker_process(*args: Any) -> None:
