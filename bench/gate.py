@@ -3,6 +3,8 @@ last accepted figures (bench/baseline.json). Every change on the hot path runs i
 
     bash bench/gate.sh                          # on the GPU machine, one device call: all of it
     python bench/gate.py all --out DIR          # what gate.sh runs (a time budget, a table last)
+    python bench/gate.py fp8 --out DIR          # the FP8 suite: kernel checks, V3 slice and LLM-7B in FP8
+                                                #   (gate.sh fp8; a second device call)
     python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
     python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
     python bench/gate.py all --smoke --out DIR  # CPU: the demo model, tiny workloads (tests the plumbing)
@@ -52,6 +54,15 @@ FIGURES = [
     Figure("deepseek-v2-lite/ttft", "W2 TTFT DeepSeek-V2-Lite", "ms", False),
     Figure("deepseek-llm-7b/ready", "time to ready DeepSeek-LLM-7B (cold)", "s", False, 30.0, gated=False),
     Figure("v3-slice8/ready", "time to ready V3 slice (cold)", "s", False, gated=False),
+    # FP8 suite. Targets from the FP8 issue: the slice in FP8 against the same slice in bf16 as measured
+    # on 08e66c9 (W1 3,437 out tok/s, W2 TPOT 3.54 ms): W1 >= 1.3x, TPOT <= 0.6x.
+    Figure("v3-slice8-fp8/w1", "FP8 W1 V3 8-layer slice (as shipped)", "out tok/s", True, 4_468),
+    Figure("v3-slice8-fp8/tpot", "FP8 W2 TPOT V3 8-layer slice", "ms", False, 2.12),
+    Figure("v3-slice8-fp8/ttft", "FP8 W2 TTFT V3 8-layer slice", "ms", False),
+    Figure("deepseek-llm-7b-fp8/w1", "FP8 W1 DeepSeek-LLM-7B (-q fp8)", "out tok/s", True),
+    Figure("deepseek-llm-7b-fp8/tpot", "FP8 W2 TPOT DeepSeek-LLM-7B (-q fp8)", "ms", False, 2.2),
+    Figure("deepseek-llm-7b-fp8/ttft", "FP8 W2 TTFT DeepSeek-LLM-7B (-q fp8)", "ms", False),
+    Figure("v3-slice8-fp8/ready", "FP8 time to ready V3 slice (cold)", "s", False, gated=False),
 ]
 
 
@@ -62,6 +73,7 @@ class ModelRun:
     w2: bool
     layers: int | None = None  # keep only the first N decoder layers
     timeout_s: int = 150
+    quantization: str | None = None  # as --quantization; None follows the preset (V3's is FP8)
 
 
 RUNS = [
@@ -70,12 +82,25 @@ RUNS = [
     ModelRun("deepseek-llm-7b", "deepseek-llm-7b", w2=True, timeout_s=140),
     # Timeouts are also the budget's estimates (a run starts only if it would end by BUDGET_S): gate run
     # 2 took 49 / 89 / 89 / 107 s for these four (its logs' file times).
-    ModelRun("v3-slice8", "deepseek-v3", w2=True, layers=8, timeout_s=160),
+    # bf16, the slice's figures before FP8 (the preset carries V3's FP8 config: "none" dequantizes it)
+    ModelRun("v3-slice8", "deepseek-v3", w2=True, layers=8, timeout_s=160, quantization="none"),
+]
+FP8_RUNS = [
+    ModelRun("v3-slice8-fp8", "deepseek-v3", w2=True, layers=8, timeout_s=160),
+    ModelRun("deepseek-llm-7b-fp8", "deepseek-llm-7b", w2=True, timeout_s=140, quantization="fp8"),
 ]
 CHECKS = [  # (name, command, timeout): correctness on the GPU before anything is timed
     ("prefill attention", [sys.executable, "bench/check_prefill.py"], 60),
     ("greedy = CPU reference (tiny checkpoints)", [sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
 ]
+FP8_CHECKS = [
+    ("FP8 GEMM kernels = torch reference", [sys.executable, "bench/check_fp8.py", "--json", "{out}/fp8-gemm.json"],
+     120),
+    ("FP8 fused MoE = torch reference", [sys.executable, "bench/check_fp8_moe.py", "--json", "{out}/fp8-moe.json"],
+     90),
+    ("FP8 engine on GPU = CPU reference", [sys.executable, "bench/check_fp8_engine.py"], 120),
+]
+SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS)}
 
 
 def run_model(run: ModelRun, smoke: bool) -> dict:
@@ -85,7 +110,7 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
     from deepserve.bench.latency import measure_latency
     from deepserve.bench.throughput import measure_throughput
 
-    engine = dict(model=run.preset, skip_tokenizer_init=True)
+    engine = dict(model=run.preset, skip_tokenizer_init=True, quantization=run.quantization)
     if run.preset is not None:
         engine.update(load_format="dummy", max_model_len=4096)
     if run.layers:
@@ -105,15 +130,17 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
     return result
 
 
-def run_all(out: Path, smoke: bool) -> dict:
+def run_all(out: Path, smoke: bool, suite: str = "all") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     checks, figures, startup, notes = {}, {}, {}, []
-    for name, cmd, timeout in [] if smoke else CHECKS:
+    suite_checks, suite_runs = SUITES[suite]
+    for name, cmd, timeout in [] if smoke else suite_checks:
+        cmd = [part.replace("{out}", str(out)) for part in cmd]
         rc, tail = _step(cmd, timeout, out / f"check-{len(checks)}.log", env)
         checks[name] = "PASS" if rc == 0 else f"FAIL (rc={rc})"
         notes.append(f"{name}: {checks[name]}\n{tail}")
-    runs = [ModelRun("demo", None, w2=True, timeout_s=300)] if smoke else RUNS
+    runs = [ModelRun("demo", None, w2=True, timeout_s=300)] if smoke else suite_runs
     for run in runs:
         if time.perf_counter() - PROCESS_START + run.timeout_s > BUDGET_S and not smoke:
             checks[f"run {run.name}"] = f"SKIPPED (would pass the {BUDGET_S} s budget)"
@@ -132,7 +159,7 @@ def run_all(out: Path, smoke: bool) -> dict:
     # The device machine's copy of the tree may carry a stale .git: gate.sh passes the commit it was sent.
     commit = os.environ.get("GATE_COMMIT") or _git("rev-parse", "--short", "HEAD")
     dirty = commit.endswith("-dirty") if os.environ.get("GATE_COMMIT") else bool(_git("status", "--porcelain"))
-    result = {"commit": commit, "dirty": dirty,
+    result = {"suite": suite, "runs": [r.name for r in runs], "commit": commit, "dirty": dirty,
               "gpu": _gpu(), "settings": "dummy weights, bf16, max_model_len 4096, defaults otherwise",
               "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures, "startup_s": startup}
     (out / "gate.json").write_text(json.dumps(result, indent=1))
@@ -152,7 +179,10 @@ def compare(result: dict, baseline: dict | None) -> tuple[list[str], bool]:
              f"{'figure':40} {'unit':>9} {'now':>9} {'baseline':>9} {'change':>8} {'target':>8}  verdict"]
     for name, verdict in result.get("checks", {}).items():
         lines.append(f"{name:40} {'':>9} {'':>9} {'':>9} {'':>8} {'':>8}  {verdict}")
+    runs = result.get("runs")  # a suite is judged on its own runs' figures (older results: all of them)
     for fig in FIGURES:
+        if runs is not None and fig.key.split("/")[0] not in runs:
+            continue
         now, was = result["figures"].get(fig.key), base.get(fig.key)
         verdict, change = _verdict(fig, now, was)
         ok = ok and not (fig.gated and verdict.split()[0] in ("REGRESSION", "MISSING"))
@@ -217,12 +247,13 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("all")
-    a.add_argument("--out", required=True)
-    a.add_argument("--smoke", action="store_true")
-    a.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
+    for suite in SUITES:
+        a = sub.add_parser(suite)
+        a.add_argument("--out", required=True)
+        a.add_argument("--smoke", action="store_true")
+        a.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
     m = sub.add_parser("model")
-    m.add_argument("name", choices=[r.name for r in RUNS] + ["demo"])
+    m.add_argument("name", choices=[r.name for r in RUNS + FP8_RUNS] + ["demo"])
     m.add_argument("--json", required=True)
     m.add_argument("--smoke", action="store_true")
     c = sub.add_parser("compare")
@@ -233,10 +264,11 @@ def main() -> int:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        run = next((r for r in RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
+        run = next((r for r in RUNS + FP8_RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
         Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke)))
         return 0
-    result = run_all(Path(ns.out), ns.smoke) if ns.cmd == "all" else json.loads(Path(ns.result).read_text())
+    result = (run_all(Path(ns.out), ns.smoke, ns.cmd) if ns.cmd in SUITES
+              else json.loads(Path(ns.result).read_text()))
     smoke = getattr(ns, "smoke", False)  # a CPU run has nothing to compare with the H200's figures
     baseline = json.loads(Path(ns.baseline).read_text()) if Path(ns.baseline).exists() and not smoke else None
     lines, ok = compare(result, baseline)

@@ -10,7 +10,9 @@ OUT=${OUT:-/tmp/gate-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-python3 bench/gate.py all --out /tmp/gate "$@"
+SUITE=all
+case "$1" in all|fp8) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8: the FP8 suite (bench/gate.py)
+python3 bench/gate.py "$SUITE" --out /tmp/gate "$@"
 rc=$?
 cp /tmp/gate/gate.json /tmp/gate/baseline-candidate.json "$OUT"/ 2>/dev/null
 tar -czf "$OUT/gate-logs.tgz" -C /tmp/gate . 2>/dev/null

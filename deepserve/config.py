@@ -26,6 +26,8 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     device: str = "cpu"  # resolved: "cpu" | "cuda"
     enforce_eager: bool = False  # True: no CUDA graphs
+    # "fp8" or None, resolved from --quantization and the checkpoint (layers/quantization.py)
+    quantization: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -178,6 +180,9 @@ class EngineArgs:
     master_port: int | None = None
     enable_expert_parallel: bool = False
     load_format: str = "auto"
+    # None: follow the checkpoint (FP8 checkpoints are served in FP8); "fp8": also quantize an unquantized
+    # checkpoint at load (per-channel weights, per-token activations); "none": dequantize an FP8 checkpoint.
+    quantization: str | None = None
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
     # None: decode CUDA graphs in one process, eager ranks under tensor parallelism (graphs there are
@@ -223,6 +228,7 @@ class EngineArgs:
             load_format=self.load_format,
             device=device,
             enforce_eager=self.tensor_parallel_size > 1 if self.enforce_eager is None else self.enforce_eager,
+            quantization=_resolve_quantization(hf_config, self.quantization, device),
         )
         if self.enforce_eager is False and self.tensor_parallel_size > 1:
             import logging
@@ -258,6 +264,17 @@ class EngineArgs:
                                     self.node_rank, self.master_addr, self.master_port,
                                     self.enable_expert_parallel),
         )
+
+
+def _resolve_quantization(hf_config: Any, requested: str | None, device: str) -> str | None:
+    from deepserve.layers.quantization import resolve_quantization
+
+    capability, name = None, ""
+    if device == "cuda":
+        import torch
+
+        capability, name = torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)
+    return resolve_quantization(hf_config, requested, device, capability, name)
 
 
 def _resolve_device(device: str) -> str:

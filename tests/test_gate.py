@@ -68,3 +68,15 @@ def test_the_whole_gate_runs_on_cpu(tmp_path):
     assert proc.stdout.strip().endswith("GATE PASSED")
     candidate = json.loads((tmp_path / "baseline-candidate.json").read_text())
     assert candidate["figures"] == result["figures"]
+
+
+def test_a_suite_is_judged_on_its_own_runs_only():
+    # The FP8 suite runs none of the bf16 models: their baseline figures are not MISSING there.
+    result = {"runs": ["v3-slice8-fp8"], "figures": {"v3-slice8-fp8/w1": 5_000.0}, "checks": {}}
+    lines, ok = gate.compare(result, BASE)
+    assert ok and not any(line.startswith("W1 R1-Distill") for line in lines)
+    assert any(line.startswith("FP8 W1 V3 8-layer slice") and line.endswith("new target met") for line in lines)
+    lost = {"runs": ["r1-distill-qwen-7b", "deepseek-llm-7b"], "figures": {}, "checks": {}}
+    assert not gate.compare(lost, BASE)[1]  # the bf16 suite still fails on its lost figures
+    assert {r.name for r in gate.FP8_RUNS} | {r.name for r in gate.RUNS} == {
+        f.key.split("/")[0] for f in gate.FIGURES}

@@ -42,6 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the tensor-parallel ranks split the MoE routed experts (whole experts per rank) "
                         "instead of each expert's intermediate size")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
+                   help="weight quantization (default: the checkpoint's; DeepSeek-V3/R1's FP8 is served as shipped): "
+                        "fp8 also quantizes an unquantized checkpoint at load (per-channel weights, per-token "
+                        "activations); none dequantizes an FP8 checkpoint to --dtype")
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run without decode CUDA graphs (default: graphs on one GPU, eager under tensor "
@@ -97,7 +101,8 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         pipeline_parallel_size=ns.pipeline_parallel_size,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
         enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
-        load_format=ns.load_format, device=ns.device, cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
+        load_format=ns.load_format, quantization=getattr(ns, "quantization", None), device=ns.device,
+        cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
         enforce_eager=ns.enforce_eager, async_scheduling=getattr(ns, "async_scheduling", None),
         skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
         hf_overrides=getattr(ns, "hf_overrides", {}),

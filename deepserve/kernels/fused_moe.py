@@ -24,6 +24,21 @@ expert compute all of them; selecting only this rank's assignments would need th
 Every assignment appears exactly once in the sorted order and each program writes all its valid rows, so
 act and y are torch.empty (y zeroed with skips): sentinel rows are masked and never stored.
 
+FP8 (W8A8, DeepSeek-V3/R1's block-scaled experts; numerics of kernels/fp8_ref.py): w13 and w2 are
+float8_e4m3fn with one float32 factor per bn x bk weight block (w13_scale [E, 2 ceil(I/bn), ceil(H/bk)],
+the gate member's rows then the up member's; w2_scale [E, ceil(H/bn), ceil(I/bk)]). The activations (x,
+and silu(gate) * up after rounding to x's dtype) are quantized per token and group of bk columns. Each
+k-step's fp8 product (at most bk long) is scaled by its two factors into an fp32 accumulator: the tensor
+cores' reduced-precision fp8 accumulation then never spans more than one group. Where activations get
+quantized is a tile choice (MoEConfig.prequantize, default_fp8_config says which regime takes which):
+  in the GEMMs  each program quantizes the bf16 a-tile it loads (block_k == bk: one tile row is one group).
+                No launch beyond the bf16 path's, but a block's x rows are quantized once per N tile of I,
+                and act once per N tile of H: cheap on the CUDA cores beside a weight stream (decode),
+                a real cost beside fp8 tensor cores running flat out (prefill).
+  once          x by one separate kernel, act in the gate-up epilogue (block_n == bk: one output tile row
+                is one act group), written as fp8 + scales: each value quantized once, and the a-tiles
+                the GEMMs load are half the bytes. One extra launch (prefill pays it gladly).
+
 Shapes: T tokens, H hidden size, E experts (this rank's copy), I intermediate size (this rank's share),
 K experts per token, N = T*K assignments, P padded assignment count (a multiple of block_m).
 """
@@ -37,9 +52,13 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import fp8_ref
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
+# fp8_ref's quantization constants, as constexprs a kernel may read (a plain Python global it may not).
+FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
+AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,9 @@ class MoEConfig:
     group_m: int  # consecutive blocks that walk the same weight tiles (L2 reuse when an expert has many)
     num_warps: int
     num_stages: int
+    # FP8 only: quantize x in a separate kernel and act in the gate-up epilogue (needs block_n == bk)
+    # instead of in every GEMM program (needs block_k == bk). Module docstring, "FP8".
+    prequantize: bool = False
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoEConfig:
@@ -72,6 +94,30 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     if per_expert <= 256:
         return MoEConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
     return MoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def default_fp8_config(num_tokens: int, top_k: int, num_experts: int, group_k: int = 128,
+                       inter: int | None = None) -> MoEConfig:
+    """Tiles for FP8 weights with bk = group_k (128 for DeepSeek), by assignments per expert as in
+    default_config; guessed for the H200, to be chosen from bench/check_fp8_moe.py's variants.
+
+    Decode (<= 64 per expert) streams weights: activations are quantized in the GEMMs (no extra launch;
+    the CUDA cores idle beside the stream anyway) and one stage more than bf16 keeps as many bytes in
+    flight (an fp8 k-step is half the bytes). Few tiles of a small I (a TP shard: V3's 256 under TP8,
+    4 tiles of 64 per expert) would leave most SMs idle at T = 1, so they get narrower ones. Prefill is
+    compute-bound on fp8 wgmma: activations quantized once (module docstring) with block_n = bk for the
+    gate-up epilogue's act groups; 64 x 128 with 8 warps is the largest gate-up tile whose two
+    accumulators and per-k-step products fit in registers without spilling (Triton 3.6, sm_90: 185
+    registers; 128 x 128 spills inside the loop)."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
+        narrow = inter is not None and inter <= 512
+        return MoEConfig(block_m=16, block_n=32 if narrow else 64, block_k=group_k, group_m=1, num_warps=4,
+                         num_stages=4)
+    if per_expert <= 64:
+        return MoEConfig(block_m=32, block_n=64, block_k=group_k, group_m=4, num_warps=8, num_stages=4)
+    return MoEConfig(block_m=64, block_n=group_k, block_k=group_k, group_m=8, num_warps=8, num_stages=4,
+                     prequantize=True)
 
 
 def padded_size(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -190,35 +236,59 @@ def _moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, siz
     return sorted_ids[:size], expert_ids, ends[-1:].to(torch.int32)
 
 
-@triton.jit
+# Arguments that change with the token count are not specialized on (divisible by 16, equal to 1): that
+# would compile the same code again for new batch sizes and buy nothing (they only bound masks and the
+# program order).
+@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    a_scale_ptr, b_scale_ptr, c_scale_ptr,
     num_valid, rows_per_a, num_m_blocks, stride_am, stride_be, stride_bn, stride_cm,
+    stride_asm, stride_bse, stride_bsn, stride_csm,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, QUANTIZE_A: tl.constexpr, QUANTIZE_C: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROUND_C: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr,
 ):
     # c[r] = f(a[r // rows_per_a] @ b[e].T) for the block's valid assignments r, e its expert.
     # Gate-up: a = x [T, H], rows_per_a = K, b = w13 [E, 2N, H], f = silu(gate) * up over b's row halves.
     # Down: a = act [N_assign, I], rows_per_a = 1, b = w2 [E, N, I], f = routing weight * product.
-    # Last dimensions of a, b, c are contiguous (the wrapper checks).
+    # Last dimensions of a, b, c and the scales are contiguous (the wrapper checks).
+    # FP8 (all switches constexpr: the bf16 kernel compiles none of it): b fp8 with block scales
+    # b_scale [E, cdiv(b rows, GROUP_N), cdiv(K, GROUP_K)]; a fp8 with group scales a_scale [a rows,
+    # cdiv(K, GROUP_K)], or QUANTIZE_A: a in x's dtype, quantized here tile by tile. QUANTIZE_C: c is fp8
+    # and gets its group scales in c_scale [c rows, cdiv(N, BLOCK_N)] (BLOCK_N is the next GEMM's group).
+    # ROUND_C: x's dtype, which c's values are rounded to (before their quantization under QUANTIZE_C).
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the real total: the worst-case grid's spare blocks
         return
     assign = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     row_ok = assign < num_valid  # sentinel padding is never loaded nor stored
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # int64: E * 2I * H passes 2^31 for V3
-    a_rows = a_ptr + (assign // rows_per_a).to(tl.int64) * stride_am  # [BLOCK_M] pointers
+    a_index = (assign // rows_per_a).to(tl.int64)  # [BLOCK_M]
+    a_rows = a_ptr + a_index * stride_am  # [BLOCK_M] pointers
     # Columns wrap modulo N so every weight load is in bounds; the store masks the wrapped ones.
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64) * stride_bn  # [BLOCK_N] pointers
-    acc = _expert_tile(a_rows, b_cols, row_ok, N * stride_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
-                       DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] fp32
+    if FP8:
+        b_scales = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn  # [BLOCK_N] pointers
+        acc = _expert_tile_fp8(a_rows, b_cols, row_ok, N * stride_bn, a_scale_ptr + a_index * stride_asm,
+                               b_scales, (N + GROUP_N - 1) // GROUP_N * stride_bsn, K, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_K, GATED, QUANTIZE_A, FP8_ROUND_IN_FP32)
+    else:
+        acc = _expert_tile(a_rows, b_cols, row_ok, N * stride_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
+                           DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] fp32
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + assign, mask=row_ok, other=0.0)[:, None]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + assign.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
+    if QUANTIZE_C:
+        _store_fp8_groups(c_ptrs, c_scale_ptr + assign.to(tl.int64) * stride_csm + pid_n, acc, row_ok, cols < N,
+                          ROUND_C, FP8_ROUND_IN_FP32)
+    else:
+        if FP8_ROUND_IN_FP32:  # the interpreter's bf16 cast truncates; the GPU's rounds to nearest even
+            acc = _round_to(acc, ROUND_C, FP8_ROUND_IN_FP32)  # (ROUND_C is c's dtype here)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
 @triton.jit
@@ -252,6 +322,102 @@ def _expert_tile(a_rows, b_cols, row_ok, up_offset, K: tl.constexpr, BLOCK_M: tl
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     return acc
+
+
+@triton.jit
+def _expert_tile_fp8(a_rows, b_cols, row_ok, up_offset, a_scales, b_scales, up_scale_offset, K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
+                     GATED: tl.constexpr, QUANTIZE_A: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr):
+    # _expert_tile with fp8 b: each k-step's fp8 product times a's row scales and b's column scales,
+    # summed in fp32 (BLOCK_K divides GROUP_K, so one k-step lies in one group). a_scales [BLOCK_M]:
+    # pointers to each row's group-0 scale (read unless QUANTIZE_A); b_scales [BLOCK_N]: to each
+    # column's k-group-0 scale; the up rows' scales lie up_scale_offset further on.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        group = k // GROUP_K
+        a = _load_a(a_rows[:, None] + (k + offs_k)[None, :], row_ok, k_ok, EVEN_K)  # [BLOCK_M, BLOCK_K]
+        if QUANTIZE_A:  # BLOCK_K == GROUP_K: each row of the tile is one group (masked rows quantize to 0)
+            a, a_scale = _quantize_rows(a.to(tl.float32), FP8_ROUND_IN_FP32)
+        else:
+            a_scale = tl.load(a_scales + group, mask=row_ok, other=0.0)  # [BLOCK_M]
+        b_ptrs = b_cols[None, :] + (k + offs_k)[:, None]  # [BLOCK_K, BLOCK_N]
+        scale = a_scale[:, None] * tl.load(b_scales + group)[None, :]  # [BLOCK_M, BLOCK_N]
+        acc += tl.dot(a, _load_b(b_ptrs, k_ok, EVEN_K)) * scale
+        if GATED:
+            scale_up = a_scale[:, None] * tl.load(b_scales + up_scale_offset + group)[None, :]
+            acc_up += tl.dot(a, _load_b(b_ptrs + up_offset, k_ok, EVEN_K)) * scale_up
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    return acc
+
+
+@triton.jit
+def _quantize_rows(v, FP8_ROUND_IN_FP32: tl.constexpr):
+    # v [R, G] fp32, one group per row -> (fp8 [R, G], scale [R] fp32), bit for bit
+    # fp8_ref.quantize_per_token_group_ref: both divisions IEEE (Triton's fp32 `/` is approximate).
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)  # [R]
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    q = tl.math.div_rn(v, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if FP8_ROUND_IN_FP32:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    # The interpreter's fp32 -> fp8 cast drops the carry of a round-up (126.06 becomes 64, not 128) and
+    # rounds ties away: round to e4m3's grid here (nearest even), after which its cast is exact. The
+    # grid step is 2^(e - 3) for exponent e, at least e4m3's smallest normal exponent -6 (biased 121);
+    # adding and subtracting 1.5 * 2^23 steps rounds to whole steps in fp32's own nearest-even rounding.
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    step = ((tl.maximum(exponent, 121) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = step * 12582912.0
+    return (v + magic) - magic
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr):
+    # v fp32 rounded to DTYPE ("bf16", "fp16", "": none), still fp32.
+    if DTYPE == "bf16":
+        if FP8_ROUND_IN_FP32:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even first
+            bits = v.to(tl.int32, bitcast=True)
+            v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == "fp16":
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _store_fp8_groups(c_ptrs, scale_ptrs, acc, row_ok, col_ok, ROUND_C: tl.constexpr,
+                      FP8_ROUND_IN_FP32: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] fp32, each row one group of the next GEMM's a: rounded to x's dtype (as the
+    # bf16 path stores act), quantized, stored as fp8 with its scale. Wrapped columns (copies of real
+    # ones, maybe of another group) are kept out of the amax.
+    v = tl.where(col_ok[None, :], _round_to(acc, ROUND_C, FP8_ROUND_IN_FP32), 0.0)
+    q, scale = _quantize_rows(v, FP8_ROUND_IN_FP32)
+    tl.store(c_ptrs, q, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(scale_ptrs, scale, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, stride_xm, stride_qm, stride_sm, K: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr):
+    # One program per BLOCK_ROWS rows and one group of GROUP columns of x [rows, K].
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    mask = (r < rows)[:, None] & (cols < K)[None, :]
+    r64 = r.to(tl.int64)
+    v = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_rows(v, FP8_ROUND_IN_FP32)
+    tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(scale_ptr + r64 * stride_sm + group, scale, mask=r < rows)
 
 
 @triton.jit
@@ -292,7 +458,8 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     _require(w13.shape[2] == h and two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
              f"weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x {tuple(x.shape)}")
     _require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}")
-    _require(w13.dtype == x.dtype and w2.dtype == x.dtype, "x, w13 and w2 must share one dtype")
+    _require(w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8_ref.FP8),
+             "x, w13 and w2 must share one dtype (or w13 and w2 be float8_e4m3fn)")
     _require(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1,
              "the last dimension of x, w13 and w2 must be contiguous")
     _require(topk_ids.dim() == 2 and topk_ids.shape[0] == t and topk_weights.shape == topk_ids.shape,
@@ -304,27 +471,98 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
              "all inputs must be on one device")
 
 
+def _check_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                  w2_scale: torch.Tensor | None, block: tuple[int, int]) -> None:
+    # FP8 weights: the block scales as DeepSeek ships them (module docstring, "FP8").
+    _require(w13_scale is not None and w2_scale is not None, "float8_e4m3fn weights need w13_scale and w2_scale")
+    (e, two_i, h), (bn, bk) = w13.shape, block
+    inter = two_i // 2
+    _require(bn > 0 and bk >= 16 and bk & (bk - 1) == 0, f"block {block}: bk must be a power of two >= 16")
+    want13 = (e, 2 * triton.cdiv(inter, bn), triton.cdiv(h, bk))
+    want2 = (e, triton.cdiv(h, bn), triton.cdiv(inter, bk))
+    _require(tuple(w13_scale.shape) == want13 and tuple(w2_scale.shape) == want2,
+             f"scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} for block {block}: want {want13} / {want2}")
+    _require(w13_scale.dtype == torch.float32 and w2_scale.dtype == torch.float32, "scales must be float32")
+    _require(w13_scale.stride(2) == 1 and w2_scale.stride(2) == 1,
+             "the last dimension of the scales must be contiguous")
+    _require(w13_scale.device == w13.device and w2_scale.device == w13.device, "scales must be on the weights' device")
+
+
+def _check_fp8_config(cfg: MoEConfig, block: tuple[int, int]) -> None:
+    bk = block[1]
+    _require(bk % cfg.block_k == 0, f"block_k {cfg.block_k} must divide bk {bk}: a k-step in one scale group")
+    if cfg.prequantize:
+        _require(cfg.block_n == bk, f"prequantize needs block_n == bk {bk}: a gate-up tile row is one act group")
+    else:
+        _require(cfg.block_k == bk, f"quantizing in the GEMMs needs block_k == bk {bk}: a tile row is one group")
+
+
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     # fp32 inputs: "ieee", not the tf32 default, so fp32 matches the reference to 1e-5.
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                 DOT_UPCAST=dtype != torch.float32 and INTERPRET)
 
 
+@dataclass(frozen=True)
+class _Fp8Operands:
+    """What an FP8 GEMM launch adds to the bf16 one (kernel comment)."""
+
+    b_scale: torch.Tensor  # [E, ceil(b rows / bn), ceil(k / bk)] weight block scales
+    block: tuple[int, int]  # (bn, bk)
+    a_scale: torch.Tensor | None = None  # [a rows, ceil(k / bk)] when a is fp8 already, else a is quantized here
+    c_scale: torch.Tensor | None = None  # [c rows, ceil(n / bk)]: c is fp8, quantized in the epilogue
+    round_to: torch.dtype | None = None  # the dtype c's values are rounded to (x's): before QUANTIZE_C
+
+
+_ROUND_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "", None: ""}
+
+
+def _fp8_arguments(fp8: _Fp8Operands | None, unused: torch.Tensor) -> tuple[list, list, dict[str, object]]:
+    """-> (scale pointers, scale strides, constexprs) of a launch; `unused` fills the bf16 path's slots."""
+    if fp8 is None:
+        return [unused] * 3, [0] * 4, dict(FP8=False, QUANTIZE_A=False, QUANTIZE_C=False, GROUP_N=1, GROUP_K=1,
+                                           ROUND_C="", FP8_ROUND_IN_FP32=False)
+    a_scale = unused if fp8.a_scale is None else fp8.a_scale
+    c_scale = unused if fp8.c_scale is None else fp8.c_scale
+    strides = [0 if fp8.a_scale is None else a_scale.stride(0), fp8.b_scale.stride(0), fp8.b_scale.stride(1),
+               0 if fp8.c_scale is None else c_scale.stride(0)]
+    return [a_scale, fp8.b_scale, c_scale], strides, dict(
+        FP8=True, QUANTIZE_A=fp8.a_scale is None, QUANTIZE_C=fp8.c_scale is not None, GROUP_N=fp8.block[0],
+        GROUP_K=fp8.block[1], ROUND_C=_ROUND_NAMES[fp8.round_to], FP8_ROUND_IN_FP32=INTERPRET)
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
             align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_per_a: int, gated: bool,
-            cfg: MoEConfig) -> None:
+            cfg: MoEConfig, fp8: _Fp8Operands | None = None) -> None:
     # c [N_assign, n] gets the block products; n = b's rows (halved when gated), k = b's columns.
     sorted_ids, expert_ids, num_padded = align
     n, k = c.shape[1], b.shape[2]
     num_m_blocks = expert_ids.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    scale_ptrs, scale_strides, fp8_options = _fp8_arguments(fp8, topk_weights)
     _fused_moe_gemm_kernel[grid](
-        a, b, c, topk_weights, sorted_ids, expert_ids, num_padded,
-        c.shape[0], rows_per_a, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, *scale_ptrs,
+        c.shape[0], rows_per_a, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0), *scale_strides,
         N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         GATED=gated, MUL_WEIGHT=not gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_dot_options(a.dtype),
+        **_dot_options(a.dtype), **fp8_options,
     )
+
+
+QUANTIZE_BLOCK_ROWS = 16  # rows per program of the separate activation quantization
+
+
+def _quantize_groups(x: torch.Tensor, group: int, like_q: torch.Tensor, like_scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], scale [M, ceil(K/group)] float32): fp8_ref.quantize_per_token_group_ref
+    in one launch (workspaces shaped after like_q / like_scale's dtypes)."""
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    x_q, scale = _workspace(m, k, like_q), _workspace(m, groups, like_scale)
+    _quantize_groups_kernel[(triton.cdiv(m, QUANTIZE_BLOCK_ROWS), groups)](
+        x, x_q, scale, m, x.stride(0), x_q.stride(0), scale.stride(0), K=k, GROUP=group,
+        BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, FP8_ROUND_IN_FP32=INTERPRET, num_warps=4)
+    return x_q, scale
 
 
 def _workspace(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -333,22 +571,66 @@ def _workspace(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoEConfig | None = None, skips: bool = False) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoEConfig | None = None, skips: bool = False, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights [T, K] float32,
     topk_ids [T, K] -> [T, H] in x's dtype: the routed experts' weighted sum (module docstring).
     skips: topk_ids may hold E, an assignment to leave out (expert parallelism: another rank's expert).
+    FP8 weights (float8_e4m3fn w13 and w2) come with w13_scale [E, 2 ceil(I/bn), ceil(H/bk)] and w2_scale
+    [E, ceil(H/bn), ceil(I/bk)] for block = (bn, bk): W8A8, fused_moe_fp8_ref's numerics.
     fp32 accumulation; no host sync (CUDA-graph safe); deterministic."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    fp8 = w13.dtype == fp8_ref.FP8
+    if fp8:
+        _check_scales(w13, w2, w13_scale, w2_scale, block)
+    else:
+        _require(w13_scale is None and w2_scale is None, "scales go with float8_e4m3fn weights only")
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0:
         return x.new_empty(0, h)
-    cfg = config or default_config(t, k, e, x.dtype)
+    cfg = config or (default_fp8_config(t, k, e, block[1], two_i // 2) if fp8
+                     else default_config(t, k, e, x.dtype))
+    if fp8:
+        _check_fp8_config(cfg, block)
     align = moe_align(topk_ids, e, cfg.block_m)
-    act = _workspace(t * k, two_i // 2, x)  # [N, I]
-    _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg)
-    y = torch.zeros(t * k, h, dtype=x.dtype, device=x.device) if skips else _workspace(t * k, h, x)  # [N, H]
-    _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg)
+    if fp8:
+        y = _fp8_experts(x, w13, w2, w13_scale, w2_scale, topk_weights, align, cfg, block, skips)
+    else:
+        act = _workspace(t * k, two_i // 2, x)  # [N, I]
+        _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg)
+        y = _output(t * k, h, x, skips)
+        _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg)
     return y.view(t, k, h).sum(dim=1) if k > 1 else y  # fixed-order sum over the K slots
+
+
+def _output(rows: int, cols: int, x: torch.Tensor, skips: bool) -> torch.Tensor:
+    # y [N, H]: skipped assignments' rows are never written, so they start at zero.
+    return torch.zeros(rows, cols, dtype=x.dtype, device=x.device) if skips else _workspace(rows, cols, x)
+
+
+def _fp8_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                 w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                 align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: MoEConfig, block: tuple[int, int],
+                 skips: bool) -> torch.Tensor:
+    """Both GEMMs with FP8 weights -> y [N, H] in x's dtype (module docstring, "FP8")."""
+    (t, h), k, inter, bk = x.shape, topk_weights.shape[1], w2.shape[2], block[1]
+    y = _output(t * k, h, x, skips)
+    if cfg.prequantize:
+        x_q, x_scale = _quantize_groups(x, bk, w13, w13_scale)  # [T, H] fp8, [T, ceil(H/bk)]
+        act = _workspace(t * k, inter, w13)  # [N, I] fp8
+        act_scale = _workspace(t * k, triton.cdiv(inter, bk), w13_scale)  # [N, ceil(I/bk)]
+        _launch(x_q, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg,
+                fp8=_Fp8Operands(w13_scale, block, a_scale=x_scale, c_scale=act_scale, round_to=x.dtype))
+        _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg,
+                fp8=_Fp8Operands(w2_scale, block, a_scale=act_scale, round_to=x.dtype))
+    else:
+        act = _workspace(t * k, inter, x)  # [N, I] in x's dtype, quantized by the down GEMM's programs
+        _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg,
+                fp8=_Fp8Operands(w13_scale, block, round_to=x.dtype))
+        _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg,
+                fp8=_Fp8Operands(w2_scale, block, round_to=x.dtype))
+    return y
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -362,4 +644,27 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         xe, w13e = x[rows].float(), w13[e].float()  # [n, H], [2I, H]
         act = torch.nn.functional.silu(xe @ w13e[:inter].T) * (xe @ w13e[inter:].T)  # [n, I]
         out.index_add_(0, rows, (act @ w2[e].float().T) * topk_weights[rows, slots, None])  # [n, H]
+    return out.to(x.dtype)
+
+
+def fused_moe_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """What fused_moe must equal with FP8 weights (and the CPU path): expert by expert in fp32 with the
+    weights dequantized, x quantized per token and bk-group, silu(gate) * up rounded to x's dtype and
+    quantized the same way; cast to x's dtype at the end; ids past the last expert contribute nothing.
+    x [T, H], w13 [E, 2I, H] fp8, w13_scale [E, 2 ceil(I/bn), ceil(H/bk)], w2 [E, H, I] fp8,
+    w2_scale [E, ceil(H/bn), ceil(I/bk)], topk_weights / topk_ids [T, K] -> [T, H]."""
+    inter, bk = w13.shape[1] // 2, block[1]
+    gate_rows = triton.cdiv(inter, block[0])  # w13_scale's gate rows, then the up rows
+    xa = fp8_ref.dequantize_per_token_group(*fp8_ref.quantize_per_token_group_ref(x, bk), bk)  # [T, H]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    for e in [e for e in topk_ids.unique().tolist() if e < w13.shape[0]]:
+        rows, slots = (topk_ids == e).nonzero(as_tuple=True)  # [n] each
+        w1 = fp8_ref.dequantize_weight_block(w13[e, :inter], w13_scale[e, :gate_rows], block)  # [I, H]
+        w3 = fp8_ref.dequantize_weight_block(w13[e, inter:], w13_scale[e, gate_rows:], block)  # [I, H]
+        act = (torch.nn.functional.silu(xa[rows] @ w1.T) * (xa[rows] @ w3.T)).to(x.dtype)  # [n, I]
+        act = fp8_ref.dequantize_per_token_group(*fp8_ref.quantize_per_token_group_ref(act, bk), bk)
+        w2e = fp8_ref.dequantize_weight_block(w2[e], w2_scale[e], block)  # [H, I]
+        out.index_add_(0, rows, (act @ w2e.T) * topk_weights[rows, slots, None])  # [n, H]
     return out.to(x.dtype)

@@ -5,6 +5,13 @@ of a full checkpoint tensor, so the checkpoint loader never needs to know about 
 tensor may be a `loader.checkpoint.LazyTensor`: the loaders only `narrow` / slice it before the copy,
 so a rank reads just its slice from the file; a real tensor works the same.
 Weights are stored as [out_features, in_features], like nn.Linear and the checkpoints.
+
+FP8 (layers/quantization.py): with a block-scaled config the weight is float8_e4m3fn and a float32
+`weight_scale_inv` [ceil(out/bn), ceil(in/bk)] sits beside it, sharded in whole blocks (a shard boundary
+inside a block is refused); a merged projection keeps each member's scale rows apart, so members that are
+not whole blocks still load as shipped (and then multiply one member at a time). With a per-channel
+config the weight loads in the model dtype and `quantize_loaded_weights` turns it into fp8 plus
+`weight_scale` [out]. The matmul is the Triton/`_scaled_mm` kernel on CUDA, the torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
+from deepserve.kernels import fp8_ref
+from deepserve.layers.quantization import Fp8Config
 
 
 def _divide(n: int, world: int, what: str) -> int:
@@ -22,46 +31,147 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
-class ReplicatedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+def _whole_blocks(start: int, size: int, block: int, what: str) -> tuple[int, int]:
+    """A shard [start, start + size) of rows or columns in scale-block units; the shard must begin on a
+    block boundary (its end may be the tensor's partial last block)."""
+    if start % block:
+        raise ValueError(f"{what}: a tensor-parallel shard starting at {start} cuts an FP8 block of {block}; "
+                         "choose a tensor_parallel_size that splits it into multiples of the block")
+    return start // block, _cdiv(size, block)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the Triton kernel on CUDA, the reference (dequantizing per call) elsewhere."""
+    if x.is_cuda:
+        from deepserve.kernels.fp8 import block_fp8_linear
+
+        return block_fp8_linear(x, weight, scale_inv, block, bias)
+    return fp8_ref.block_fp8_linear_ref(x, weight, scale_inv, block, bias)
+
+
+def fp8_channel_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.is_cuda:
+        from deepserve.kernels.fp8 import channel_fp8_linear
+
+        return channel_fp8_linear(x, weight, scale, bias)
+    return fp8_ref.channel_fp8_linear_ref(x, weight, scale, bias)
+
+
+class LinearBase(nn.Module):
+    """The weight (and its FP8 scales) of one linear layer and the matmul that reads them.
+
+    Subclasses say how a checkpoint tensor maps onto this rank's rows (`_load_rows`) or columns."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: Fp8Config | None,
+                 member_rows: list[int] | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.quant = quant
+        self.block = quant.weight_block if quant is not None else None
+        # Output rows per member of a merged projection (one member otherwise), for the scale layout.
+        self.member_rows = member_rows or [out_features]
+        dtype = fp8_ref.FP8 if self.block else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale_inv = None  # block-scaled FP8
+        self.weight_scale = None  # per-channel FP8, made by quantize_loaded_weights
+        if self.block:
+            bn, bk = self.block
+            rows = sum(_cdiv(n, bn) for n in self.member_rows)
+            scale = torch.empty(rows, _cdiv(in_features, bk), dtype=torch.float32)
+            self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            self.weight_scale_inv.weight_loader = self.weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = default_weight_loader
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class ColumnParallelLinear(nn.Module):
-    """Splits the output features across ranks; the output stays sharded (no collective)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
-        self.out_per_rank = _divide(out_features, self.tp_size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = loaded.narrow(0, self.tp_rank * self.out_per_rank, self.out_per_rank)
-        default_weight_loader(param, shard)
+    def _aligned(self) -> bool:
+        return len(self.member_rows) == 1 or all(n % self.block[0] == 0 for n in self.member_rows)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            if self._aligned():
+                return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
+            return self._per_member(x, bias)
+        if self.weight_scale is not None:
+            return fp8_channel_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _per_member(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Members that are not whole blocks share no scale row, so each multiplies on its own.
+        outs, row, scale_row = [], 0, 0
+        for n in self.member_rows:
+            rows = _cdiv(n, self.block[0])
+            b = bias[row : row + n] if bias is not None else None
+            scale = self.weight_scale_inv[scale_row : scale_row + rows]
+            outs.append(fp8_block_linear(x, self.weight[row : row + n], scale, self.block, b))
+            row, scale_row = row + n, scale_row + rows
+        return torch.cat(outs, dim=-1)
+
+    def quantize_loaded_weights(self) -> None:
+        """Per-channel FP8 after loading (quantize_after_loading); nothing for other configs."""
+        if self.quant is None or not self.quant.quantize_at_load or self.weight_scale is not None:
+            return
+        w_q, scale = fp8_ref.quantize_weight_per_channel(self.weight.data)
+        self.weight = nn.Parameter(w_q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def _is_scale(self, param: nn.Parameter) -> bool:
+        return param is self.weight_scale_inv
+
+    def _copy_rows(self, param: nn.Parameter, loaded: torch.Tensor, src: int, size: int, member: int = 0) -> None:
+        """Copy rows [src, src + size) of a checkpoint tensor (weight, bias or block scale) into `member`'s
+        rows of `param` (a scale's rows in block units)."""
+        dst = sum(self.member_rows[:member])
+        if self._is_scale(param):
+            bn = self.block[0]
+            dst = sum(_cdiv(n, bn) for n in self.member_rows[:member])
+            src, size = _whole_blocks(src, size, bn, f"{type(self).__name__} output rows")
+        default_weight_loader(param.data.narrow(0, dst, size), loaded.narrow(0, src, size))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Config | None = None
+                 ) -> None:
+        super().__init__(in_features, out_features, bias, quant)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Splits the output features across ranks; the output stays sharded (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Config | None = None,
+                 member_sizes: list[int] | None = None) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.out_per_rank = _divide(out_features, self.tp_size, "output features")
+        per_rank = [_divide(n, self.tp_size, "output features") for n in member_sizes] if member_sizes else None
+        super().__init__(in_features, self.out_per_rank, bias, quant, per_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        self._copy_rows(param, loaded, self.tp_rank * self.out_per_rank, self.out_per_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -69,62 +179,64 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     Each rank holds its slice of every member, members side by side."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.member_sizes = [_divide(n, self.tp_size, "output features") for n in output_sizes]
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, quant, member_sizes=output_sizes)
+        self.member_sizes = self.member_rows
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
             raise ValueError("a merged projection loads one member at a time (shard_id)")
-        size = self.member_sizes[shard_id]
-        offset = sum(self.member_sizes[:shard_id])
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        self._load_member(param, loaded, shard_id, self.tp_rank)
+
+    def _load_member(self, param: nn.Parameter, loaded: torch.Tensor, member: int, rank: int) -> None:
+        size = self.member_sizes[member]
+        self._copy_rows(param, loaded, rank * size, size, member)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matmul; heads are split across ranks (kv heads replicated
     when there are fewer kv heads than ranks)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 quant: Fp8Config | None = None) -> None:
         tp = get_tp_world_size()
         self.num_kv_heads_per_rank = max(1, num_kv_heads // tp)
         kv_total = self.num_kv_heads_per_rank * tp * head_dim
-        super().__init__(hidden_size, [num_heads * head_dim, kv_total, kv_total], bias)
+        super().__init__(hidden_size, [num_heads * head_dim, kv_total, kv_total], bias, quant)
         self.kv_replicas = max(1, tp // num_kv_heads)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         index = {"q": 0, "k": 1, "v": 2}[shard_id]
-        size = self.member_sizes[index]
-        offset = sum(self.member_sizes[:index])
         rank = self.tp_rank if index == 0 else self.tp_rank // self.kv_replicas
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        self._load_member(param, loaded, index, rank)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Splits the input features across ranks and all-reduces the partial outputs. reduce_results=False
     (vLLM's name) returns this rank's partial output instead, for a caller that adds other partial
     sums first and reduces them all at once (bias not allowed then: it must be added once, after)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True
-                 ) -> None:
-        super().__init__()
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True,
+                 quant: Fp8Config | None = None) -> None:
         if bias and not reduce_results:
             raise ValueError("a RowParallelLinear with a bias must reduce its results")
         self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = default_weight_loader
+        super().__init__(self.in_per_rank, out_features, bias, quant)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * self.in_per_rank, self.in_per_rank))
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param is self.bias:  # the whole bias on every rank: added once, after the sum
+            default_weight_loader(param, loaded)
+            return
+        start, size = self.tp_rank * self.in_per_rank, self.in_per_rank
+        if self._is_scale(param):
+            start, size = _whole_blocks(start, size, self.block[1], f"{type(self).__name__} input columns")
+        default_weight_loader(param, loaded.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x, None)
         if not self.reduce_results:
             return out
         out = tp_all_reduce(out)

@@ -32,8 +32,15 @@ from torch import nn
 
 from deepserve import envs
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
+from deepserve.kernels import fp8_ref
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -151,10 +158,11 @@ class MoEGate(nn.Module):
 class MLP(nn.Module):
     """SwiGLU FFN of the dense layers and the shared experts: w2(silu(w1 x) * w3 x), w1 and w3 merged."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.w13 = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.w2 = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
+        self.w13 = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, quant=quant)
+        self.w2 = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results, quant=quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +175,15 @@ class RoutedExperts(nn.Module):
     Tensor parallelism splits I, so each rank computes a partial sum that one all-reduce completes.
     Expert parallelism (expert_parallel with tp > 1) keeps I whole and gives each rank X / tp experts,
     [expert_start, expert_start + X / tp): the stacked parameters hold only those, indexed by local id,
-    and each rank's partial sum covers only the assignments to its experts; the same all-reduce completes it."""
+    and each rank's partial sum covers only the assignments to its experts; the same all-reduce completes it.
+
+    FP8 (block-scaled, as DeepSeek-V3 ships its experts): w13 and w2 are float8_e4m3fn with float32
+    w13_scale_inv [X, 2 ceil(I/bn), ceil(E/bk)] (the w1 member's scale rows, then w3's) and w2_scale_inv
+    [X, ceil(E/bn), ceil(I/bk)]; a tensor-parallel shard of I must start on a block boundary. A per-channel
+    config (`--quantization fp8`) loads the model dtype and quantize_loaded_weights makes 128 x 128 blocks."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: bool = False,
-                 tp_rank: int | None = None, tp_size: int | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, quant: Fp8Config | None = None) -> None:
         super().__init__()
         # tp_rank / tp_size: this rank's place, by default the tensor-parallel group's (explicit for tests)
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
@@ -191,20 +204,49 @@ class RoutedExperts(nn.Module):
             self.num_local, self.expert_start = num_experts, 0
             self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
         self.inter = intermediate_size // self.inter_ranks
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter), requires_grad=False)
+        self.quant = quant
+        self.block = quant.weight_block if quant is not None else None
+        dtype = fp8_ref.FP8 if self.block else None
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        self.w13_scale_inv = self.w2_scale_inv = None
+        if self.block:
+            bn, bk = self.block
+            shape13 = (self.num_local, 2 * _cdiv(self.inter, bn), _cdiv(hidden_size, bk))
+            shape2 = (self.num_local, _cdiv(hidden_size, bn), _cdiv(self.inter, bk))
+            self.w13_scale_inv = nn.Parameter(torch.empty(shape13, dtype=torch.float32), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(shape2, dtype=torch.float32), requires_grad=False)
+            self.w13_scale_inv.weight_loader = self._load_w13
+            self.w2_scale_inv.weight_loader = self._load_w2
 
     def _local(self, expert: int) -> int | None:
         """The local index of global expert `expert`, None when another rank holds it."""
         local = expert - self.expert_start
         return local if 0 <= local < self.num_local else None
 
+    def _inter_shard(self, block: int | None) -> tuple[int, int]:
+        """(start, size) of this rank's share of I in a checkpoint tensor: in elements, or in scale
+        blocks of `block` (the shard must start on a block boundary)."""
+        start, size = self.inter_rank * self.inter, self.inter
+        if block is None:
+            return start, size
+        if start % block:
+            raise ValueError(f"moe_intermediate_size shard of {self.inter} per rank cuts FP8 blocks of {block}; "
+                             "choose a tensor_parallel_size (or --enable-expert-parallel) that keeps whole blocks")
+        return start // block, _cdiv(size, block)
+
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
-        # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E]; None: transformers' fused [X, 2I, E]
-        n, r = self.inter, self.inter_rank
+        # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E] (or its block scales); None:
+        # transformers' fused [X, 2I, E]
+        is_scale = param is self.w13_scale_inv
         if shard_id is None:
+            if is_scale:
+                raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
+                                 "expected per-expert gate_proj/up_proj/down_proj tensors")
+            n, r = self.inter, self.inter_rank
             loaded = loaded.narrow(0, self.expert_start, self.num_local)  # this rank's experts (all without EP)
             for member in (0, 1):
                 part = loaded.narrow(1, member * n * self.inter_ranks + r * n, n)
@@ -212,24 +254,63 @@ class RoutedExperts(nn.Module):
             return
         expert, member = shard_id
         local = self._local(expert)
-        if local is not None:  # another rank's expert is never read
-            default_weight_loader(param.data[local].narrow(0, member * n, n), loaded.narrow(0, r * n, n))
+        if local is None:  # another rank's expert is never read
+            return
+        start, size = self._inter_shard(self.block[0] if is_scale else None)
+        default_weight_loader(param.data[local].narrow(0, member * size, size), loaded.narrow(0, start, size))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        # shard_id: expert with loaded [E, I]; None: transformers' fused [X, E, I]
-        n = self.inter
+        # shard_id: expert with loaded [E, I] (or its block scales); None: transformers' fused [X, E, I]
+        is_scale = param is self.w2_scale_inv
         if shard_id is None:
+            if is_scale:
+                raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
+                                 "expected per-expert gate_proj/up_proj/down_proj tensors")
             loaded = loaded.narrow(0, self.expert_start, self.num_local)
-            default_weight_loader(param, loaded.narrow(2, self.inter_rank * n, n))
+            default_weight_loader(param, loaded.narrow(2, self.inter_rank * self.inter, self.inter))
             return
         local = self._local(shard_id)
         if local is not None:
-            default_weight_loader(param.data[local], loaded.narrow(1, self.inter_rank * n, n))
+            start, size = self._inter_shard(self.block[1] if is_scale else None)
+            default_weight_loader(param.data[local], loaded.narrow(1, start, size))
+
+    def quantize_loaded_weights(self) -> None:
+        """`--quantization fp8` on an unquantized checkpoint: each expert's w1, w3 and w2 into 128 x 128
+        FP8 blocks (the fused kernel's format); nothing for other configs."""
+        if self.quant is None or not self.quant.quantize_at_load or self.w13_scale_inv is not None:
+            return
+        block = PER_CHANNEL_EXPERT_BLOCK
+        w13, scale13, w2, scale2 = [], [], [], []
+        for e in range(self.num_local):
+            members = [fp8_ref.quantize_weight_block(m, block) for m in self.w13.data[e].split(self.inter)]
+            w13.append(torch.cat([q for q, _ in members]))
+            scale13.append(torch.cat([s for _, s in members]))
+            q, s = fp8_ref.quantize_weight_block(self.w2.data[e], block)
+            w2.append(q)
+            scale2.append(s)
+        self.block = block
+        self.w13 = nn.Parameter(torch.stack(w13), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack(w2), requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(torch.stack(scale13), requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(torch.stack(scale2), requires_grad=False)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert e (the global id without expert parallelism)."""
+        if self.w13_scale_inv is not None:
+            return self._expert_fp8(e, x)
         h = F.silu(F.linear(x, self.w13[e, : self.inter])) * F.linear(x, self.w13[e, self.inter :])  # [n, I]
         return F.linear(h, self.w2[e])  # [n, E]
+
+    def _expert_fp8(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e in FP8 as the fused kernel computes it: activations quantized per token and group,
+        the weights dequantized per call, silu(gate) * up rounded to x's dtype before its quantization."""
+        block, rows = self.block, self.w13_scale_inv.shape[1] // 2
+        scale13 = self.w13_scale_inv[e]
+        x32 = x.float()  # gate and up stay float32 until silu(gate) * up, as in the kernel's epilogue
+        gate = fp8_ref.block_fp8_linear_ref(x32, self.w13[e, : self.inter], scale13[:rows], block)
+        up = fp8_ref.block_fp8_linear_ref(x32, self.w13[e, self.inter :], scale13[rows:], block)
+        h = (F.silu(gate) * up).to(x.dtype)  # [n, I]
+        return fp8_ref.block_fp8_linear_ref(h, self.w2[e], self.w2_scale_inv[e], block)  # [n, E]
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global expert ids [T, K] -> (local ids [T, K], mine [T, K] bool); local ids of others' are garbage."""
@@ -252,12 +333,14 @@ class RoutedExperts(nn.Module):
                       ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (not all-reduced) through `fused` (kernels.fused_moe's signature)."""
         # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
+        scales = {} if self.w13_scale_inv is None else dict(
+            w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv, block=self.block)
         if not self.expert_parallel:
-            return fused(x, self.w13, self.w2, weights, ids)
+            return fused(x, self.w13, self.w2, weights, ids, **scales)
         # Other ranks' assignments get the id num_local, which the kernel skips: no host sync (CUDA
         # graphs, and eager ranks queue ahead of the GPU) and no expert computes them.
         local, mine = self.local_ids(ids)
-        return fused(x, self.w13, self.w2, weights, torch.where(mine, local, self.num_local), skips=True)
+        return fused(x, self.w13, self.w2, weights, torch.where(mine, local, self.num_local), skips=True, **scales)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""
@@ -320,12 +403,14 @@ def _fused_router(cfg: RoutingConfig) -> Callable[..., tuple[torch.Tensor, torch
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.gate = MoEGate(hidden_size, cfg)
-        self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size, cfg.expert_parallel)
+        self.gate = MoEGate(hidden_size, cfg)  # the router stays float32 whatever the checkpoint
+        self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size, cfg.expert_parallel,
+                                     quant=quant)
         # Unreduced: the routed and shared partial sums are added first and all-reduced once.
-        self.shared_experts = (MLP(hidden_size, intermediate_size * num_shared, reduce_results=False)
+        self.shared_experts = (MLP(hidden_size, intermediate_size * num_shared, reduce_results=False, quant=quant)
                                if num_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

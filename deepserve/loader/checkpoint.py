@@ -173,11 +173,7 @@ def load_named_weights(
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
             continue
-        target, shard_id = name, None
-        for fragment, (merged, sid) in stacked_params.items():
-            if f".{fragment}." in name:
-                target, shard_id = name.replace(f".{fragment}.", f".{merged}."), sid
-                break
+        target, shard_id = stacked_name(name, stacked_params)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
@@ -188,11 +184,23 @@ def load_named_weights(
     return loaded
 
 
+def stacked_name(name: str, stacked_params: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """Checkpoint name -> (our parameter name, shard id or None) under load_named_weights' mapping."""
+    for fragment, (merged, sid) in stacked_params.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{merged}."), sid
+    return name, None
+
+
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+FP8_MAX = 448.0
+FP8_SCALE_SUFFIXES = ("_scale_inv",)
 
 
 def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None:
@@ -206,7 +214,11 @@ def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None
                 param.fill_(1.0)
                 continue
             gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-            if param.dtype.is_floating_point and param.element_size() >= 2:
+            if name.endswith(FP8_SCALE_SUFFIXES):  # FP8 block scales: fp8 values in ±448 times this
+                param.fill_(scale / FP8_MAX)  # = uniform(-scale, scale) weights like the unquantized ones
+            elif param.dtype == torch.float8_e4m3fn:
+                param.copy_(torch.empty(param.shape, device=param.device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+            elif param.dtype.is_floating_point and param.element_size() >= 2:
                 param.uniform_(-scale, scale, generator=gen)
             else:  # fp8 and integer storage: fill through a wider type
                 param.copy_(torch.empty(param.shape, device=param.device).uniform_(-scale, scale, generator=gen))

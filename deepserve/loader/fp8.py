@@ -2,8 +2,10 @@
 
 The linear weights ship as float8_e4m3fn, each with a float32 `<name>_scale_inv` that holds one
 factor per 128×128 block (the config's quantization_config.weight_block_size): the real weight is
-fp8 · factor, block by block — despite its name the tensor multiplies. Until native FP8 GEMMs land,
-the loader dequantizes to float32 and each parameter's weight_loader casts to the compute dtype.
+fp8 · factor, block by block — despite its name the tensor multiplies. Layers built FP8
+(layers/quantization.py) take both tensors as shipped; the rest (MLA's wkv_b, or every layer when the
+engine runs without FP8: --quantization none, a GPU without FP8 tensor cores) are dequantized to
+float32 here and each parameter's weight_loader casts to the compute dtype.
 
 MTP layers (indices >= num_hidden_layers, num_nextn_predict_layers of them) serve speculative
 decoding, which the engine does not do yet: their tensors are skipped, and the log says so once.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -59,14 +61,18 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * scale
 
 
-def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
+                           keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pairs every fp8 `<name>` with its `<name>_scale_inv`, in whatever order (or shard) they come,
-    and yields the dequantized float32 tensor under `<name>`; everything else passes through."""
+    and yields the dequantized float32 tensor under `<name>`; everything else passes through, and so do
+    the fp8 weights and scales of every `<name>` for which keep(name) is true (served in FP8)."""
     weights_by_name: dict[str, torch.Tensor] = {}
     scales_by_name: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(SCALE_SUFFIX):
+        is_fp8 = name.endswith(SCALE_SUFFIX) or tensor.dtype == torch.float8_e4m3fn
+        if is_fp8 and keep(name.removesuffix(SCALE_SUFFIX)):
+            yield name, tensor
+        elif name.endswith(SCALE_SUFFIX):
             target = name.removesuffix(SCALE_SUFFIX)
             if target in weights_by_name:
                 yield target, dequantize_block_fp8(weights_by_name.pop(target), tensor, block)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deepserve.config import ModelConfig
+from deepserve.layers.quantization import quantize_after_loading
 from deepserve.loader.checkpoint import check_all_loaded, init_dummy_weights, iterate_safetensors
 from deepserve.models.registry import get_model_class
 
@@ -17,9 +18,9 @@ logger = logging.getLogger(__name__)
 def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                enable_expert_parallel: bool = False) -> nn.Module:
     """The model of `config` on `device`, its weights loaded (or dummy). Options that are not the
-    checkpoint's (expert parallelism) reach the model class as constructor arguments."""
+    checkpoint's (expert parallelism, quantization) reach the model class as constructor arguments."""
     model_class = get_model_class(config.hf_config)
-    options = dict(enable_expert_parallel=enable_expert_parallel)
+    options = dict(enable_expert_parallel=enable_expert_parallel, quantization=config.quantization)
     if device.type == "cpu":
         _check_host_memory(_build(model_class, config, torch.device("meta"), dtype, options), dtype)
     model = _build(model_class, config, device, dtype, options)
@@ -28,6 +29,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     else:
         loaded = model.load_weights(iterate_safetensors(config.model))
         check_all_loaded(model, loaded | _tied(model))
+    quantize_after_loading(model)  # --quantization fp8 on an unquantized checkpoint: per-channel FP8 now
     return model.eval()
 
 
@@ -44,7 +46,7 @@ def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.devi
 
 def _check_host_memory(meta_model: nn.Module, dtype: torch.dtype) -> None:
     """Refuse, with the numbers, a model that cannot fit in this machine's free memory."""
-    need = sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    need = sum(p.numel() * p.element_size() for p in meta_model.parameters())
     available = _available_host_bytes()
     if available is not None and need > 0.9 * available:
         raise ValueError(

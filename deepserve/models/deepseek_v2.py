@@ -33,9 +33,10 @@ from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowP
 from deepserve.layers.mla import MLAAttention
 from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.quantization import Fp8Config, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
 from deepserve.loader.checkpoint import stage_weights
-from deepserve.loader.fp8 import dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
 
 # The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
 # not config.rms_norm_eps.
@@ -47,7 +48,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, quant: Fp8Config | None = None) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads // get_tp_world_size()
@@ -57,14 +58,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank:
-            self.wq_a = ReplicatedLinear(hidden, self.q_lora_rank, bias)  # W_DQ
+            self.wq_a = ReplicatedLinear(hidden, self.q_lora_rank, bias, quant=quant)  # W_DQ
             self.q_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.wq_b = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim)  # [W_UQ; W_QR]
+            self.wq_b = ColumnParallelLinear(self.q_lora_rank, heads * self.qk_head_dim, quant=quant)  # [W_UQ; W_QR]
         else:
-            self.wq = ColumnParallelLinear(hidden, heads * self.qk_head_dim)
-        self.wkv_a = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias)  # [W_DKV; W_KR]
+            self.wq = ColumnParallelLinear(hidden, heads * self.qk_head_dim, quant=quant)
+        # [W_DKV; W_KR]
+        self.wkv_a = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias, quant=quant)
         self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.wo = RowParallelLinear(heads * config.v_head_dim, hidden, bias)
+        self.wo = RowParallelLinear(heads * config.v_head_dim, hidden, bias, quant=quant)
+        # wkv_b stays in the model dtype (layers/quantization.py): an FP8 checkpoint's is dequantized at load.
         self.rotary = rotary  # one module shared by every layer: its cos/sin table can be large (YaRN, 160k)
         # YaRN stretches the context; DeepSeek compensates with mscale(factor, mscale_all_dim)² on every score.
         scale = self.qk_head_dim**-0.5 * softmax_scale_correction(rope_parameters(config))
@@ -90,16 +93,17 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, routing: RoutingConfig | None) -> None:
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, routing: RoutingConfig | None,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = MultiHeadLatentAttention(config, rotary)
+        self.attn = MultiHeadLatentAttention(config, rotary, quant)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if routing is not None and is_moe_layer(config, layer_idx):
             self.ffn = DeepseekMoE(config.hidden_size, config.moe_intermediate_size,
-                                   getattr(config, "n_shared_experts", 0) or 0, routing)
+                                   getattr(config, "n_shared_experts", 0) or 0, routing, quant)
         else:
-            self.ffn = MLP(config.hidden_size, config.intermediate_size)
+            self.ffn = MLP(config.hidden_size, config.intermediate_size, quant=quant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +121,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     # runner captures them in CUDA graphs like the dense models.
     supports_cuda_graphs = True
 
-    def __init__(self, config: Any, enable_expert_parallel: bool = False) -> None:
+    def __init__(self, config: Any, enable_expert_parallel: bool = False, quantization: str | None = None) -> None:
         super().__init__()
         check_supported(config)
         self.config = config
+        # None: the model dtype throughout (an FP8 checkpoint is dequantized at load); "fp8": as
+        # layers/quantization.py says (resolve_quantization picks it for FP8 checkpoints).
+        quant = fp8_config(config, quantization)
         # Built before any layer, so a bad routing field is refused before weights are allocated.
         routing = (RoutingConfig.from_hf(config, enable_expert_parallel)
                    if getattr(config, "n_routed_experts", None) else None)
@@ -132,8 +139,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.first, self.last = is_first_stage(), is_last_stage()
         self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.first else PPMissingLayer()
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, routing) if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, rotary, routing, quant) if self.start_layer <= i < self.end_layer
+            else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else PPMissingLayer()
         self.head = ParallelLMHead(config.vocab_size, config.hidden_size) if self.last else PPMissingLayer()
@@ -167,15 +174,19 @@ class DeepseekV2ForCausalLM(nn.Module):
             weights = ((("lm_head.weight" if n == "model.embed_tokens.weight" else n), t) for n, t in weights)
         weights = stage_weights(weights, self.start_layer, self.end_layer, {
             "model.embed_tokens.": self.first, "model.norm.": self.last, "lm_head.": self.last})
+        params = dict(self.named_parameters())
         block = fp8_block_size(self.config)
         if block is not None:
-            weights = dequantize_fp8_weights(weights, block)  # to float32; each loader casts to the model dtype
-        params = dict(self.named_parameters())
+            # Weights whose parameter is FP8 (it has a scale beside it) load as shipped; the others
+            # (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast by their loader.
+            weights = dequantize_fp8_weights(weights, block, keep=lambda n: param_name(n)[0] + SCALE_SUFFIX in params)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and not split_head and name == "lm_head.weight"):
                 continue
-            target, shard_id = param_name(name)
+            target, shard_id = param_name(name.removesuffix(SCALE_SUFFIX))
+            if name.endswith(SCALE_SUFFIX):
+                target += SCALE_SUFFIX
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")

@@ -19,14 +19,16 @@ from deepserve.layers.attention import Attention
 from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from deepserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from deepserve.layers.norm import RMSNorm
+from deepserve.layers.quantization import Fp8Config, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, quant=quant)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant=quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,16 +36,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
         tp = get_tp_world_size()
         hidden = config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, num_kv_heads, qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, num_kv_heads, qkv_bias,
+                                          quant=quant)
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias, quant=quant)
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
@@ -57,10 +61,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, biases: tuple[bool, bool], rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, biases: tuple[bool, bool], rotary_emb: RotaryEmbedding,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, *biases, rotary_emb)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, *biases, rotary_emb, quant)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False),
+                            quant=quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,7 +86,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, biases: tuple[bool, bool]) -> None:
+    def __init__(self, config: Any, biases: tuple[bool, bool], quant: Fp8Config | None = None) -> None:
         super().__init__()
         # Under pipeline parallelism this stage builds only layers [start, end), the first stage the
         # embedding and the last the final norm; the others are parameterless placeholders.
@@ -92,7 +98,7 @@ class LlamaModel(nn.Module):
         # [max_position, head_dim] in float32: 64 MiB at 131k positions, so built once, not per layer.
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, biases, rotary_emb) if self.start_layer <= i < self.end_layer
+            LlamaDecoderLayer(config, biases, rotary_emb, quant) if self.start_layer <= i < self.end_layer
             else PPMissingLayer() for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else PPMissingLayer()
@@ -121,11 +127,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, enable_expert_parallel: bool = False) -> None:
+    def __init__(self, config: Any, enable_expert_parallel: bool = False, quantization: str | None = None) -> None:
         # Every model class takes the model options load_model passes; a dense model has no experts to split.
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_biases(config))
+        self.model = LlamaModel(config, self.attention_biases(config), fp8_config(config, quantization))
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if self.model.last
                         else PPMissingLayer())
         if config.tie_word_embeddings and self.model.first and self.model.last:
@@ -146,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)  # [N, E] -> [N, V]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        from deepserve.loader.checkpoint import load_named_weights, stage_weights
+        from deepserve.loader.checkpoint import load_named_weights, stacked_name, stage_weights
+        from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size
 
         m, tied = self.model, self.config.tie_word_embeddings
         split_head = tied and m.last and not m.first  # the last stage's head: its own copy of the embedding
@@ -155,4 +162,9 @@ class LlamaForCausalLM(nn.Module):
             weights = ((("lm_head.weight" if n == "model.embed_tokens.weight" else n), t) for n, t in weights)
         weights = stage_weights(weights, m.start_layer, m.end_layer, {
             "model.embed_tokens.": m.first, "model.norm.": m.last, "lm_head.": m.last})
+        block = fp8_block_size(self.config)
+        if block is not None:  # an FP8 checkpoint: as shipped into FP8 parameters, dequantized into others
+            params = dict(self.named_parameters())
+            weights = dequantize_fp8_weights(
+                weights, block, keep=lambda n: stacked_name(n, self.stacked_params)[0] + SCALE_SUFFIX in params)
         return load_named_weights(self, weights, self.stacked_params, skip)

@@ -23,6 +23,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="plan without the CUDA-graph reserve")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
+                   help="as deepserve serve's (default: the checkpoint's; FP8 checkpoints stay FP8)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -35,7 +37,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         pipeline_parallel_size=ns.pipeline_parallel_size, max_model_len=ns.max_model_len,
         kv_cache_dtype=ns.kv_cache_dtype, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
         max_num_seqs=ns.max_num_seqs, block_size=ns.block_size, max_num_batched_tokens=ns.max_num_batched_tokens,
-        enforce_eager=ns.enforce_eager,
+        enforce_eager=ns.enforce_eager, quantization=ns.quantization,
     ))
     print(json.dumps(result.to_dict(), indent=2) if ns.json else format_plan(result))
     return 0 if result.fits else 1  # scripts can gate a rollout on it
@@ -48,7 +50,8 @@ def _gib(n: int) -> str:
 def format_plan(p) -> str:
     f = p.formulas
     lines = [
-        f"model        {p.model} ({p.architecture}, {p.num_params / 1e9:.2f} B parameters, {p.dtype})",
+        f"model        {p.model} ({p.architecture}, {p.num_params / 1e9:.2f} B parameters, {p.dtype}"
+        + (f", {p.quantization} weights)" if p.quantization else ")"),
         f"GPUs         {p.num_gpus} × {p.gpu} ({p.gpu_memory_bytes / GIB:.1f} GiB), TP {p.request.tensor_parallel_size}"
         f" × PP {p.request.pipeline_parallel_size}; KV cache {p.kv_cache_dtype}, max_model_len {p.max_model_len:,}",
         "",

@@ -22,7 +22,8 @@ DEFAULT_BATCHED_TOKENS = 8192  # the engine's chunked-prefill budget (config.DEF
 GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside torch's allocator
 
 FORMULAS = {
-    "weights": "parameters and buffers of this rank's layers × dtype bytes (engine classes on the meta device)",
+    "weights": "parameters and buffers of this rank's layers × their bytes (engine classes on the meta device; "
+               "FP8 weights 1 byte plus float32 scales)",
     "kv_bytes_per_token": "Σ over this stage's layers of their KV-cache spec's elements per token × KV dtype bytes: "
                           "MLA = kv_lora_rank + qk_rope_head_dim (latent, replicated on every TP rank); "
                           "MHA/GQA = 2 × kv_heads/TP (at least 1) × head_dim",
@@ -50,6 +51,7 @@ class PlanRequest:
     block_size: int = 16
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
+    quantization: str | None = None  # as --quantization: None follows the checkpoint (FP8 stays FP8)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Plan:
     gpu_memory_bytes: int
     num_gpus: int
     dtype: str
+    quantization: str | None  # resolved: "fp8" or None (the model dtype)
     kv_cache_dtype: str
     max_model_len: int
     weights_bytes: int          # per GPU (the binding pipeline stage)
@@ -91,7 +94,10 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     name, hf_config, is_preset = resolve_model(req.model)
     dtype = _resolve_dtype(req.dtype, hf_config)
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
-    shape = model_shape(req.model, dtype, req.tensor_parallel_size)
+    from deepserve.layers.quantization import resolve_quantization
+
+    quantization = resolve_quantization(hf_config, req.quantization)  # planned for an FP8-capable GPU
+    shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization)
     max_len = _max_model_len(req.max_model_len, shape)
     gpu_name, total = gpu_memory_bytes(req.gpu)
     budget = int(total * req.gpu_memory_utilization)
@@ -110,6 +116,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     result = Plan(
         request=req, model=name, architecture=shape.architecture, num_params=shape.num_params, gpu=gpu_name,
         gpu_memory_bytes=total, num_gpus=req.tensor_parallel_size * req.pipeline_parallel_size, dtype=dtype,
+        quantization=quantization,
         kv_cache_dtype=req.kv_cache_dtype, max_model_len=max_len, weights_bytes=weights,
         kv_bytes_per_token=kv_per_token, activation_bytes=act, cuda_graph_bytes=graphs, budget_bytes=budget,
         kv_cache_bytes=free, num_blocks=blocks, kv_tokens=tokens, max_sequences=tokens // max_len,
@@ -196,6 +203,8 @@ def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) 
             "--max-num-seqs", str(req.max_num_seqs)]
     if req.kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", req.kv_cache_dtype]
+    if req.quantization:
+        cmd += ["--quantization", req.quantization]
     if req.dtype != "auto":
         cmd += ["--dtype", _DTYPES[req.dtype]]
     if req.block_size != 16:

@@ -77,7 +77,8 @@ def _fake_tp_group(tp: int):
         dist.destroy_process_group()
 
 
-def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int) -> nn.Module:
+def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str | None = None) -> nn.Module:
+    from deepserve.layers.quantization import quantize_after_loading
     from deepserve.models.registry import get_model_class
 
     model_class = get_model_class(hf_config)
@@ -85,7 +86,9 @@ def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int) -> nn.Module:
     torch.set_default_dtype(dtype)
     try:
         with _fake_tp_group(tp), torch.device("meta"):
-            return model_class(hf_config)
+            model = model_class(hf_config, quantization=quantization)
+            quantize_after_loading(model)  # per-channel FP8 made at load: the bytes the engine ends with
+            return model
     finally:
         torch.set_default_dtype(previous)
 
@@ -119,9 +122,10 @@ def _kv_elems(layer: nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def model_shape(model: str, dtype: str, tp: int) -> ModelShape:
+def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None) -> ModelShape:
+    """quantization: the engine's resolved value (layers/quantization.resolve_quantization)."""
     _, hf_config, _ = resolve_model(model)
-    built = _build_meta(hf_config, getattr(torch, dtype), tp)
+    built = _build_meta(hf_config, getattr(torch, dtype), tp, quantization)
     layers = _decoder_layers(built, hf_config.num_hidden_layers)
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     outside = [(n, t) for n, t in [*built.named_parameters(), *built.named_buffers()] if id(t) not in in_layers]
@@ -129,7 +133,8 @@ def model_shape(model: str, dtype: str, tp: int) -> ModelShape:
     last = _bytes(t for n, t in outside if "embed" not in n)
     return ModelShape(
         architecture=type(built).__name__,
-        num_params=model_shape(model, dtype, 1).num_params if tp > 1 else sum(p.numel() for p in built.parameters()),
+        num_params=(model_shape(model, dtype, 1, quantization).num_params if tp > 1
+                    else sum(p.numel() for n, p in built.named_parameters() if not _is_fp8_scale(n))),
         layer_weight_bytes=_layer_bytes(layers),
         layer_kv_elems=[_kv_elems(layer) for layer in layers],
         first_stage_bytes=first,
@@ -141,6 +146,10 @@ def model_shape(model: str, dtype: str, tp: int) -> ModelShape:
         is_mla=bool(getattr(hf_config, "kv_lora_rank", None)),
         max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 4096),
     )
+
+
+def _is_fp8_scale(name: str) -> bool:
+    return name.endswith(("_scale_inv", "weight_scale"))  # FP8 scales: bytes, but not model parameters
 
 
 def _ffn_width(c: Any) -> int:

@@ -29,6 +29,20 @@ def test_parameter_counts_match_benchmarks_md(model, billions):
     assert round(plan(PlanRequest(model, max_model_len=4096)).num_params / 1e9, 2) == billions
 
 
+def test_deepseek_v3_fits_one_h200_node_in_fp8_as_shipped():
+    fp8 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=4096))
+    bf16 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=4096, quantization="none"))
+    assert fp8.quantization == "fp8" and bf16.quantization is None and fp8.num_params == bf16.num_params
+    assert fp8.fits and not bf16.fits
+    # Nearly every weight is one byte instead of two; the embedding, head, router, norms, wkv_b and the
+    # float32 scales (1 per 128 x 128 block) stay as they were.
+    assert 0.5 < fp8.weights_bytes / bf16.weights_bytes < 0.52
+    assert "--quantization" not in fp8.serve_command  # the checkpoint's own FP8: nothing to pass
+    per_channel = plan(PlanRequest("deepseek-llm-7b", max_model_len=4096, quantization="fp8"))
+    assert per_channel.serve_command[-4:-2] == ["--quantization", "fp8"]
+    assert per_channel.weights_bytes < 0.6 * plan(PlanRequest("deepseek-llm-7b", max_model_len=4096)).weights_bytes
+
+
 def test_weights_are_parameters_plus_the_rope_tables_the_engine_allocates():
     def extra(model):
         p = plan(PlanRequest(model, max_model_len=4096))
@@ -82,12 +96,13 @@ def test_does_not_fit_says_what_would():
     shorter = advice["shorter context"]
     assert shorter["flags"] == f"--max-model-len {p.kv_tokens}" and 0 < p.kv_tokens < 4096
     assert plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=p.kv_tokens)).fits
-    # V3 in bf16 (the engine dequantizes FP8): 8 × H200 is not enough; 2 nodes of 8 are
-    v3 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=32768))
+    # V3 in bf16 (--quantization none dequantizes its FP8): 8 × H200 is not enough; 2 nodes of 8 are
+    v3 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, max_model_len=32768, quantization="none"))
     assert not v3.fits and v3.weights_bytes > v3.budget_bytes
     assert v3.advice[0]["flags"] == "--tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2"
     assert "2 nodes of 8 GPUs" in v3.advice[0]["detail"]
-    two_nodes = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, pipeline_parallel_size=2, max_model_len=4096))
+    two_nodes = plan(PlanRequest("deepseek-v3", tensor_parallel_size=8, pipeline_parallel_size=2, max_model_len=4096,
+                                 quantization="none"))
     cmd = two_nodes.serve_command
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == "0"
     assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]

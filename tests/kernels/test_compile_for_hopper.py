@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(ON_GPU or os.environ.get("TRITON_INTERPRET") != 
                                 reason="compiles interpreter-recorded launches; a GPU run compiles them anyway")
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-          torch.int64: "i64", torch.bool: "i1"}
+          torch.int64: "i64", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 class _Recorder:
@@ -159,3 +159,27 @@ def test_fused_moe_kernels_compile(monkeypatch):
     ids = torch.randint(0, 8, (5, 2))
     weights = torch.rand(5, 2)
     _compile_all(_record(monkeypatch, fm, lambda: fm.fused_moe(x, w13, w2, weights, ids)))
+
+
+def test_fp8_gemm_kernels_compile(monkeypatch):
+    fp8 = import_kernels("deepserve.kernels.fp8")
+    from deepserve.kernels.fp8_ref import quantize_weight_block, quantize_weight_per_channel
+
+    block = (128, 128)
+    w_q, w_scale = quantize_weight_block(torch.randn(200, 256), block)
+    odd_q, odd_scale = quantize_weight_block(torch.randn(200, 328), block)
+    bias = torch.randn(200, dtype=torch.bfloat16)
+
+    def run():
+        fp8.quantize_per_token_group(torch.randn(2, 5000, dtype=torch.bfloat16), 5000)  # per token, chunked
+        x_q, x_scale = fp8.quantize_per_token_group(torch.randn(3, 256, dtype=torch.bfloat16), 128)
+        # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
+        # split sum), mid, prefill; then an odd K (masked K loads) with a bias, and the per-channel path.
+        for m, n, k in ((1, 576, 7168), (1, 24576, 1536), (200, 7168, 2048), (8192, 7168, 2048)):
+            cfg = fp8.default_config(m, n, k, block)
+            fp8.block_fp8_matmul(x_q, x_scale, w_q, w_scale, block, torch.bfloat16, bias, config=cfg)
+        fp8.block_fp8_linear(torch.randn(3, 328, dtype=torch.bfloat16), odd_q, odd_scale, block, bias)
+        fp8.channel_fp8_triton(torch.randn(3, 328, dtype=torch.bfloat16), *quantize_weight_per_channel(
+            torch.randn(200, 328)))
+
+    _compile_all(_record(monkeypatch, fp8, run))

@@ -152,3 +152,33 @@ def test_one_all_reduce_per_moe_layer(monkeypatch):
 def test_bad_routing_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RoutingConfig(16, 4, **kwargs)
+
+
+@pytest.mark.parametrize("inter", [96, 256])
+def test_fp8_experts_cpu_path_equals_the_fused_kernel_and_its_reference(inter):
+    # The layer's CPU path (expert by expert, dequantizing per call) against fused_moe_fp8_ref and the
+    # fused Triton kernel (interpreted on CPU), on block-quantized weights loaded per expert.
+    pytest.importorskip("triton")
+    from deepserve.kernels import fp8_ref
+    from deepserve.kernels.fused_moe import fused_moe, fused_moe_fp8_ref
+    from deepserve.layers.quantization import Fp8Config
+
+    torch.manual_seed(0)
+    num_experts, hidden, block = 4, 200, (128, 128)
+    experts = RoutedExperts(num_experts, hidden, inter, tp_rank=0, tp_size=1, quant=Fp8Config(weight_block=block))
+    for e in range(num_experts):
+        for member in (0, 1):
+            q, s = fp8_ref.quantize_weight_block(torch.randn(inter, hidden) * (e + 1), block)
+            experts.w13.weight_loader(experts.w13, q, (e, member))
+            experts.w13_scale_inv.weight_loader(experts.w13_scale_inv, s, (e, member))
+        q, s = fp8_ref.quantize_weight_block(torch.randn(hidden, inter), block)
+        experts.w2.weight_loader(experts.w2, q, e)
+        experts.w2_scale_inv.weight_loader(experts.w2_scale_inv, s, e)
+    x = torch.randn(5, hidden, dtype=torch.bfloat16)
+    weights, ids = torch.rand(5, 2), torch.stack([torch.randperm(num_experts)[:2] for _ in range(5)])
+    want = fused_moe_fp8_ref(x, experts.w13, experts.w13_scale_inv, experts.w2, experts.w2_scale_inv, weights,
+                             ids, block)
+    got = experts.partial_batched(x, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
+    fused = experts.forward_fused(fused_moe, x, weights, ids)
+    torch.testing.assert_close(fused.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())

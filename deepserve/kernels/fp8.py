@@ -1,0 +1,377 @@
+"""FP8 W8A8 linear layers: activations quantized per token and group on the fly, then a GEMM with fp32
+accumulation. fp8_ref.py fixes the numerics (and is the CPU path); this file must equal it.
+
+  quantize_per_token_group  x [M, K] -> x_q [M, K] fp8, scale [M, G] float32, G = ceil(K / group); Triton,
+                            bit-exact with quantize_per_token_group_ref on the same device.
+  block_fp8_matmul          DeepSeek-V3's block-scaled weights: each BLOCK_K slice of the dot product is
+                            scaled by its activation and weight factors before it joins the fp32 sum.
+                            Hopper's fp8 tensor cores accumulate a dot in reduced precision; a slice of at
+                            most 128 before each fp32 promotion keeps that error small (as DeepSeek does).
+  block_fp8_linear          x [..., K] bf16 -> quantize + block_fp8_matmul -> [..., N] in x's dtype.
+  channel_fp8_linear        per-channel weights: torch._scaled_mm with row-wise scales on CUDA.
+
+No wrapper reads a device value on the host, so every call can be captured in a CUDA graph.
+Shapes: M tokens, N output features, K input features, (bn, bk) the weight's scale block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from deepserve import envs
+from deepserve.kernels.fp8_ref import AMAX_FLOOR, FP8, FP8_MAX, channel_fp8_linear_ref
+from deepserve.kernels.fused_moe import _tile_ids  # the same grouped tile order as the MoE GEMMs
+
+# Triton decides at decoration, when the module is imported; a launch must not reread the environment.
+INTERPRET = envs.TRITON_INTERPRET
+# torch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal
+# (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), on CPU it divides. The reference's `amax / 448`
+# therefore differs by an ulp between devices; the kernel follows the device it runs on.
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounds to the same fp32 as torch's 1.0f / 448.0f (1/7 has no tie bits)
+QUANT_ELEMENTS = 1024  # elements of one row per quantization program: 8 per thread, 16-byte loads of bf16
+QUANT_MAX_CHUNK = 4096  # wider groups (one scale per token) are read in chunks of this, twice
+USE_SPLIT_K = True  # split K when the output tiles cannot fill the GPU (decode); bench/check_fp8.py times both
+MIN_K_TILES_PER_SPLIT = 4  # so each split's loop still has loads to pipeline
+MAX_SPLIT_K = 16
+CHANNEL_BK = 128  # K slice of the Triton per-channel fallback (its scales are constant along K)
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One launch of the block-scaled GEMM."""
+
+    block_m: int
+    block_n: int
+    block_k: int  # a power of two dividing the weight's bk: every tile sees one pair of scales
+    group_m: int  # consecutive row tiles that take each weight tile in turn (read from L2 by all of them)
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # > 1: programs along K write fp32 partials that a second kernel sums in order
+
+
+def default_config(m: int, n: int, k: int, block: tuple[int, int], num_sms: int = 132) -> Fp8GemmConfig:
+    """Tiles by token count, guessed for the H200 (132 SMs) and to be set from bench/check_fp8.py.
+
+    Decode (M <= 64) streams the weight: the smallest row tile that holds M wastes the least, narrow N
+    tiles give many programs, and split-K adds programs when N alone cannot fill the SMs (kv_a: N 576).
+    Prefill is compute-bound: 128 x 128 tiles over two warpgroups (fp8 wgmma); BLOCK_N 256 would need a
+    second 128-register accumulator per thread for the scaled partial dot and spill."""
+    block_k = math.gcd(block[1], 128)
+    if m <= 64:
+        cfg = Fp8GemmConfig(max(16, triton.next_power_of_2(m)), 64, block_k, 1, 4, 4)
+    elif m <= 256:
+        cfg = Fp8GemmConfig(64, 128, block_k, 8, 4, 4)
+    else:
+        cfg = Fp8GemmConfig(128, 128, block_k, 8, 8, 4)
+    if not USE_SPLIT_K:
+        return cfg
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return replace(cfg, split_k=split_count(tiles, triton.cdiv(k, block_k), num_sms))
+
+
+def split_count(tiles: int, k_tiles: int, num_sms: int) -> int:
+    """Splits along K that bring tiles * splits to about one program per SM, each split keeping
+    MIN_K_TILES_PER_SPLIT iterations or more."""
+    if tiles >= num_sms:
+        return 1
+    return max(1, min(triton.cdiv(num_sms, tiles), k_tiles // MIN_K_TILES_PER_SPLIT, MAX_SPLIT_K))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    # On CPU (the interpreter tests) the H200's count, so tests walk the GPU's decisions.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"fp8: {message}")
+
+
+# --- activation quantization -------------------------------------------------------------------------
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32/fp16/bf16, last dim contiguous) -> (x_q [M, K] fp8, scale [M, ceil(K/group)] fp32),
+    x ~= x_q * scale per group of `group` columns, the last group possibly partial; group == K gives
+    one scale per token. Equal to quantize_per_token_group_ref bit for bit."""
+    _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
+    _require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}")
+    _require(group > 0, f"group must be positive, got {group}")
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    x_q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return x_q, scale
+    block_c = min(triton.next_power_of_2(group), QUANT_MAX_CHUNK)
+    per_program = max(1, min(triton.next_power_of_2(groups), QUANT_ELEMENTS // block_c))
+    _quantize_group_kernel[(m, triton.cdiv(groups, per_program))](
+        x, x_q, scale, k, groups, x.stride(0),
+        GROUP=group, GROUPS_PER_PROGRAM=per_program, BLOCK_C=block_c, NUM_CHUNKS=triton.cdiv(group, block_c),
+        SCALE_BY_RECIPROCAL=x.is_cuda, ROUND_IN_FP32=INTERPRET, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR, num_warps=4,
+    )
+    return x_q, scale
+
+
+@triton.jit
+def _quantize_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_xm,
+                           GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_C: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, SCALE_BY_RECIPROCAL: tl.constexpr,
+                           ROUND_IN_FP32: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                           AMAX_FLOOR: tl.constexpr):
+    # One program: GROUPS_PER_PROGRAM groups of one row, each read in NUM_CHUNKS chunks of BLOCK_C columns
+    # (one chunk for DeepSeek's 128-wide groups; one-scale-per-token groups take several, read twice).
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)  # [P]
+    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * K
+    if NUM_CHUNKS == 1:
+        cols, ok = _chunk(groups, 0, K, GROUP, BLOCK_C)
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)  # [P, C]
+        scale = _group_scale(tl.max(tl.abs(x), axis=1), SCALE_BY_RECIPROCAL, FP8_MAX, INV_FP8_MAX, AMAX_FLOOR)
+        tl.store(q_row + cols, _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32), mask=ok)
+    else:
+        amax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols, ok = _chunk(groups, c, K, GROUP, BLOCK_C)
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = _group_scale(amax, SCALE_BY_RECIPROCAL, FP8_MAX, INV_FP8_MAX, AMAX_FLOOR)
+        for c in tl.static_range(NUM_CHUNKS):
+            cols, ok = _chunk(groups, c, K, GROUP, BLOCK_C)
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32), mask=ok)
+    tl.store(scale_ptr + row * num_groups + groups, scale, mask=groups < num_groups)
+
+
+@triton.jit
+def _chunk(groups, c, K, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Columns [P, C] of chunk c of each group, and which of them exist: inside the group (BLOCK_C may
+    # overhang a group that is not a power of two) and inside the row (the last group may be partial).
+    offs = c * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    cols = groups[:, None] * GROUP + offs
+    return cols, (offs < GROUP) & (cols < K)
+
+
+@triton.jit
+def _group_scale(amax, SCALE_BY_RECIPROCAL: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                 AMAX_FLOOR: tl.constexpr):
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    if SCALE_BY_RECIPROCAL:
+        return amax * INV_FP8_MAX
+    return tl.math.div_rn(amax, FP8_MAX)
+
+
+@triton.jit
+def _to_fp8(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    # div_rn: Triton's `/` is an approximate division for fp32; torch divides exactly. The GPU converts
+    # with round-to-nearest-even (cvt.rn.satfinite), as torch does.
+    v = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    if ROUND_IN_FP32:
+        v = _round_to_e4m3(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    # Interpreter only: its fp32 -> fp8 conversion rounds half up and loses the carry into the exponent
+    # (124.3 -> 64), but converts representable values exactly. So round here, to nearest even: normal
+    # e4m3 (|v| >= 2^-6) keeps 3 of fp32's 23 mantissa bits; subnormals are multiples of 2^-9, which
+    # adding and removing 1.5 * 2^14 (whose ulp is 2^-9) rounds to. The sign is kept apart (-0 stays -0).
+    bits = v.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576  # 0xFFF00000: drop 20 bits, ties to even
+    a = mag.to(tl.float32, bitcast=True)
+    subnormal = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    return (tl.where(a < 0.015625, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+
+
+# --- block-scaled GEMM ------------------------------------------------------------------------------
+
+
+def block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                     block: tuple[int, int], out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                     config: Fp8GemmConfig | None = None) -> torch.Tensor:
+    """x_q [M, K] fp8, x_scale [M, ceil(K/bk)] fp32, w_q [N, K] fp8 (row-major, as checkpoints store it),
+    w_scale_inv [ceil(N/bn), ceil(K/bk)] fp32, bias [N] or None -> [M, N] in out_dtype:
+        out[m, n] = sum_g (x_q[m, g] . w_q[n, g]) * x_scale[m, g] * w_scale_inv[n // bn, g]  (+ bias[n])
+    with g the bk-column groups, in fp32. Scales may be broadcast views (stride 0)."""
+    _check_gemm_inputs(x_q, x_scale, w_q, w_scale_inv, block, bias)
+    (m, k), n = x_q.shape, w_q.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or default_config(m, n, k, block, _num_sms(x_q.device))
+    _require(block[1] % cfg.block_k == 0 and cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16,
+             f"block_k {cfg.block_k} must be a power of two >= 16 dividing bk {block[1]}")
+    partial = cfg.split_k > 1
+    c = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x_q.device) if partial else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _block_fp8_gemm_kernel[grid](
+        x_q, w_q, c, x_scale, w_scale_inv, out if bias is None else bias,
+        m, n, k, cfg.split_k, x_q.stride(0), w_q.stride(0), n,
+        x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        GROUP_N=block[0], GROUP_K=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, PARTIAL=partial, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        _sum_splits(c, out, bias)
+    return out
+
+
+def _check_gemm_inputs(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                       block: tuple[int, int], bias: torch.Tensor | None) -> None:
+    _require(x_q.dim() == 2 and w_q.dim() == 2 and x_q.shape[1] == w_q.shape[1],
+             f"x_q [M, K] and w_q [N, K] do not match: {tuple(x_q.shape)}, {tuple(w_q.shape)}")
+    _require(x_q.dtype == FP8 and w_q.dtype == FP8, f"x_q and w_q must be {FP8}, got {x_q.dtype}, {w_q.dtype}")
+    _require(x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q need a contiguous last dim")
+    (m, k), n, (bn, bk) = x_q.shape, w_q.shape[0], block
+    _require(bk % 16 == 0, f"the scale block's K side must be a multiple of 16, got {block}")
+    groups = triton.cdiv(k, bk)
+    _require(tuple(x_scale.shape) == (m, groups), f"x_scale must be {(m, groups)}, got {tuple(x_scale.shape)}")
+    want = (triton.cdiv(n, bn), groups)
+    _require(tuple(w_scale_inv.shape) == want, f"w_scale_inv must be {want} for {block} blocks, "
+             f"got {tuple(w_scale_inv.shape)}")
+    _require(x_scale.dtype == torch.float32 and w_scale_inv.dtype == torch.float32, "scales must be float32")
+    _require(bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be contiguous [N]")
+    tensors = [x_q, x_scale, w_q, w_scale_inv] + ([bias] if bias is not None else [])
+    _require(len({t.device for t in tensors}) == 1, "all inputs must be on one device")
+
+
+# M changes every step and the scale strides with every shape: one compile serves all of them (their
+# loads are a few bytes a tile; the operand strides stay specialized, for vector loads).
+@triton.jit(do_not_specialize=["M", "split_k", "stride_asm", "stride_asg", "stride_bsn", "stride_bsg"])
+def _block_fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, split_k, stride_am, stride_bn, stride_cm, stride_asm, stride_asg, stride_bsn, stride_bsg,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # c = a [M, K] @ b [N, K]^T, each BLOCK_K slice scaled by a_scale[m, g] * b_scale[n // GROUP_N, g],
+    # g = k // GROUP_K. Program (tile, split) sums split's share of the K tiles. Rows and columns past M
+    # and N wrap around (modulo), so every load is in bounds and unmasked along them; the store masks.
+    pid_m, pid_n = _tile_ids(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, split_k)
+    first, last = split * per_split, tl.minimum((split + 1) * per_split, k_tiles)  # may be empty: stores zeros
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (first * BLOCK_K + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + (first * BLOCK_K + offs_k)[:, None]
+    a_scales = a_scale_ptr + offs_m * stride_asm  # [BLOCK_M]
+    # The weight's scale is one number per tile when its N block holds whole tiles (DeepSeek: 128 / 128).
+    SCALAR_B_SCALE: tl.constexpr = GROUP_N % BLOCK_N == 0
+    if SCALAR_B_SCALE:
+        b_scales = b_scale_ptr + (pid_n * BLOCK_N // GROUP_N) * stride_bsn
+    else:
+        b_scales = b_scale_ptr + (offs_n // GROUP_N) * stride_bsn  # [BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(first, last):
+        if EVEN_K:
+            a, b = tl.load(a_ptrs), tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - t * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        g = t * BLOCK_K // GROUP_K
+        a_s = tl.load(a_scales + g * stride_asg)  # [BLOCK_M]
+        b_s = tl.load(b_scales + g * stride_bsg)  # scalar or [BLOCK_N]
+        if SCALAR_B_SCALE:
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    _store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # PARTIAL: fp32 into slice `split` of the [split_k, M, N] workspace (the bias is added once, when
+    # the splits are summed); otherwise bias, cast, out [M, N].
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + split.to(tl.int64) * M * N + offsets, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """partials [S, M, N] fp32 -> out [M, N] (contiguous) = their sum in split order (+ bias): the
+    result does not depend on scheduling."""
+    numel, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](
+        partials, out, out if bias is None else bias, numel, out.shape[1], partials.shape[0],
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["numel", "split_k"])
+def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(split_k):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --- linear layers ----------------------------------------------------------------------------------
+
+
+def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
+    per token and bk-group by quantize_per_token_group."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    x_q, x_scale = quantize_per_token_group(x2, block[1])
+    out = block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, block, x.dtype, bias)
+    return out.view(*x.shape[:-1], w_q.shape[0])
+
+
+def channel_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], w_q [N, K] fp8, w_scale [N] fp32 -> [..., N] in x's dtype: channel_fp8_linear_ref's
+    contract (one activation scale per token). CUDA: torch._scaled_mm with row-wise scales where it
+    takes the shapes (bf16 x, K and N multiples of 16), channel_fp8_triton elsewhere. CPU: the reference."""
+    if not x.is_cuda:
+        return channel_fp8_linear_ref(x, w_q, w_scale, bias)
+    (n, k), x2 = w_q.shape, x.reshape(-1, x.shape[-1])  # x2 [M, K]
+    if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0:
+        x_q, x_scale = quantize_per_token_group(x2, k)  # [M, K], [M, 1]
+        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.float().view(1, n),
+                               bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    else:
+        out = channel_fp8_triton(x2, w_q, w_scale, bias)
+    return out.view(*x.shape[:-1], n)
+
+
+def channel_fp8_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype, as channel_fp8_linear, by the block kernel: the per-token scale
+    and the per-channel scale become broadcast views (stride 0 along K) over CHANNEL_BK-wide groups of
+    one weight row each."""
+    (n, k), m = w_q.shape, x.shape[0]
+    x_q, x_scale = quantize_per_token_group(x, k)  # [M, K], [M, 1]
+    groups = triton.cdiv(k, CHANNEL_BK)
+    return block_fp8_matmul(x_q, x_scale.expand(m, groups), w_q, w_scale.float().view(n, 1).expand(n, groups),
+                            (1, CHANNEL_BK), x.dtype, bias)

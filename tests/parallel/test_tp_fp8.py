@@ -1,0 +1,41 @@
+"""A block-scaled FP8 DeepSeek-V3 checkpoint under TP=2 and expert parallelism: weights and their block
+scales shard in whole blocks, so greedy tokens equal one process's. The checkpoint uses 8 x 8 blocks so
+this tiny model's shards are whole blocks (DeepSeek ships 128 x 128; the CPU path takes any size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from deepserve.layers.moe import RoutedExperts
+from deepserve.layers.quantization import Fp8Config
+from tests.conftest import save_checkpoint
+from tests.loader.test_fp8 import TINY_V3, write_fp8_checkpoint
+from tests.models.test_deepseek import make_hf_model
+from tests.parallel.conftest import greedy_tokens
+
+
+@pytest.fixture(scope="module")
+def fp8_v3(tmp_path_factory, tokenizer) -> str:
+    hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, dict(TINY_V3, intermediate_size=192))
+    root = tmp_path_factory.mktemp("fp8-tp")
+    src = save_checkpoint(hf_model, tokenizer, str(root / "f32"))
+    write_fp8_checkpoint(src, str(root / "fp8"), str(root / "ref"), hf_model.config.num_hidden_layers, block=8)
+    return str(root / "fp8")
+
+
+def test_fp8_tp2_matches_single_process(fp8_v3):
+    assert greedy_tokens(fp8_v3, 2) == greedy_tokens(fp8_v3, 1)
+
+
+def test_fp8_expert_parallel_matches_single_process(fp8_v3):
+    assert greedy_tokens(fp8_v3, 2, enable_expert_parallel=True) == greedy_tokens(fp8_v3, 1)
+
+
+def test_expert_shard_inside_a_block_is_refused():
+    # moe_intermediate_size 200 over 2 ranks: rank 1's share starts at row 100, inside a 16-row block
+    experts = RoutedExperts(4, 32, 200, tp_rank=1, tp_size=2, quant=Fp8Config(weight_block=(16, 16)))
+    scale = torch.ones(-(-200 // 16), 2)
+    with pytest.raises(ValueError, match="cuts FP8 blocks of 16"):
+        experts.w13_scale_inv.weight_loader(experts.w13_scale_inv, scale, (0, 0))
