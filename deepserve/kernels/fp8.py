@@ -338,25 +338,67 @@ def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: t
 # --- linear layers ----------------------------------------------------------------------------------
 
 
+# Which GEMM a call takes, by token count M (measured on the H200, bench/RESULTS.md, FP8): decode batches
+# (CUDA graphs, M <= max_num_seqs) take the Triton kernels — torch._scaled_mm row-wise took 24.7 us for
+# V3's kv_a at M = 1 in a graph where the Triton path took 9.7 — and prefill-sized calls cuBLAS through
+# torch._scaled_mm: at 8192^3 block-wise scaling ran 1,067 TFLOP/s to Triton's 893, row-wise 1,360.
+CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
+
+
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
     per token and bk-group by quantize_per_token_group."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     x_q, x_scale = quantize_per_token_group(x2, block[1])
-    out = block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, block, x.dtype, bias)
+    if _cublas_blockwise(x2, w_q, block):
+        # cuBLAS wants the activation scales outer-dim-major ([M, G] with stride (1, M)) and the
+        # weight's as [K/128, N/128]
+        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w_scale_inv.t(),
+                               out_dtype=x.dtype)
+        out = out + bias.to(out.dtype) if bias is not None else out
+    else:
+        out = block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, block, x.dtype, bias)
     return out.view(*x.shape[:-1], w_q.shape[0])
+
+
+def _cublas_blockwise(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
+    """torch._scaled_mm with DeepSeek's 1 x 128 / 128 x 128 scaling for this call: prefill-sized M, the
+    shapes cuBLAS takes, and a torch that has it (probed once, outside graph capture)."""
+    (n, k), m = w_q.shape, x2.shape[0]
+    if m < CUBLAS_MIN_M or tuple(block) != (128, 128) or n % 128 or k % 128 or x2.dtype != torch.bfloat16:
+        return False
+    if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
+        return False
+    return _blockwise_supported(x2.device)
+
+
+@functools.cache
+def _blockwise_supported(device: torch.device) -> bool:
+    try:
+        a = torch.zeros(128, 128, device=device, dtype=FP8)
+        scale = torch.ones(128, 1, device=device)
+        torch._scaled_mm(a, a.t(), scale_a=scale.t().contiguous().t(), scale_b=torch.ones(1, 1, device=device),
+                         out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, TypeError, ValueError) as exc:
+        import logging
+
+        logging.getLogger(__name__).info("torch._scaled_mm has no block-wise FP8 scaling here (%s); "
+                                         "FP8 prefill GEMMs stay on Triton", exc)
+        return False
 
 
 def channel_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], w_q [N, K] fp8, w_scale [N] fp32 -> [..., N] in x's dtype: channel_fp8_linear_ref's
-    contract (one activation scale per token). CUDA: torch._scaled_mm with row-wise scales where it
-    takes the shapes (bf16 x, K and N multiples of 16), channel_fp8_triton elsewhere. CPU: the reference."""
+    contract (one activation scale per token). CUDA: torch._scaled_mm with row-wise scales for
+    prefill-sized M where it takes the shapes (bf16 x, K and N multiples of 16), channel_fp8_triton
+    elsewhere (CUBLAS_MIN_M). CPU: the reference."""
     if not x.is_cuda:
         return channel_fp8_linear_ref(x, w_q, w_scale, bias)
     (n, k), x2 = w_q.shape, x.reshape(-1, x.shape[-1])  # x2 [M, K]
-    if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0:
+    if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 and x2.shape[0] >= CUBLAS_MIN_M:
         x_q, x_scale = quantize_per_token_group(x2, k)  # [M, K], [M, 1]
         out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.float().view(1, n),
                                bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)

@@ -98,24 +98,19 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
 
 def default_fp8_config(num_tokens: int, top_k: int, num_experts: int, group_k: int = 128,
                        inter: int | None = None) -> MoEConfig:
-    """Tiles for FP8 weights with bk = group_k (128 for DeepSeek), by assignments per expert as in
-    default_config; guessed for the H200, to be chosen from bench/check_fp8_moe.py's variants.
-
-    Decode (<= 64 per expert) streams weights: activations are quantized in the GEMMs (no extra launch;
-    the CUDA cores idle beside the stream anyway) and one stage more than bf16 keeps as many bytes in
-    flight (an fp8 k-step is half the bytes). Few tiles of a small I (a TP shard: V3's 256 under TP8,
-    4 tiles of 64 per expert) would leave most SMs idle at T = 1, so they get narrower ones. Prefill is
-    compute-bound on fp8 wgmma: activations quantized once (module docstring) with block_n = bk for the
-    gate-up epilogue's act groups; 64 x 128 with 8 warps is the largest gate-up tile whose two
-    accumulators and per-k-step products fit in registers without spilling (Triton 3.6, sm_90: 185
-    registers; 128 x 128 spills inside the loop)."""
+    """Tiles for FP8 weights with bk = group_k (128 for DeepSeek), by assignments per expert, as
+    measured on the H200 (bench/check_fp8_moe.py, gate FP8 run 1: the fastest variant of each case).
+    Activations quantized once (prequantize) won everywhere, in-GEMM quantization lost up to 3x at
+    decode; 16 x 128 tiles with 8 warps up to 16 assignments per expert (V3 T <= 256: 118 us at T = 1
+    against bf16's 169), 32 x 128 to about 28 (V2-Lite T = 256), 64 x 128 beyond (V3 T = 1024).
+    block_n = bk: the gate-up epilogue quantizes its act groups. `inter` is unused (kept for callers)."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
-        narrow = inter is not None and inter <= 512
-        return MoEConfig(block_m=16, block_n=32 if narrow else 64, block_k=group_k, group_m=1, num_warps=4,
-                         num_stages=4)
-    if per_expert <= 64:
-        return MoEConfig(block_m=32, block_n=64, block_k=group_k, group_m=4, num_warps=8, num_stages=4)
+        return MoEConfig(block_m=16, block_n=group_k, block_k=group_k, group_m=1, num_warps=8, num_stages=4,
+                         prequantize=True)
+    if per_expert <= 28:
+        return MoEConfig(block_m=32, block_n=group_k, block_k=group_k, group_m=4, num_warps=8, num_stages=3,
+                         prequantize=True)
     return MoEConfig(block_m=64, block_n=group_k, block_k=group_k, group_m=8, num_warps=8, num_stages=4,
                      prequantize=True)
 

@@ -42,10 +42,12 @@ def test_fused_moe_fp8_kernels_compile(monkeypatch):
     decode = fp8_inputs(3, 8, 2, 256, 192)
     prefill = fp8_inputs(96, 4, 2, 256, 192)  # 48 assignments per expert; the prefill tile is forced below
     prefill_config = fm.default_fp8_config(8192, 8, 256)
-    assert prefill_config.prequantize and not fm.default_fp8_config(3, 2, 8).prequantize
+    in_gemm = fm.MoEConfig(16, 64, 128, 1, 4, 4)  # activations quantized inside the GEMMs (not a default)
+    assert prefill_config.block_m == 64 and fm.default_fp8_config(3, 2, 8).block_m == 16
 
     def run():
-        for (x, w13, s13, w2, s2, weights, ids), config in ((decode, None), (prefill, prefill_config)):
+        for (x, w13, s13, w2, s2, weights, ids), config in ((decode, None), (prefill, prefill_config),
+                                                             (decode, in_gemm)):
             fm.fused_moe(x, w13, w2, weights, ids, config=config, w13_scale=s13, w2_scale=s2, block=(128, 128))
 
     launches = as_on_gpu(_record(monkeypatch, fm, run))
