@@ -44,6 +44,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_FP8_CUBLAS_MIN_M": (_float("DEEPSERVE_FP8_CUBLAS_MIN_M", 257),
                                    "FP8 linears with at least this many tokens run torch._scaled_mm (cuBLAS), "
                                    "fewer the Triton kernels; a huge value keeps every call on Triton"),
+    "DEEPSERVE_FP8_CUBLAS_BLOCKWISE": (_flag("DEEPSERVE_FP8_CUBLAS_BLOCKWISE", False),
+                                       "1: block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
+                                       "torch._scaled_mm's block-wise scaling instead of Triton (off: on the H200 "
+                                       "it refused M = 257 and gave wrong results for K = 11008)"),
     "TRITON_INTERPRET": (_flag("TRITON_INTERPRET", False),
                          "Triton's own: 1 runs the kernels in its interpreter (CPU tests); read when a kernel "
                          "module is imported"),

@@ -340,9 +340,14 @@ def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: t
 
 # Which GEMM a call takes, by token count M (measured on the H200, bench/RESULTS.md, FP8): decode batches
 # (CUDA graphs, M <= max_num_seqs) take the Triton kernels — torch._scaled_mm row-wise took 24.7 us for
-# V3's kv_a at M = 1 in a graph where the Triton path took 9.7 — and prefill-sized calls cuBLAS through
-# torch._scaled_mm: at 8192^3 block-wise scaling ran 1,067 TFLOP/s to Triton's 893, row-wise 1,360.
+# V3's kv_a at M = 1 in a graph where the Triton path took 9.7 — and per-channel prefill-sized calls
+# cuBLAS's row-wise torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
+# Block-wise _scaled_mm is off by default: in gate FP8 run 2 it raised CUBLAS_STATUS_NOT_SUPPORTED at
+# M = 257 and returned wrong products (max relative error 21) for K = 11008 (86 scale groups) at M = 1024
+# and 8192, though it matched at 8192^3 and on V3's shapes. When switched on it takes only shapes like
+# those that matched (M and K/128 multiples of 4 and 16); unverified beyond them.
 CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
+CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
 
 
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
@@ -366,7 +371,9 @@ def _cublas_blockwise(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int
     """torch._scaled_mm with DeepSeek's 1 x 128 / 128 x 128 scaling for this call: prefill-sized M, the
     shapes cuBLAS takes, and a torch that has it (probed once, outside graph capture)."""
     (n, k), m = w_q.shape, x2.shape[0]
-    if m < CUBLAS_MIN_M or tuple(block) != (128, 128) or n % 128 or k % 128 or x2.dtype != torch.bfloat16:
+    if not CUBLAS_BLOCKWISE or m < CUBLAS_MIN_M or m % 16 or tuple(block) != (128, 128):
+        return False
+    if n % 128 or k % 512 or x2.dtype != torch.bfloat16:
         return False
     if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return False
