@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import subprocess
@@ -14,9 +15,11 @@ import torch
 def environment(device: torch.device, **extra: object) -> dict:
     import triton
 
+    # gate.sh passes the commit it was sent: the device machine's copy of .git may be stale
+    commit = os.environ.get("GATE_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):  # a copy without git
         commit = ""
     return dict(device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),

@@ -340,7 +340,7 @@ def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: t
 
 # Which GEMM a call takes, by token count M (measured on the H200, bench/RESULTS.md, FP8): decode batches
 # (CUDA graphs, M <= max_num_seqs) take the Triton kernels — torch._scaled_mm row-wise took 24.7 us for
-# V3's kv_a at M = 1 in a graph where the Triton path took 9.7 — and per-channel prefill-sized calls
+# V3's kv_a at M = 1 in a graph where the per-channel Triton path took 14.1 — and per-channel prefill-sized calls
 # cuBLAS's row-wise torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
 # Block-wise _scaled_mm is off by default: in gate FP8 run 2 it raised CUBLAS_STATUS_NOT_SUPPORTED at
 # M = 257 and returned wrong products (max relative error 21) for K = 11008 (86 scale groups) at M = 1024

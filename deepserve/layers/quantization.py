@@ -52,6 +52,7 @@ def resolve_quantization(hf_config: Any, requested: str | None, device: str = "c
     if requested not in (None, "", "none", *SUPPORTED):
         raise ValueError(f"quantization {requested!r} is not supported; supported: {', '.join(SUPPORTED)} "
                          "(--quantization), or leave it unset to follow the checkpoint's quantization_config")
+    requested = requested or None  # "" (a config file's empty value) follows the checkpoint, like unset
     block = checkpoint_block(hf_config)
     wanted = "fp8" if requested == "fp8" or (requested is None and block is not None) else None
     if wanted is None and block is not None:  # --quantization none on an FP8 checkpoint

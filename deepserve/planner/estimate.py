@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from deepserve.planner.advice import nodes_needed
-from deepserve.planner.gpus import MIB, gpu_memory_bytes
+from deepserve.planner.gpus import MIB, gpu_capability, gpu_memory_bytes
 from deepserve.planner.shapes import ModelShape, model_shape, resolve_model
 
 _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -96,7 +96,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
     from deepserve.layers.quantization import resolve_quantization
 
-    quantization = resolve_quantization(hf_config, req.quantization)  # planned for an FP8-capable GPU
+    quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu)
     shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization)
     max_len = _max_model_len(req.max_model_len, shape)
     gpu_name, total = gpu_memory_bytes(req.gpu)
@@ -112,6 +112,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
         if best is None or blocks < best[3]:
             best = (weights, kv_per_token, free, blocks)
     weights, kv_per_token, free, blocks = best
+    load_peak = _load_peak(req, dtype, quantization, shape)
+    if load_peak > budget:  # --quantization fp8 holds the unquantized weights until they are converted
+        blocks = 0
     tokens = blocks * req.block_size
     result = Plan(
         request=req, model=name, architecture=shape.architecture, num_params=shape.num_params, gpu=gpu_name,
@@ -123,11 +126,27 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
         fits=tokens // max_len >= 1, serve_command=_serve_command(req, name, max_len, is_preset),
     )
     result.warnings = _engine_warnings(req)
+    if load_peak > budget:
+        result.warnings.append(
+            f"--quantization fp8 loads the {dtype} weights first ({load_peak / 2**30:.1f} GiB per GPU, over the "
+            f"{budget / 2**30:.1f} GiB budget) and converts them after loading: it does not fit while loading")
     if advise and not result.fits:
         from deepserve.planner.advice import advise as make_advice
 
         result.advice = make_advice(result)
     return result
+
+
+def _load_peak(req: PlanRequest, dtype: str, quantization: str | None, shape: ModelShape) -> int:
+    """Weight bytes per GPU while loading: per-channel FP8 made at load (an unquantized checkpoint with
+    --quantization fp8) first holds the whole stage in the model dtype; otherwise the final weights."""
+    from deepserve.layers.quantization import checkpoint_block
+
+    _, hf_config, _ = resolve_model(req.model)
+    if quantization is None or checkpoint_block(hf_config) is not None:
+        return 0
+    unquantized = model_shape(req.model, dtype, req.tensor_parallel_size, None)
+    return max(w for w, _ in _stages(unquantized, req.pipeline_parallel_size))
 
 
 def _check(req: PlanRequest) -> None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 MIB = 2**20
 GIB = 2**30
 
+# Compute capability: FP8 tensor cores from 8.9 (Ada, Hopper); below, FP8 checkpoints are dequantized.
+CAPABILITY: dict[str, tuple[int, int]] = {"h200": (9, 0), "h100": (9, 0), "a100-80g": (8, 0), "a100-40g": (8, 0),
+                                          "h20": (9, 0), "l40s": (8, 9)}
+
 GPUS: dict[str, int] = {
     "h200": 143_771 * MIB,     # H200 SXM, 141 GB HBM3e
     "h100": 81_559 * MIB,      # H100 SXM/PCIe, 80 GB
@@ -17,6 +21,11 @@ GPUS: dict[str, int] = {
     "h20": 97_871 * MIB,       # H20, 96 GB
     "l40s": 46_068 * MIB,      # L40S, 48 GB GDDR6
 }
+
+
+def gpu_capability(gpu: str) -> tuple[int, int] | None:
+    """The named GPU's compute capability; None for a bare size (assumed FP8-capable)."""
+    return CAPABILITY.get(gpu.strip().lower())
 
 
 def gpu_memory_bytes(gpu: str) -> tuple[str, int]:

@@ -43,14 +43,28 @@ def test_deepseek_v3_fits_one_h200_node_in_fp8_as_shipped():
     assert per_channel.weights_bytes < 0.6 * plan(PlanRequest("deepseek-llm-7b", max_model_len=4096)).weights_bytes
 
 
+def test_fp8_follows_the_gpu_and_the_load_peak():
+    # An A100 has no FP8 tensor cores: the engine dequantizes V3's FP8, so the planner does too ...
+    a100 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, max_model_len=4096))
+    assert a100.quantization is None and not a100.fits
+    # ... and refuses --quantization fp8 as the engine would.
+    with pytest.raises(ValueError, match="a100-80g"):
+        plan(PlanRequest("deepseek-llm-7b", gpu="a100-80g", max_model_len=4096, quantization="fp8"))
+    # -q fp8 converts after loading the bf16 weights: 12 GiB holds the FP8 model but not the load.
+    small = plan(PlanRequest("deepseek-llm-7b", gpu="12", max_model_len=4096, quantization="fp8"))
+    assert small.weights_bytes < 8 * 2**30 and not small.fits
+    assert any("loads the bfloat16 weights first" in w for w in small.warnings)
+
+
 def test_weights_are_parameters_plus_the_rope_tables_the_engine_allocates():
     def extra(model):
         p = plan(PlanRequest(model, max_model_len=4096))
         return p.weights_bytes - 2 * p.num_params  # bf16 parameters; the rest is float32 buffers
 
-    # Every model keeps one float32 cos/sin table [max_position_embeddings, rotary dim], shared by its layers
-    assert extra("deepseek-llm-7b") == 4096 * 128 * 4
-    assert extra("r1-distill-qwen-7b") == 131072 * 128 * 4  # 64 MiB at 128k positions
+    # Every model keeps one float32 cos/sin table [max_position_embeddings, rotary dim], shared by its layers,
+    # and per attention layer two float32 FP8-KV-cache scales (k_scale, v_scale)
+    assert extra("deepseek-llm-7b") == 4096 * 128 * 4 + 30 * 2 * 4
+    assert extra("r1-distill-qwen-7b") == 131072 * 128 * 4 + 28 * 2 * 4  # 64 MiB at 128k positions
     # DeepSeek-V2 shares one [163840, rope 64] table between its layers (+ small MoE buffers)
     assert 163840 * 64 * 4 <= extra("deepseek-v2-lite") < 64 * 2**20
 
@@ -71,6 +85,7 @@ def test_fp8_kv_halves_the_cache_and_both_preset_spellings_work():
     b = plan(PlanRequest("r1-distill-qwen-7b", max_model_len=4096))
     assert a.model == b.model == "r1-distill-qwen-7b"
     assert a.kv_bytes_per_token * 2 == b.kv_bytes_per_token
+    assert not a.warnings  # the engine serves --kv-cache-dtype fp8 now
 
 
 def test_tokens_and_sequences_follow_the_budget_arithmetic():

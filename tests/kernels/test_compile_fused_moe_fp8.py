@@ -1,7 +1,8 @@
 """The FP8 fused MoE launches compile for the H200 (sm_90) on a machine with no GPU: each wrapper runs once
 in the interpreter with its launches recorded (test_compile_for_hopper.py's recorder), then every launch
-is compiled with triton.compile. One decode-size call (activations quantized in the GEMMs) and one
-prefill-size call (a separate quantization kernel, act quantized in the gate-up epilogue).
+is compiled with triton.compile: a decode-size and a prefill-size call with the default tiles (both
+quantize activations once: a separate kernel for x, act in the gate-up epilogue), and one decode-size
+call that quantizes inside the GEMMs (not a default since FP8 run 1, kept compiling).
 
 The recorded launches carry the interpreter's own switches (FP8_ROUND_IN_FP32, DOT_UPCAST: True under
 TRITON_INTERPRET); they are set as a GPU launch sets them, so what compiles is the code the GPU runs."""

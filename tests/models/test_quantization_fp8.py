@@ -120,6 +120,67 @@ def test_llm_generates_with_fp8_and_follows_transformers(dense):
     assert total == 8 * len(PROMPTS) and agree / total >= 0.9, (agree, total)
 
 
+def fp8_at_load_reference(hf_model) -> torch.nn.Module:
+    """transformers' DeepSeek model with the weights `--quantization fp8` should end with, computed here
+    from the checkpoint's own tensors: every projection but kv_b per output channel, each routed
+    expert's gate, up and down in 128 x 128 blocks."""
+    import copy
+
+    ref = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+                for e in range(p.shape[0]):
+                    for member in p[e].chunk(2):
+                        member.copy_(fp8_ref.dequantize_weight_block(*fp8_ref.quantize_weight_block(member, (128, 128)),
+                                                                     (128, 128)))
+            elif name.endswith("experts.down_proj"):  # [E, H, I]
+                for e in range(p.shape[0]):
+                    q, scale = fp8_ref.quantize_weight_block(p[e], (128, 128))
+                    p[e].copy_(fp8_ref.dequantize_weight_block(q, scale, (128, 128)))
+            elif name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+                if ".kv_b_proj." not in name:
+                    q, scale = fp8_ref.quantize_weight_per_channel(p)
+                    p.copy_(q.float() * scale[:, None])
+    return ref
+
+
+def test_deepseek_at_load_equals_transformers_on_the_same_fp8_weights(tmp_path, tokenizer, monkeypatch):
+    # With the activation rounding taken out, our per-channel dense layers and block-quantized experts
+    # are exactly transformers on weights quantized and dequantized independently here.
+    from tests.loader.test_fp8 import prompt_logits
+
+    hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, dict(TINY_V3, moe_intermediate_size=160))
+    path = save_checkpoint(hf_model, tokenizer, str(tmp_path))
+    ref = fp8_at_load_reference(hf_model)
+    from tests.loader.test_fp8 import PROMPTS as V3_PROMPTS
+
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([ids])).logits[0] for ids in V3_PROMPTS])
+        plain = torch.cat([hf_model(torch.tensor([ids])).logits[0] for ids in V3_PROMPTS])
+    assert not torch.allclose(want, plain, atol=1e-3)  # the quantization is real
+    monkeypatch.setattr(fp8_ref, "quantize_per_token_group_ref", lossless_group_quantization)
+    from tests.models.test_deepseek import make_runner
+
+    got = torch.cat(prompt_logits(make_runner(path, quantization="fp8")))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_dummy_fp8_weights_are_small_and_varied():
+    # --load-format dummy on an FP8 config (the V3 preset): fp8 codes over the whole e4m3 range times
+    # scale_inv = 0.01 / 448, i.e. weights in [-0.01, 0.01] like the unquantized dummies.
+    from deepserve.kernels.fp8_ref import dequantize_weight_block
+    from deepserve.layers.linear import ReplicatedLinear
+    from deepserve.layers.quantization import Fp8Config
+    from deepserve.loader.checkpoint import init_dummy_weights
+
+    layer = ReplicatedLinear(300, 200, quant=Fp8Config(weight_block=(128, 128)))
+    init_dummy_weights(layer, seed=0)
+    w = dequantize_weight_block(layer.weight, layer.weight_scale_inv, (128, 128))
+    assert layer.weight.dtype == torch.float8_e4m3fn and w.abs().max() <= 0.01 + 1e-9
+    assert w.std() > 0.004 and (w > 0).float().mean().item() == pytest.approx(0.5, abs=0.05)
+
+
 def test_deepseek_quantized_at_load(tmp_path, tokenizer):
     # Dense layers per channel, routed experts in 128 x 128 blocks, wkv_b and the router untouched.
     hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, TINY_V3)
@@ -151,4 +212,5 @@ def test_gpu_without_fp8_is_refused_or_dequantizes(caplog):
     assert "dequantized" in caplog.text and "NVIDIA A100" in caplog.text
     assert resolve_quantization(shipped, None, "cuda", (9, 0), "NVIDIA H200") == "fp8"
     assert resolve_quantization(shipped, "none", "cuda", (9, 0)) is None
+    assert resolve_quantization(shipped, "", "cuda", (9, 0)) == "fp8"  # Helm's empty value: the checkpoint's
     assert resolve_quantization(plain, None, "cpu") is None
