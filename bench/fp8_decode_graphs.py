@@ -3,12 +3,13 @@ overhead), per call, L2 not flushed (a decode step streams each weight once, lar
 these shapes). Variants: bf16 F.linear, the block-scaled Triton path with and without split-K, torch's
 block-wise _scaled_mm, and for per-channel weights the Triton path and torch._scaled_mm row-wise.
 
-    python bench/fp8_decode_graphs.py [--json OUT]
+    python bench/fp8_decode_graphs.py [--json OUT] [--sweep-s 120]   # --sweep-s: also sweep the GEMM's tiles
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -67,9 +68,53 @@ def variants(x, w, wb, sb, wc, sc) -> dict:
             "channel scaled_mm": lambda: scaled_mm_rowwise(x, wc, sc)}
 
 
+# Tile sweep for the block-scaled GEMM alone (activations quantized outside the graph), per decode M:
+# (block_m, block_n, num_warps, num_stages, split_k); split_k 0 = the library's rule (split_count).
+SWEEP_TILES = [(bm, bn, w, st, sk) for bm in (16, 32) for bn in (32, 64, 128) for w in (4, 8) for st in (4, 6)
+               for sk in (0, 2, 4)]
+SWEEP_SHAPES = ("7B qkv", "7B down", "V3 kv_a", "V3 gate_up")
+SWEEP_BATCHES = (1, 16, 64)
+
+
+def sweep(deadline_s: float) -> list[dict]:
+    """The fastest tiles per (shape, M) inside CUDA graphs: what default_config's decode rows should be."""
+    import time
+
+    start, rows = time.perf_counter(), []
+    for name in SWEEP_SHAPES:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_q, w_s = quantize_weight_block(w, (128, 128))
+        for m in SWEEP_BATCHES:
+            x_q, x_s = fp8.quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), 128)
+            timings = {}
+            for bm, bn, warps, stages, split in SWEEP_TILES:
+                if bm > max(16, m) or time.perf_counter() - start > deadline_s:
+                    continue
+                tiles = -(-m // bm) * -(-n // bn)
+                split = split or fp8.split_count(tiles, -(-k // 128), 132)
+                cfg = fp8.Fp8GemmConfig(bm, bn, 128, 1, warps, stages, split)
+                try:
+                    timings[f"m{bm}-n{bn}-w{warps}-s{stages}-k{split}"] = graph_us(
+                        functools.partial(fp8.block_fp8_matmul, x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16,
+                                          config=cfg), calls=5, replays=10)
+                except Exception as exc:  # a tile that does not compile or fit: skip it, say so
+                    timings[f"m{bm}-n{bn}-w{warps}-s{stages}-k{split}"] = f"{type(exc).__name__}"
+            ok = {key: v for key, v in timings.items() if isinstance(v, float)}
+            best = sorted(ok.items(), key=lambda kv: kv[1])[:5]
+            default = graph_us(functools.partial(fp8.block_fp8_matmul, x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16),
+                               5, 10)
+            row = {"shape": name, "M": m, "default_us": default, "best": best, "tried": len(timings),
+                   "fp8_bytes_MB": n * k / 1e6}
+            rows.append(row)
+            print("SWEEP", json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--sweep-s", type=float, default=0.0, help="seconds for the tile sweep (0: none)")
     ns = ap.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -92,9 +137,14 @@ def main() -> int:
     for r in rows:
         cells = [f"{r[lab]:20.1f}" if isinstance(r[lab], float) else f"{'error':>20}" for lab in labels]
         print(f"{r['shape']:>11} {r['M']:>4} " + " ".join(cells))
+    swept = sweep(ns.sweep_s) if ns.sweep_s > 0 else []
+    for r in swept:
+        best = ", ".join(f"{key} {us:.1f}" for key, us in r["best"][:3])
+        rate = r["fp8_bytes_MB"] / r["default_us"]
+        print(f"{r['shape']:>11} M={r['M']:<4} default {r['default_us']:.1f} us ({rate:.2f} TB/s); best: {best}")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"variants": rows, "sweep": swept}, f, indent=1)
     return 0
 
 
