@@ -35,6 +35,11 @@ class ModelConfig:
         return archs[0] if archs else ""
 
 
+# --kv-cache-dtype (vLLM's names) -> the torch dtype name of the cache, None: the model's dtype. FP8 caches
+# keep per-layer float32 scales (layers/attention.py, layers/mla.py). e5m2 is not built.
+KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -62,8 +67,15 @@ class CacheConfig:
             logging.getLogger(__name__).warning(
                 "swap_space=%s GiB does nothing yet: preempted requests are recomputed, not swapped to host "
                 "memory", self.swap_space)
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype (kv_cache_dtype) {self.kv_cache_dtype!r} is not supported; use one of "
+                f"{', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8 = fp8_e4m3: float8_e4m3fn)")
+
+    @property
+    def cache_dtype_name(self) -> str | None:
+        """The torch dtype name the KV cache is allocated in, or None for the model's own (auto)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,9 @@ class EngineCore:
         logger.info("start-up: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, block_manager)
-        logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, config.cache.block_size)
+        logger.info("KV cache: %d blocks of %d tokens = %s tokens (kv_cache_dtype %s)", self.num_blocks,
+                    config.cache.block_size, f"{self.num_blocks * config.cache.block_size:,}",
+                    config.cache.kv_cache_dtype)
         self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")

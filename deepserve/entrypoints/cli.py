@@ -28,7 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--swap-space", type=float, default=d.swap_space)
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): float8_e4m3fn with per-layer k/v scales "
+                        "(the checkpoint's, else 1.0), twice the tokens per GiB")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--nnodes", type=int, default=d.nnodes,

@@ -6,6 +6,8 @@ There is no head axis: every head reads the same entry, so attention over the ca
 attention whose key is the whole entry and whose value is its first C values.
 A sequence's token at position p lives in block block_table[p // block_size], row p % block_size.
 The reference runs on CPU and GPU; the GPU kernels are tested against it.
+An FP8 cache holds each entry as entry / kv_scale in float8_e4m3fn, one scale per layer for the whole
+entry (kernels/paged_attention.py: quantize_kv, dequantize_kv).
 
 Shapes: T new tokens, H heads, C kv_lora_rank, Dr qk_rope_head_dim, Dk = qk_nope_head_dim + Dr,
 Dv v_head_dim.
@@ -17,16 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from deepserve.kernels.paged_attention import PagedLayout
+from deepserve.kernels.paged_attention import KVScale, PagedLayout, copy_rows_, dequantize_kv, quantize_kv
 from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
 
 
-def store_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-                     ) -> None:
-    # kv_c: [T, C], k_pe: [T, Dr], slot_mapping: [T]
+def store_latent_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     kv_scale: KVScale = 1.0) -> None:
+    # kv_c: [T, C], k_pe: [T, Dr], slot_mapping: [T]; kv_scale counts only for an FP8 cache
     assert kv_c.shape[-1] + k_pe.shape[-1] == kv_cache.shape[-1], "cache entry must be kv_lora_rank + rope dim"
     flat = kv_cache.view(-1, kv_cache.shape[-1])  # [slots, C + Dr]
-    flat.index_copy_(0, slot_mapping, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype))
+    copy_rows_(flat, slot_mapping, quantize_kv(torch.cat([kv_c, k_pe], dim=-1), kv_scale, kv_cache.dtype))
 
 
 def mla_attention_ref(
@@ -35,22 +37,24 @@ def mla_attention_ref(
     kv_cache: torch.Tensor,  # [num_blocks, block_size, C + Dr], this step's entries already stored
     layout: PagedLayout,
     scale: float,
+    kv_scale: KVScale = 1.0,  # an FP8 cache's scale; others ignore it
 ) -> torch.Tensor:  # [T, H, C]: attention-weighted latents, W_UV still to apply
     """The absorbed form: scores are q_latent·c + q_pe·k_pe over every cached token of the sequence."""
     query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + Dr]
     out = q_latent.new_empty(q_latent.shape)
     with sdpa_kernel(NOT_CUDNN):  # on the GPU too: never cuDNN's per-shape plans (varlen_attention)
-        _absorbed_per_sequence(query, kv_cache, layout, scale, out)
+        _absorbed_per_sequence(query, kv_cache, layout, scale, out, kv_scale)
     return out
 
 
 def _absorbed_per_sequence(query: torch.Tensor, kv_cache: torch.Tensor, layout: PagedLayout, scale: float,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, kv_scale: KVScale) -> None:
     num_heads, rank = out.shape[1], out.shape[2]
     for b in range(layout.num_seqs):
         start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
         seq_len, num_new = layout.seq_lens[b], end - start
-        entries = gather_latent(kv_cache, layout.block_tables[b], seq_len, layout.block_size).to(query.dtype)
+        entries = dequantize_kv(gather_latent(kv_cache, layout.block_tables[b], seq_len, layout.block_size),
+                                kv_scale, query.dtype)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, C + Dr]
         k = entries[None, None]  # [1, 1, L, C + Dr]: one key head shared by all H
         v = k[..., :rank]  # [1, 1, L, C]
@@ -97,6 +101,7 @@ def mla_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q
 
 
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """The seq_len cache entries of one sequence, in position order: [seq_len, C + Dr]."""
+    """The seq_len cache entries of one sequence, in position order: [seq_len, C + Dr], as stored (an FP8
+    cache's still quantized: dequantize_kv)."""
     num_blocks = -(-seq_len // block_size)
     return kv_cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]

@@ -3,6 +3,10 @@
 Cache layout per layer: kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
 A sequence's token at position p lives in block block_table[p // block_size], row p % block_size.
 The reference runs on CPU and GPU; the Triton kernels of the GPU fast path are tested against it.
+
+FP8 cache (--kv-cache-dtype fp8): the cache holds float8_e4m3fn and each layer a float32 scale per plane
+(k_scale, v_scale; MLA one for its entry). Stored: value / scale saturated to ±448; read: fp8 * scale in
+fp32 (`quantize_kv`, `dequantize_kv`). Any other cache dtype is the model's and is copied as it is.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
+
+from deepserve.kernels.fp8_ref import FP8, FP8_MAX
 
 
 class PagedLayout(NamedTuple):
@@ -28,12 +34,39 @@ class PagedLayout(NamedTuple):
         return len(self.seq_lens)
 
 
-def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # key, value: [T, Hkv, D]; slot_mapping: [T]
+KVScale = torch.Tensor | float  # a float32 scalar tensor on the cache's device (a layer's), or a number
+
+
+def quantize_kv(x: torch.Tensor, scale: KVScale, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: FP8 caches hold x / scale saturated to ±448 (in fp32, rounded to
+    nearest even by the cast); others x in their dtype, the scale unused."""
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: KVScale, dtype: torch.dtype) -> torch.Tensor:
+    """Cache entries x read back in `dtype`: FP8 ones as x * scale in fp32; others only cast."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def copy_rows_(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[slots] = src along dim 0 (index_copy_), for FP8 rows too: torch's CPU index_copy_ has no FP8
+    kernel, so those are copied as their bytes (exact)."""
+    if dst.dtype == FP8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, slots, src)
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
+    # key, value: [T, Hkv, D]; slot_mapping: [T]; the scales count only for an FP8 cache
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])  # [2, slots, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    copy_rows_(flat[0], slot_mapping, quantize_kv(key, k_scale, kv_cache.dtype))
+    copy_rows_(flat[1], slot_mapping, quantize_kv(value, v_scale, kv_cache.dtype))
 
 
 def paged_attention_ref(
@@ -44,20 +77,24 @@ def paged_attention_ref(
     layout: PagedLayout,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D], written in full
+    k_scale: KVScale = 1.0,  # an FP8 cache's scales (dequantize_kv); others ignore them
+    v_scale: KVScale = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Per sequence, one SDPA call in the layout its fused (flash) kernels accept (`fused_sdpa`): a
-    sequence with nothing cached attends causally over this step's keys; one with a cached prefix
-    gathers its keys from the cache and attends with the causal mask aligned to the last key."""
+    sequence with nothing cached attends causally over this step's keys (unquantized, whatever the
+    cache holds); one with a cached prefix gathers its keys from the cache and attends with the causal
+    mask aligned to the last key."""
     out = torch.empty_like(query) if out is None else out
     group = query.shape[1] // key.shape[1]
     for b in range(layout.num_seqs):
         start, end = layout.query_start_loc[b], layout.query_start_loc[b + 1]
         seq_len = layout.seq_lens[b]
         if seq_len == end - start:  # nothing cached before: plain causal attention over this step's keys
-            k, v = key[start:end], value[start:end]
+            k, v = key[start:end].to(query.dtype), value[start:end].to(query.dtype)
         else:
             k, v = _gather(kv_cache, layout.block_tables[b], seq_len, layout.block_size)
-        out[start:end] = fused_sdpa(query[start:end], k.to(query.dtype), v.to(query.dtype), scale, group)
+            k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
+        out[start:end] = fused_sdpa(query[start:end], k, v, scale, group)
     return out
 
 

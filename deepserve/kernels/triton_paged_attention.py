@@ -21,6 +21,13 @@ writes lse -inf and no partial output. `_merge_splits_kernel` weighs the partial
 unwritten output of any split with lse -inf, so torch.empty partials are safe and a row whose splits
 are all empty merges to zeros, never NaN.
 
+FP8 caches (float8_e4m3fn, --kv-cache-dtype fp8): the stores write value / scale saturated to ±448; the
+decode kernels widen each loaded tile to the query's dtype (exact: every e4m3 value is a bf16 value),
+fold the key scale into the score scale and apply the value scale to the output, once per program. The
+switch is a constexpr (KV_FP8 / QUANTIZE) and the scale pointers are None otherwise, which Triton turns
+into constexprs too: a bf16 cache compiles to the same code as before FP8 caches existed (its PTX was
+compared launch for launch on sm_90).
+
 Shapes: B sequences, H query heads, Hkv kv heads, G = H / Hkv, D head_dim, R kv_lora_rank,
 P qk_rope_head_dim, S splits, N tokens per tile.
 """
@@ -35,6 +42,9 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels.fp8 import _round_to_e4m3  # the interpreter's fp32 -> e4m3 rounding, corrected
+from deepserve.kernels.fp8_ref import FP8
+from deepserve.kernels.paged_attention import KVScale, dequantize_kv, quantize_kv
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -121,13 +131,13 @@ if INTERPRET:
 
 @triton.jit
 def _gqa_decode_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, num_heads,
     stride_qb, stride_qh, stride_kv, stride_blk, stride_tok, stride_head, stride_bt,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
@@ -145,6 +155,8 @@ def _gqa_decode_kernel(
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
+    if KV_FP8:  # scores of k = fp8 * k_scale: the scale joins the score scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -159,6 +171,9 @@ def _gqa_decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptr + stride_kv + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FP8:  # exact widening; the dots then run in the query's dtype as for a bf16 cache
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if BLOCK_G == 1:
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         else:
@@ -175,6 +190,8 @@ def _gqa_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8:  # v = fp8 * v_scale: the output (and each split's partial) is linear in v
+        acc = acc * tl.load(v_scale_ptr)
     _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                   part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_d[None, :],
                   part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
@@ -271,12 +288,12 @@ def _weigh(lse, o, m):
 @triton.jit
 def _mla_decode_kernel(
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_heads,
+    kv_scale_ptr, qk_scale, num_heads,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_blk, stride_tok, stride_bt,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
     # sharing a sequence run side by side and the latent rows they all read come from L2.
@@ -295,6 +312,8 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_rope_ptr + b * stride_qrb + head[:, None] * stride_qrh + offs_p[None, :],
                    mask=h_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
 
+    if KV_FP8:  # one scale for the whole entry: the keys' (c_kv and k_pe) joins the score scale
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -307,6 +326,9 @@ def _mla_decode_kernel(
                        mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]: key and value
         k_pe = tl.load(cache_ptr + row[:, None] + RANK + offs_p[None, :],
                        mask=valid[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
+        if KV_FP8:  # exact widening to the queries' dtype
+            c_kv = c_kv.to(q_lat.dtype)
+            k_pe = k_pe.to(q_lat.dtype)
         scores = _mma(q_lat, tl.trans(c_kv), None, DOT_PRECISION, DOT_UPCAST)
         scores = _mma(q_pe, tl.trans(k_pe), scores, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_H, BLOCK_N]
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
@@ -317,6 +339,8 @@ def _mla_decode_kernel(
         acc = _mma(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
+    if KV_FP8:  # the values (c_kv) carry the same scale
+        acc = acc * tl.load(kv_scale_ptr)
     _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_r[None, :],
                   part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_r[None, :],
                   part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
@@ -325,8 +349,9 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _store_rows_kernel(
-    src_ptr, cache_ptr, slot_ptr, stride_src_t, stride_src_h, stride_blk, stride_tok, stride_head,
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    src_ptr, cache_ptr, slot_ptr, scale_ptr, stride_src_t, stride_src_h, stride_blk, stride_tok, stride_head,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
 ):
     # One program = (token t, head h): copy WIDTH contiguous values to the token's slot; slot < 0 skips.
     t = tl.program_id(0).to(tl.int64)
@@ -338,6 +363,12 @@ def _store_rows_kernel(
     mask = (offs < WIDTH) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)
     vals = tl.load(src_ptr + t * stride_src_t + h * stride_src_h + offs, mask=mask)
     dst = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok + h * stride_head
+    if QUANTIZE:  # FP8 cache: value / scale saturated to e4m3's ±448; the cast rounds to nearest even
+        x = vals.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if ROUND_IN_FP32:  # interpreter only: its own cast rounds wrongly (kernels/fp8.py)
+            x = _round_to_e4m3(x)
+        vals = x
     tl.store(cache_ptr + dst + offs, vals.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -360,6 +391,18 @@ def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     _require(out.shape == query.shape and out.is_contiguous() and out.dtype == query.dtype,
              "out must be contiguous, of the query's shape and dtype")
     return out
+
+
+def _kv_scales(cache: torch.Tensor, *scales: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """What the kernels get for the scales: an FP8 cache's, checked; for any other cache None each, which
+    Triton makes a constexpr, so that launch compiles to the kernel it was before FP8 caches."""
+    if cache.dtype != FP8:
+        return (None,) * len(scales)
+    for scale in scales:
+        _require(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.numel() == 1
+                 and scale.device == cache.device,
+                 "an FP8 kv cache needs its scales: one-element float32 tensors on the cache's device")
+    return scales
 
 
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
@@ -422,13 +465,16 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,  # override of choose_num_splits
     config: LaunchConfig | None = None,  # override of default_gqa_config
+    k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one value each
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode attention: each sequence's one query (at position seq_len - 1) over its seq_len cached
     keys. Writes every element of `out`; rows with seq_len 0 get zeros."""
     batch, heads, dim = query.shape
     _, _, page, kv_heads, kv_dim = kv_cache.shape
     _require(kv_dim == dim and heads % kv_heads == 0, "query [B, H, D] must match kv_cache heads / head_dim")
-    _require(query.dtype == kv_cache.dtype, "query and kv_cache must share a dtype")
+    _require(kv_cache.dtype in (query.dtype, FP8), "kv_cache must have the query's dtype or be float8_e4m3fn")
+    k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     _require(query.stride(-1) == 1 and kv_cache.stride(-1) == 1, "head_dim must be the contiguous axis")
     _check_paged(block_tables, seq_lens, batch)
     out = _check_out(out, query)
@@ -440,14 +486,14 @@ def paged_decode_attention(
                          GQA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, dim, out)
     _gqa_decode_kernel[(batch, kv_heads, splits)](
-        query, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
+        query, kv_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, heads,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_cache.dtype == FP8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)
@@ -466,6 +512,7 @@ def paged_mla_decode_attention(
     *,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,  # override of default_mla_config
+    kv_scale: torch.Tensor | None = None,  # an FP8 cache's scale (of whole entries): float32, one value
 ) -> torch.Tensor:  # [B, H, R]: attention-weighted latents (W_UV still to apply)
     """Absorbed MLA decode: score(h, t) = (q_latent[h]·c_kv[t] + q_rope[h]·k_pe[t]) * scale, output the
     softmax-weighted sum of c_kv. Writes every element of `out`; rows with seq_len 0 get zeros."""
@@ -473,7 +520,9 @@ def paged_mla_decode_attention(
     rope = q_rope.shape[2]
     _, page, width = latent_cache.shape
     _require(q_rope.shape[:2] == (batch, heads) and width == rank + rope, "latent_cache rows must be R + P wide")
-    _require(q_latent.dtype == q_rope.dtype == latent_cache.dtype, "queries and latent_cache must share a dtype")
+    _require(q_latent.dtype == q_rope.dtype and latent_cache.dtype in (q_latent.dtype, FP8),
+             "latent_cache must have the queries' dtype or be float8_e4m3fn")
+    (kv_scale,) = _kv_scales(latent_cache, kv_scale)
     _require(q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and latent_cache.stride(-1) == 1,
              "the feature axis must be contiguous")
     _check_paged(block_tables, seq_lens, batch)
@@ -485,49 +534,57 @@ def paged_mla_decode_attention(
                          MLA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, rank, out)
     _mla_decode_kernel[(head_tiles, batch, splits)](
-        q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse, kv_scale,
         scale * LOG2E, heads,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
-        **_dot_options(q_latent.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)
     return out
 
 
-def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-                   ) -> None:
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """key, value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
-    (block * block_size + offset); tokens with a negative slot (padding) are skipped."""
+    (block * block_size + offset); tokens with a negative slot (padding) are skipped. An FP8 cache
+    stores key / k_scale and value / v_scale (float32 one-element tensors), saturated to ±448."""
     _require(key.shape == value.shape and key.shape[1:] == kv_cache.shape[3:], "key/value must be [T, Hkv, D]")
     _require(key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1,
              "head_dim must be the contiguous axis")
-    for which, src in enumerate((key, value)):
-        _store_rows(src, kv_cache[which], slot_mapping)
+    for which, (src, scale) in enumerate(zip((key, value), _kv_scales(kv_cache, k_scale, v_scale), strict=True)):
+        _store_rows(src, kv_cache[which], slot_mapping, scale)
 
 
-def store_mla_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_mla_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    kv_scale: torch.Tensor | None = None) -> None:
     """latent [T, R + P] (c_kv then k_pe) into latent_cache [num_blocks, block_size, R + P] at slot_mapping
-    [T] int64; tokens with a negative slot (padding) are skipped."""
+    [T] int64; tokens with a negative slot (padding) are skipped. An FP8 cache stores latent / kv_scale."""
     _require(latent.dim() == 2 and latent.shape[1] == latent_cache.shape[2], "latent must be [T, R + P]")
     _require(latent.stride(-1) == 1 and latent_cache.stride(-1) == 1, "the feature axis must be contiguous")
-    _store_rows(latent[:, None], latent_cache[:, :, None], slot_mapping)
+    (kv_scale,) = _kv_scales(latent_cache, kv_scale)
+    _store_rows(latent[:, None], latent_cache[:, :, None], slot_mapping, kv_scale)
 
 
-def _store_rows(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # src [T, heads, W]; cache [num_blocks, block_size, heads, W] (a view of one K/V half or the latent cache)
+def _store_rows(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+                ) -> None:
+    # src [T, heads, W]; cache [num_blocks, block_size, heads, W] (a view of one K/V half or the latent cache);
+    # scale: an FP8 cache's (checked by _kv_scales), else None
     tokens, heads, width = src.shape
     _require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous(),
              "slot_mapping must be contiguous int64 [T]")
     if tokens == 0:  # shape-only branch: an empty grid is not launchable
         return
+    quantize = cache.dtype == FP8
     _store_rows_kernel[(tokens, heads)](
-        src, cache, slot_mapping, src.stride(0), src.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
-        WIDTH=width, BLOCK=triton.next_power_of_2(width), PAGE_SIZE=cache.shape[1], num_warps=4,
+        src, cache, slot_mapping, scale, src.stride(0), src.stride(1), cache.stride(0), cache.stride(1),
+        cache.stride(2), WIDTH=width, BLOCK=triton.next_power_of_2(width), PAGE_SIZE=cache.shape[1],
+        QUANTIZE=quantize, ROUND_IN_FP32=quantize and INTERPRET, num_warps=4,
     )
 
 
@@ -546,42 +603,47 @@ def _softmax_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def paged_decode_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    # query [B, H, D] -> [B, H, D]; rows with seq_len 0 are zeros
+                               seq_lens: torch.Tensor, scale: float, k_scale: KVScale = 1.0,
+                               v_scale: KVScale = 1.0) -> torch.Tensor:
+    # query [B, H, D] -> [B, H, D]; rows with seq_len 0 are zeros; the scales count for an FP8 cache only
     out = torch.zeros_like(query)
     group = query.shape[1] // kv_cache.shape[3]
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = _gather_rows(kv_cache[0], block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
-        v = _gather_rows(kv_cache[1], block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        k = dequantize_kv(_gather_rows(kv_cache[0], block_tables[b], seq_len), k_scale, torch.float32)
+        v = dequantize_kv(_gather_rows(kv_cache[1], block_tables[b], seq_len), v_scale, torch.float32)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         out[b] = _softmax_attend(query[b].float(), k, v, scale).to(query.dtype)
     return out
 
 
 def paged_mla_decode_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
-                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                   kv_scale: KVScale = 1.0) -> torch.Tensor:
     # q_latent [B, H, R], q_rope [B, H, P] -> [B, H, R]; every head attends to the same latent rows
     out = torch.zeros_like(q_latent)
     rank = q_latent.shape[2]
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        rows = _gather_rows(latent_cache, block_tables[b], seq_len).float()  # [L, R + P]: keys; [:, :R] values
+        rows = dequantize_kv(_gather_rows(latent_cache, block_tables[b], seq_len), kv_scale, torch.float32)
+        # rows [L, R + P]: the keys; rows[:, :R] the values
         q = torch.cat([q_latent[b], q_rope[b]], dim=-1).float()  # [H, R + P]
         probs = torch.softmax(q @ rows.T * scale, dim=-1)  # [H, L]
         out[b] = (probs @ rows[:, :rank]).to(q_latent.dtype)
     return out
 
 
-def store_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-                       ) -> None:
+def store_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: KVScale = 1.0, v_scale: KVScale = 1.0) -> None:
     keep = slot_mapping >= 0
     flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D], a view
-    flat[0, slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
-    flat[1, slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
+    flat[0, slot_mapping[keep]] = quantize_kv(key[keep], k_scale, kv_cache.dtype)
+    flat[1, slot_mapping[keep]] = quantize_kv(value[keep], v_scale, kv_cache.dtype)
 
 
-def store_mla_cache_ref(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_mla_cache_ref(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        kv_scale: KVScale = 1.0) -> None:
     keep = slot_mapping >= 0
-    latent_cache.flatten(0, 1)[slot_mapping[keep]] = latent[keep].to(latent_cache.dtype)
+    latent_cache.flatten(0, 1)[slot_mapping[keep]] = quantize_kv(latent[keep], kv_scale, latent_cache.dtype)

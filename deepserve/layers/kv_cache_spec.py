@@ -2,8 +2,9 @@
 cache from it, the planner estimates from it, and the attention front reads its own layout back.
 
 Two layouts exist (DESIGN.md principle 10): MHA/GQA keeps key and value planes, [2, blocks, block_size,
-Hkv, D]; MLA one latent entry per token, [blocks, block_size, C + Dr]. A KV dtype other than the model's
-(the FP8 cache, not built yet) will add its scales here.
+Hkv, D]; MLA one latent entry per token, [blocks, block_size, C + Dr]. The dtype is the model's or, under
+--kv-cache-dtype fp8, float8_e4m3fn (one byte per value: twice the tokens per GiB); an FP8 cache's scales
+are per layer (two float32 scalars) and live in the layer, not in the cache, so they cost no cache bytes.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ Two equal ways to attend (DeepSeek-V2 §2.1.3):
             math path (fp32 scores [H, n, L]), which is why many new tokens do not take it.
 A step may mix the kinds of sequences; they are split and each part takes its form.
 
+FP8 cache (--kv-cache-dtype fp8): each entry is stored as entry / k_scale in float8_e4m3fn, one float32
+scale per layer for c and k_pe together (vLLM's MLA uses the layer's k_scale; a checkpoint's v_scale is
+ignored); the absorbed forms read fp8 * k_scale, the expanded form over a cache dequantizes the
+gathered history. Fresh prompts attend over this step's unquantized latents.
+
 Shapes: T new tokens, H heads (this rank), C kv_lora_rank, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
 Dv v_head_dim.
 """
@@ -36,6 +41,7 @@ from deepserve.kernels.mla_attention import (
     mla_sequence_attention,
     store_latent_ref,
 )
+from deepserve.kernels.paged_attention import dequantize_kv
 from deepserve.layers.attention import uses_gpu_kernels
 from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.linear import ColumnParallelLinear
@@ -54,10 +60,18 @@ class MLAAttention(nn.Module):
         # [H * (Dn + Dv), C]: per head, Dn rows of W_UK then Dv rows of W_UV
         self.wkv_b = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, C + Dr], bound by the runner
+        # An FP8 cache's scale of whole entries (float32; a buffer, so checkpoints without it are complete).
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         # No head axis: every head (and every tensor-parallel rank) reads the same latent entry.
         return KVCacheSpec(entry_shape=(self.kv_lora_rank + self.qk_rope_head_dim,), planes=1, dtype=dtype)
+
+    def load_kv_scale(self, which: str, value: float) -> None:
+        """A checkpoint's k_scale ("k") scales the whole latent entry; its v_scale ("v") has nothing to
+        scale here (the values are the entry's first C columns), as in vLLM."""
+        if which == "k":
+            self.k_scale.fill_(value)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
                 ) -> torch.Tensor:
@@ -65,7 +79,7 @@ class MLAAttention(nn.Module):
         meta = get_forward_context()
         if uses_gpu_kernels(q_nope):
             return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
-        store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping)
+        store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping, self.k_scale)
         return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
 
     def _forward_cuda(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -74,7 +88,7 @@ class MLAAttention(nn.Module):
         expanded form in one flash varlen call; chunks over a cached prefix the forms below."""
         from deepserve.kernels.triton_paged_attention import store_mla_cache
 
-        store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping)  # [T, C + Dr]
+        store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping, self.k_scale)  # [T, C + Dr]
         if meta.decode_only:
             return self._absorbed_decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.max_seq_len)
         if meta.prefill_seqs_cpu is None:  # metadata without the decode/prefill split: all per sequence
@@ -99,7 +113,8 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, Dn] x [H, Dn, C] -> [B, H, C]
         o_latent = paged_mla_decode_attention(q_latent.contiguous(), q_pe.contiguous(), self.kv_cache, block_tables,
-                                              seq_lens, self.scale, max_seq_len=max_seq_len)  # [B, H, C]
+                                              seq_lens, self.scale, max_seq_len=max_seq_len,
+                                              kv_scale=self.k_scale)  # [B, H, C]
         return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _split_forms(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -129,7 +144,7 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, C]
-        o_latent = mla_attention_ref(q_latent, q_pe, self.kv_cache, meta.paged, self.scale)  # [T, H, C]
+        o_latent = mla_attention_ref(q_latent, q_pe, self.kv_cache, meta.paged, self.scale, self.k_scale)  # [T, H, C]
         return torch.einsum("thc,hdc->thd", o_latent, w_uv)  # [T, H, Dv]
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -149,7 +164,8 @@ class MLAAttention(nn.Module):
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
             seq_len = meta.seq_lens_cpu[b]
-            latents = gather_latent(self.kv_cache, meta.block_tables[b], seq_len, meta.block_size).to(q_nope.dtype)
+            latents = dequantize_kv(gather_latent(self.kv_cache, meta.block_tables[b], seq_len, meta.block_size),
+                                    self.k_scale, q_nope.dtype)  # [L, C + Dr]
             kv_c, k_pe = latents.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [L, C], [L, Dr]
             k, v = self._expand_kv(kv_c, k_pe)
             q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)  # [n, H, Dn + Dr]

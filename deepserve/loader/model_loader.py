@@ -10,6 +10,7 @@ from torch import nn
 from deepserve.config import ModelConfig
 from deepserve.layers.quantization import quantize_after_loading
 from deepserve.loader.checkpoint import check_all_loaded, init_dummy_weights, iterate_safetensors
+from deepserve.loader.kv_scales import take_kv_scales
 from deepserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        loaded = model.load_weights(iterate_safetensors(config.model))
+        loaded = model.load_weights(take_kv_scales(model, iterate_safetensors(config.model)))
         check_all_loaded(model, loaded | _tied(model))
     quantize_after_loading(model)  # --quantization fp8 on an unquantized checkpoint: per-channel FP8 now
     return model.eval()

@@ -85,8 +85,10 @@ class ModelRunner:
         # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.
         self.penalty_history = PenaltyHistory(self.vocab_size, self.device, config.scheduler.max_num_seqs + 1)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_spec")]
-        # The cache keeps the model's dtype (kv_cache_dtype "auto", the only one so far).
-        self.kv_specs = [layer.kv_cache_spec(self.dtype) for layer in self.attention_layers]
+        # The cache keeps the model's dtype ("auto") or FP8 (each layer then reads its own scales).
+        name = config.cache.cache_dtype_name
+        self.kv_specs = [layer.kv_cache_spec(getattr(torch, name) if name else self.dtype)
+                         for layer in self.attention_layers]
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
 

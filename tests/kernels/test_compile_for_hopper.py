@@ -79,7 +79,7 @@ def _job(rec: _Recorder, args: tuple, kwargs: dict) -> dict:
     signature, constexprs = {}, {}
     for param in fn.params:
         value = values[param.name]
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # Triton's launcher makes a None argument a constexpr too
             signature[param.name], constexprs[param.name] = "constexpr", value
         else:
             signature[param.name] = _arg_type(value)
@@ -147,7 +147,18 @@ def test_paged_attention_kernels_compile(monkeypatch):
         pa.store_kv_cache(torch.randn(3, 2, 64, dtype=torch.bfloat16), torch.randn(3, 2, 64, dtype=torch.bfloat16),
                           kv, slots)
         pa.store_mla_cache(torch.randn(3, 96, dtype=torch.bfloat16), latent, slots)
+        # FP8 caches (--kv-cache-dtype fp8): the constexpr-switched stores and decode kernels
+        k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
+        pa.paged_decode_attention(q, kv8, tables, lens, 0.1, max_seq_len=64, num_splits=2, k_scale=k_scale,
+                                  v_scale=v_scale)
+        pa.paged_mla_decode_attention(torch.randn(2, 4, 64, dtype=torch.bfloat16),
+                                      torch.randn(2, 4, 32, dtype=torch.bfloat16), latent8, tables, lens, 0.1,
+                                      max_seq_len=64, num_splits=1, kv_scale=k_scale)
+        pa.store_kv_cache(torch.randn(3, 2, 64, dtype=torch.bfloat16), torch.randn(3, 2, 64, dtype=torch.bfloat16),
+                          kv8, slots, k_scale, v_scale)
+        pa.store_mla_cache(torch.randn(3, 96, dtype=torch.bfloat16), latent8, slots, k_scale)
 
+    kv8, latent8 = kv.to(torch.float8_e4m3fn), latent.to(torch.float8_e4m3fn)
     _compile_all(_record(monkeypatch, pa, run))
 
 

@@ -128,6 +128,33 @@ def test_mixed_step_matches_transformers(checkpoint, gpu_path, monkeypatch, expa
     assert 2 in gpu_path.calls  # the two fresh prompts of step 2 in one flash varlen call
 
 
+@pytest.mark.parametrize("expand_min", [128, 2], ids=["short-chunks-absorbed", "chunks-expanded"])
+def test_mixed_step_with_an_fp8_cache_matches_the_reference_path(checkpoint, gpu_path, monkeypatch, expand_min):
+    """The same mixed step as above with --kv-cache-dtype fp8: the GPU path (Triton stores and decode
+    kernels, cached histories gathered then dequantized for flash) against the CPU reference path, which
+    quantizes to the same bytes and reads fp8 * scale the same way; non-unit scales on every layer."""
+    monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", expand_min)
+    path, _ = checkpoint
+    prompts = PROMPTS + [list(range(50, 59))]
+    cuts = [4, 20, 0, 3, 0]
+
+    def mixed_step() -> torch.Tensor:
+        runner = make_runner(path, kv_cache_dtype="fp8")
+        for front in (m for m in runner.model.modules() if hasattr(m, "kv_cache_spec")):
+            front.load_kv_scale("k", 0.3)
+            front.load_kv_scale("v", 1.7)
+        runner.allocate_kv_cache(64)
+        requests = with_blocks(runner, prompts)
+        run_step(runner, [(r, 0, c) for r, c in zip(requests, cuts, strict=True) if c])
+        return run_step(runner, [(requests[i], cuts[i], len(prompts[i]) - cuts[i]) for i in (0, 2, 1, 4, 3)])
+
+    on_gpu_path = mixed_step()
+    assert gpu_path.calls
+    monkeypatch.undo()  # the reference path, with torch's own SDPA
+    monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", expand_min)
+    torch.testing.assert_close(on_gpu_path, mixed_step(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("settings", [dict(), dict(max_num_batched_tokens=8)], ids=["whole-prompts", "chunked"])
 def test_greedy_on_the_gpu_path_matches_transformers(checkpoint, gpu_path, settings):
     path, hf_model = checkpoint
