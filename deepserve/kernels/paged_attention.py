@@ -49,7 +49,7 @@ def dequantize_kv(x: torch.Tensor, scale: KVScale, dtype: torch.dtype) -> torch.
     """Cache entries x read back in `dtype`: FP8 ones as x * scale in fp32; others only cast."""
     if x.dtype != FP8:
         return x.to(dtype)
-    return (x.float() * scale).to(dtype)
+    return x.float().mul_(scale).to(dtype)  # one float32 temporary: histories can be 8k keys x every head
 
 
 def copy_rows_(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:

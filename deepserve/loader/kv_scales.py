@@ -10,6 +10,7 @@ reads them only when its cache is FP8. A checkpoint with them therefore also loa
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 
@@ -54,6 +55,6 @@ def _one_value(name: str, tensor: torch.Tensor) -> float:
         raise ValueError(f"checkpoint tensor {name!r} has {value.numel()} values; the FP8 KV cache takes one "
                          "scale per layer (per-tensor k_scale / v_scale), not per head")
     scale = float(value.reshape(()))
-    if not scale > 0:
-        raise ValueError(f"checkpoint tensor {name!r} is {scale}; a KV cache scale must be positive")
+    if not 0 < scale < math.inf:  # NaN fails both; inf would read every entry back as NaN (0 * inf)
+        raise ValueError(f"checkpoint tensor {name!r} is {scale}; a KV cache scale must be positive and finite")
     return scale
