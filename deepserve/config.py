@@ -46,7 +46,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
+    # GiB of host memory (pinned on CUDA) for the KV blocks of preempted requests; 0: they recompute
+    swap_space: float = 0.0
     kv_cache_dtype: str = "auto"
     cpu_kv_cache_gib: float = 1.0  # the cache budget on CPU, where there is no device to measure
 
@@ -61,12 +62,6 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.swap_space > 0:  # accepted for vLLM's configs, but never silently ignored
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "swap_space=%s GiB does nothing yet: preempted requests are recomputed, not swapped to host "
-                "memory", self.swap_space)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype (kv_cache_dtype) {self.kv_cache_dtype!r} is not supported; use one of "
@@ -222,6 +217,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len
         from deepserve.loader.presets import is_preset, resolve_hf_config
+
+        if self.swap_space > 0 and self.pipeline_parallel_size > 1:
+            # Stages hold different layers, so one host block count does not fit them all; not built yet.
+            raise ValueError("--swap-space (swap_space) is not supported with pipeline_parallel_size > 1 yet; "
+                             "use --swap-space 0 (preempted requests then recompute)")
 
         model = self.model or _demo_model_path()
         hf_config = resolve_hf_config(model, self.hf_overrides, self.load_format)

@@ -171,16 +171,13 @@ def test_cli_hf_overrides_replace_config_fields():
         parser.parse_args(["--hf-overrides", "[8]"])
 
 
-def test_swap_space_warns_that_it_does_nothing_yet(caplog):
-    import logging
+def test_swap_space_is_validated_and_refused_under_pipeline_parallelism():
+    from deepserve.config import CacheConfig, EngineArgs
 
-    from deepserve.config import CacheConfig
-
-    with caplog.at_level(logging.WARNING, logger="deepserve.config"):
-        CacheConfig(swap_space=0.0)
-        assert not caplog.records
-        CacheConfig(swap_space=4.0)
-    assert any("swap_space=4.0 GiB does nothing yet" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="swap_space must be >= 0"):
+        CacheConfig(swap_space=-1.0)
+    with pytest.raises(ValueError, match="--swap-space"):
+        EngineArgs(device="cpu", swap_space=1.0, pipeline_parallel_size=2).create_engine_config()
 
 
 def test_start_up_phases_are_timed():

@@ -10,6 +10,9 @@ Invariants:
 - A block's hash chains its parent's hash with its own tokens, so equal hashes mean equal prefixes;
   the block also keeps its tokens and they are compared on every hit, so a hash collision can at
   worst miss the cache, never return wrong KV.
+- Host tier (--swap-space): a preempted request's computed blocks may move to host blocks
+  (`swap_out`) and back into fresh GPU blocks when it resumes (`swap_in`). A request holds GPU blocks
+  or host blocks, never both; host blocks carry no hash, so their free list is a plain stack.
 """
 
 from __future__ import annotations
@@ -33,14 +36,21 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_caching: bool = True
+    num_host_blocks: int = 0  # 0: no host tier, preemption recomputes
     blocks: list[KVBlock] = field(init=False)
     free_blocks: OrderedDict[int, None] = field(init=False)
     cached_blocks: dict[int, int] = field(init=False)  # block hash -> block id
+    free_host_blocks: list[int] = field(init=False)  # popped from the end: host block 0 goes first
 
     def __post_init__(self) -> None:
         self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached_blocks = {}
+        self.free_host_blocks = list(reversed(range(self.num_host_blocks)))
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.free_host_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -127,6 +137,33 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         request.block_ids = []
         request.block_hashes = []  # they describe the blocks just released
+        self.free_host_blocks.extend(reversed(request.host_block_ids))
+        request.host_block_ids = []
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the blocks holding the request's computed tokens to host blocks and free its GPU blocks;
+        the (gpu block, host block) copies, which must run before those GPU blocks are written again.
+        None, and nothing changed, when there is nothing to keep or the host tier lacks room."""
+        num = -(-request.num_computed_tokens // self.block_size)
+        if num == 0 or num > len(self.free_host_blocks):
+            return None
+        host = [self.free_host_blocks.pop() for _ in range(num)]
+        copies = list(zip(request.block_ids[:num], host, strict=True))
+        self.free(request)
+        request.host_block_ids = host
+        return copies
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Fresh GPU blocks for a swapped-out request's kept tokens plus `num_new_tokens`, and its host
+        blocks freed; the (host block, gpu block) copies. None, and nothing changed, when GPU blocks lack.
+        The host blocks freed here take a swap-out only in a later schedule (a step that preempts admits
+        nothing), so its copy runs after these."""
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        copies = list(zip(request.host_block_ids, request.block_ids, strict=False))
+        self.free_host_blocks.extend(reversed(request.host_block_ids))
+        request.host_block_ids = []
+        return copies
 
     def _take_fresh_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)

@@ -29,6 +29,9 @@ LogprobEntry = list[tuple[int, float, int]]
 class Runner(Protocol):
     def determine_num_blocks(self) -> int: ...
     def initialize_cache(self, num_blocks: int) -> None: ...
+    # The host tier; called only when swap_space > 0.
+    def determine_num_host_blocks(self) -> int: ...
+    def initialize_host_cache(self, num_host_blocks: int) -> None: ...
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
     # Async scheduling: execute split in two, the launch not waiting for the device.
     def launch(self, out: SchedulerOutput, previous: Any = None) -> Any: ...
@@ -93,7 +96,14 @@ class EngineCore:
         runner.initialize_cache(self.num_blocks)
         self.startup_s.update(kv_cache_sizing=sized - start, kv_cache_and_graphs=time.perf_counter() - sized)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
-        block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        num_host_blocks = 0
+        if config.cache.swap_space > 0:
+            num_host_blocks = runner.determine_num_host_blocks()
+            runner.initialize_host_cache(num_host_blocks)
+            logger.info("host KV tier (--swap-space %s GiB): %d blocks; a preempted request moves there when "
+                        "it fits, else it recomputes", config.cache.swap_space, num_host_blocks)
+        block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                     num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, block_manager)
         logger.info("KV cache: %d blocks of %d tokens = %s tokens (kv_cache_dtype %s)", self.num_blocks,
                     config.cache.block_size, f"{self.num_blocks * config.cache.block_size:,}",

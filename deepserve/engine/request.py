@@ -57,6 +57,9 @@ class Request:
         self.num_preemptions = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full computed blocks, in order
+        # Swapped out (--swap-space): the host blocks holding KV of token_ids[:num_computed_tokens]; then
+        # block_ids is empty (BlockManager.swap_out).
+        self.host_block_ids: list[int] = []
         self.stop_reason: int | str | None = None
         # Sibling whose prompt must be computed before this one is admitted, so that n > 1
         # completions share the prompt's cached blocks instead of computing them n times.
@@ -180,6 +183,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Host tier (--swap-space): KV block copies the runner makes before the step's forward, all swap-outs
+    # first (a swap-in's fresh GPU block may be one a swap-out is still to read).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, gpu block)
 
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -5,8 +5,9 @@ min(num_tokens - num_computed_tokens, what is left of the token budget) tokens. 
 go first, in arrival order, and each leaves one token of budget for every running request behind
 it, so a long chunked prefill never starves the decodes. When blocks run out, the latest-arrived
 running request is preempted: its blocks are freed and it recomputes later from the front of the
-waiting queue. Waiting requests are admitted in arrival order while budget, sequence slots and
-blocks last, and never in a step that had to preempt.
+waiting queue — or, with a host tier (--swap-space) that has room, its computed blocks are copied to
+host memory and back when it resumes, its num_computed_tokens kept. Waiting requests are admitted in
+arrival order while budget, sequence slots and blocks last, and never in a step that had to preempt.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    num_swapped_out_blocks_total: int = 0  # KV blocks copied to the host tier (--swap-space)
+    num_swapped_in_blocks_total: int = 0  # and back
 
 
 class Scheduler:
@@ -39,6 +42,11 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        # Swap-out copies of a schedule that ran no step: they go with the next step that runs, before
+        # its forward, which is the first thing that can write the GPU blocks they read.
+        self._unsent_swap_out: list[tuple[int, int]] = []
         # Unfinished requests whose sampling needs their earlier tokens known (SamplingParams.
         # needs_known_tokens: EngineCore steps one at a time while there are any under async
         # scheduling); counted here so no step has to scan for them.
@@ -55,10 +63,13 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(blocks_to_swap_out=self._unsent_swap_out)
+        self._unsent_swap_out = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if out.is_empty():
+            self._unsent_swap_out, out.blocks_to_swap_out = out.blocks_to_swap_out, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -80,7 +91,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
             victim = self.running.pop()  # the latest arrival goes first
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted.append(victim)
             if victim is request:
                 return False
@@ -95,7 +106,7 @@ class Scheduler:
             if request.wait_for is not None and not _prompt_computed(request.wait_for):
                 deferred.append(self.waiting.popleft())
                 continue
-            num_new = self._admit(request, budget)
+            num_new = self._admit(request, budget, out)
             if num_new == 0:
                 break
             self.waiting.popleft()
@@ -103,15 +114,23 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
 
-    def _admit(self, request: Request, budget: int) -> int:
-        """Move the head of the waiting queue to running; the tokens scheduled, or 0 if it must wait."""
-        hits = self.block_manager.get_computed_blocks(request)
-        num_computed = len(hits) * self.block_manager.block_size
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Move the head of the waiting queue to running; the tokens scheduled, or 0 if it must wait.
+        A swapped-out request keeps its computed tokens and comes back through the host tier."""
+        swapped = bool(request.host_block_ids)
+        hits = [] if swapped else self.block_manager.get_computed_blocks(request)
+        num_computed = request.num_computed_tokens if swapped else len(hits) * self.block_manager.block_size
         num_new = request.num_tokens - num_computed
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
         num_new = min(num_new, budget)
-        if not self.block_manager.allocate_slots(request, num_new, hits):
+        if swapped:
+            copies = self.block_manager.swap_in(request, num_new)
+            if copies is None:
+                return 0
+            out.blocks_to_swap_in.extend(copies)
+            self.num_swapped_in_blocks += len(copies)
+        elif not self.block_manager.allocate_slots(request, num_new, hits):
             return 0
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
@@ -122,9 +141,14 @@ class Scheduler:
         self.running.append(request)
         return num_new
 
-    def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        copies = self.block_manager.swap_out(request)
+        if copies is None:  # no host tier, or no room in it: recompute
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+        else:
+            out.blocks_to_swap_out.extend(copies)
+            self.num_swapped_out_blocks += len(copies)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -239,6 +263,8 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries_total=self.prefix_cache_queries,
             prefix_cache_hits_total=self.prefix_cache_hits,
+            num_swapped_out_blocks_total=self.num_swapped_out_blocks,
+            num_swapped_in_blocks_total=self.num_swapped_in_blocks,
         )
 
 

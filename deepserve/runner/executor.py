@@ -308,6 +308,15 @@ class MultiprocExecutor:
         self._run({"op": "init_cache", "num_blocks": num_blocks}, "allocating the KV cache",
                   lambda: self.runner.initialize_cache(num_blocks))
 
+    def determine_num_host_blocks(self) -> int:
+        # Rank 0's count: tensor-parallel ranks hold equal shards of every layer (swap_space is refused
+        # under pipeline parallelism, where stages hold different layers).
+        return self.runner.determine_num_host_blocks()
+
+    def initialize_host_cache(self, num_host_blocks: int) -> None:
+        self._run({"op": "init_host_cache", "num_host_blocks": num_host_blocks}, "allocating the host KV cache",
+                  lambda: self.runner.initialize_host_cache(num_host_blocks))
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self.pipeline and any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
             # Refused before any rank hears of the step, so the engine stays usable.

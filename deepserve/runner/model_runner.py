@@ -22,6 +22,7 @@ from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
+from deepserve.runner.kv_swap import allocate_host_caches, copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ModelRunner:
         name = config.cache.cache_dtype_name
         self.kv_specs = [layer.kv_cache_spec(getattr(torch, name) if name else self.dtype)
                          for layer in self.attention_layers]
+        self.host_caches: list[torch.Tensor] = []  # the host tier (--swap-space), one per attention layer
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
 
@@ -151,6 +153,22 @@ class ModelRunner:
                                        self.config.model.max_model_len, self.block_size, self.device)
             self.graphs.capture()
 
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of the host tier: --swap-space GiB over the bytes of one block in every layer."""
+        return int(self.config.cache.swap_space * 2**30) // self.kv_cache_bytes_per_block()
+
+    def initialize_host_cache(self, num_host_blocks: int) -> None:
+        self.host_caches = allocate_host_caches(self.kv_specs, num_host_blocks, self.block_size,
+                                                pin=self.device.type == "cuda")
+
+    def _swap_blocks(self, out: SchedulerOutput) -> None:
+        """The step's host-tier copies, queued before its forward: every swap-out, then every swap-in."""
+        if not out.blocks_to_swap_out and not out.blocks_to_swap_in:
+            return
+        for layer, host, spec in zip(self.attention_layers, self.host_caches, self.kv_specs, strict=True):
+            copy_blocks(layer.kv_cache, host, out.blocks_to_swap_out, spec.planes)
+            copy_blocks(host, layer.kv_cache, out.blocks_to_swap_in, spec.planes)
+
     def release_graphs(self) -> None:
         """Drop the decode graphs (see DecodeGraphs.release); the runner then runs eager."""
         if self.graphs is not None:
@@ -208,6 +226,7 @@ class ModelRunner:
         the same order (forward, LM head over the sampling rows, prompt-logprob rows, and under async
         scheduling the broadcast of the sampled tokens), without the sampler. Under async scheduling
         this step's placeholder inputs are the tokens rank 0 broadcast the step before."""
+        self._swap_blocks(out)  # in this rank's own cache shard
         inputs = prepare_inputs(out, self.block_size, self.device)
         if inputs.has_placeholders:
             inputs.input_ids = fill_placeholders(inputs.input_ids, self._shared_sampled)
@@ -229,6 +248,7 @@ class ModelRunner:
         launched before, whose sampled tokens this step's placeholder inputs read on the device
         (async scheduling, Request.append_placeholder); `share_sampled` (tensor parallelism) also
         broadcasts this step's sampled tokens to the other ranks, for their next step's placeholders."""
+        self._swap_blocks(out)
         inputs = prepare_inputs(out, self.block_size, self.device)
         if inputs.has_placeholders:
             if previous is None or previous.sampled is None:

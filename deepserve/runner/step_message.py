@@ -56,7 +56,13 @@ def config_from_message(msg: dict[str, Any]) -> EngineConfig:
 
 
 def describe_step(out: SchedulerOutput) -> dict[str, Any]:
-    return {"op": "step", "reqs": [_describe(s) for s in out.scheduled]}
+    msg = {"op": "step", "reqs": [_describe(s) for s in out.scheduled]}
+    # Host-tier copies (--swap-space): every rank makes them in its own cache shard.
+    if out.blocks_to_swap_out:
+        msg["swap_out"] = out.blocks_to_swap_out
+    if out.blocks_to_swap_in:
+        msg["swap_in"] = out.blocks_to_swap_in
+    return msg
 
 
 def _describe(sched: ScheduledRequest) -> dict[str, Any]:
@@ -112,4 +118,5 @@ def rebuild_step(msg: dict[str, Any]) -> SchedulerOutput:
             WorkerParams(d.get("prompt_logprobs")), d.get("prompt", []), [None] * d.get("prompt_done", 0),
         )
         scheduled.append(ScheduledRequest(request, d["n"], d["start"]))  # type: ignore[arg-type]
-    return SchedulerOutput(scheduled)
+    return SchedulerOutput(scheduled, blocks_to_swap_out=[tuple(p) for p in msg.get("swap_out", [])],
+                           blocks_to_swap_in=[tuple(p) for p in msg.get("swap_in", [])])

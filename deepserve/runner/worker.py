@@ -113,6 +113,8 @@ def run_command(runner: Any, msg: dict[str, Any], group: Any) -> None:
         agree_num_blocks(runner, group)
     elif op == "init_cache":
         runner.initialize_cache(msg["num_blocks"])
+    elif op == "init_host_cache":
+        runner.initialize_host_cache(msg["num_host_blocks"])
     elif op == "step":
         runner.execute_without_sampling(rebuild_step(msg), msg.get("share_sampled", False))
     else:

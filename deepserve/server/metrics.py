@@ -29,6 +29,8 @@ _ENGINE_TOTALS = {
     "num_preemptions_total": "Cumulative number of preemptions by the scheduler.",
     "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
+    "num_swapped_out_blocks_total": "KV blocks of preempted requests copied to the host tier (--swap-space).",
+    "num_swapped_in_blocks_total": "KV blocks copied back from the host tier when their request resumed.",
 }
 
 

@@ -1,0 +1,122 @@
+"""The host tier of the KV cache (--swap-space): block manager and scheduler bookkeeping, exact ids."""
+
+from __future__ import annotations
+
+from deepserve.config import SchedulerConfig
+from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.request import Request, RequestStatus
+from deepserve.engine.scheduler import Scheduler
+from deepserve.sampling_params import SamplingParams
+
+
+def make_request(rid: str, num_prompt: int, first_token: int = 0) -> Request:
+    return Request(rid, list(range(first_token, first_token + num_prompt)),
+                   SamplingParams(max_tokens=100, ignore_eos=True))
+
+
+def test_swap_out_moves_computed_blocks_to_host_and_swap_in_brings_them_back():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=4)
+    req = make_request("r", 10)
+    assert bm.allocate_slots(req, 10) and req.block_ids == [0, 1, 2]
+    req.num_computed_tokens = 10
+    bm.cache_full_blocks(req)
+    assert bm.swap_out(req) == [(0, 0), (1, 1), (2, 2)]  # (gpu, host)
+    assert req.block_ids == [] and req.host_block_ids == [0, 1, 2] and req.num_computed_tokens == 10
+    assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 1
+    # Another request takes GPU blocks meanwhile; the swap-in gets fresh ones, plus room for the next token.
+    other = make_request("o", 4, first_token=50)
+    assert bm.allocate_slots(other, 4) and other.block_ids == [3]
+    assert bm.swap_in(req, 1) == [(0, 4), (1, 5), (2, 6)]  # (host, gpu)
+    assert req.block_ids == [4, 5, 6] and req.host_block_ids == [] and bm.num_free_host_blocks == 4
+
+
+def test_swap_out_needs_room_for_every_block_and_changes_nothing_without_it():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=2)
+    req = make_request("r", 10)
+    assert bm.allocate_slots(req, 10)
+    req.num_computed_tokens = 10  # three blocks to keep, two host blocks
+    assert bm.swap_out(req) is None
+    assert req.block_ids == [0, 1, 2] and req.host_block_ids == [] and bm.num_free_host_blocks == 2
+    assert BlockManager(num_blocks=8, block_size=4).swap_out(req) is None  # no host tier at all
+
+
+def test_swap_in_changes_nothing_when_gpu_blocks_lack():
+    bm = BlockManager(num_blocks=3, block_size=4, num_host_blocks=4)
+    req = make_request("r", 8)
+    assert bm.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    assert bm.swap_out(req) == [(0, 0), (1, 1)]
+    hog = make_request("h", 8, first_token=50)
+    assert bm.allocate_slots(hog, 8)  # 1 GPU block left; the swap-in needs 3 (2 kept + the next token)
+    assert bm.swap_in(req, 1) is None
+    assert req.block_ids == [] and req.host_block_ids == [0, 1] and bm.num_free_blocks == 1
+
+
+def test_freeing_a_swapped_out_request_returns_its_host_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4, num_host_blocks=4)
+    req = make_request("r", 8)
+    assert bm.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    bm.swap_out(req)
+    bm.free(req)  # aborted while swapped out
+    assert req.host_block_ids == [] and bm.num_free_host_blocks == 4 and bm.num_free_blocks == 8
+
+
+def make_scheduler(num_blocks: int, num_host_blocks: int) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    return Scheduler(config, BlockManager(num_blocks, 4, False, num_host_blocks))
+
+
+def step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    sched.update_from_output(out, [[token] * s.num_sampled for s in out.scheduled])
+    return out, [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_preempted_request_swaps_out_and_resumes_without_recompute():
+    sched = make_scheduler(num_blocks=5, num_host_blocks=4)
+    a, b = make_request("a", 8), make_request("b", 8, first_token=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert step(sched)[1] == [("a", 8), ("b", 8)]  # blocks a [0, 1], b [2, 3]
+    out, scheduled = step(sched)  # a takes the fifth block; b then needs one: b goes to the host
+    assert scheduled == [("a", 1)]
+    assert out.blocks_to_swap_out == [(2, 0), (3, 1)] and out.blocks_to_swap_in == []
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 8 and b.host_block_ids == [0, 1]
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out, scheduled = step(sched)
+    assert scheduled == [("b", 1)]  # only its sampled token: the prompt's KV came back from the host
+    # Into fresh GPU blocks from the front of the free list, the third for b's sampled token.
+    assert out.blocks_to_swap_in == [(0, 3), (1, 2)] and b.block_ids == [3, 2, 4]
+    stats = sched.stats()
+    assert stats.num_swapped_out_blocks_total == 2 and stats.num_swapped_in_blocks_total == 2
+    assert stats.num_preemptions_total == 1
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == 5 and bm.num_free_host_blocks == 4  # no leak
+
+
+def test_without_host_room_preemption_recomputes():
+    sched = make_scheduler(num_blocks=5, num_host_blocks=1)
+    a, b = make_request("a", 8), make_request("b", 8, first_token=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    out, _ = step(sched)
+    assert out.blocks_to_swap_out == [] and b.num_computed_tokens == 0 and b.host_block_ids == []
+
+
+def test_swap_outs_of_a_step_that_runs_nothing_go_with_the_next_step():
+    # A request that outgrows the whole cache preempts itself: no step runs, so its copies wait for the
+    # next step that does, ahead of that step's forward (which may write the GPU blocks they read).
+    sched = make_scheduler(num_blocks=2, num_host_blocks=4)
+    a = make_request("a", 8)
+    sched.add_request(a)
+    step(sched)
+    out = sched.schedule()  # its sampled token needs a third block
+    assert out.is_empty() and out.blocks_to_swap_out == [] and a.host_block_ids == [0, 1]
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("c", 4, first_token=50))
+    out, scheduled = step(sched)
+    assert scheduled == [("c", 4)] and out.blocks_to_swap_out == [(0, 0), (1, 1)]
+    assert sched.schedule().blocks_to_swap_out == []  # sent once
