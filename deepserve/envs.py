@@ -48,6 +48,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "1: block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
                                        "torch._scaled_mm's block-wise scaling instead of Triton (off: on the H200 "
                                        "it refused M = 257 and gave wrong results for K = 11008)"),
+    "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
+                            or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
+                            "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),
     "TRITON_INTERPRET": (_flag("TRITON_INTERPRET", False),
                          "Triton's own: 1 runs the kernels in its interpreter (CPU tests); read when a kernel "
                          "module is imported"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepserve.compile_cache import configure_compile_caches
 from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
@@ -75,6 +76,8 @@ def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
+        if config.model.device == "cuda":  # before the first kernel compiles (every rank builds a runner)
+            configure_compile_caches()
         self.config = config
         self.device = torch.device(config.model.device)
         self.dtype = getattr(torch, config.model.dtype)

@@ -64,6 +64,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
     {{- end }}
     - {name: models, mountPath: {{ .Values.model.mountPath }}, readOnly: true}
     - {name: tmp, mountPath: /tmp}
+    - {name: compile-cache, mountPath: /var/cache/deepserve}
     - {name: dshm, mountPath: /dev/shm}
 {{- end }}
 
@@ -116,6 +117,14 @@ volumes:
     persistentVolumeClaim: {claimName: {{ .Values.model.pvcName }}, readOnly: true}
   - name: tmp
     emptyDir: {}
+  # Compiled Triton / inductor kernels (DEEPSERVE_CACHE_DIR, set in the image): a claim keeps them for the
+  # next pod, the default emptyDir only across container restarts. The root filesystem is read-only.
+  - name: compile-cache
+    {{- if .Values.compileCache.pvcName }}
+    persistentVolumeClaim: {claimName: {{ .Values.compileCache.pvcName }}}
+    {{- else }}
+    emptyDir: {}
+    {{- end }}
   - name: dshm
     emptyDir: {medium: Memory, sizeLimit: {{ .Values.shmSize }}}
 {{- end }}
