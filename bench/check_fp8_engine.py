@@ -29,9 +29,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_check import COMMON, MLA, prompt_logprobs, prompts  # noqa: E402
+from gpu_check import COMMON, MLA, greedy, prompt_logprobs  # noqa: E402
 
-from deepserve import LLM, SamplingParams  # noqa: E402
 from deepserve.kernels.fp8_ref import quantize_weight_block  # noqa: E402
 
 WIDE = dict(COMMON, hidden_size=256, intermediate_size=384)  # several 128-blocks, the last one partial
@@ -60,31 +59,8 @@ def write_fp8(src: str, dst: str) -> None:
 
 
 def error(path: str, cpu: dict, gpu: dict) -> float:
-    want = torch.tensor(prompt_logprobs_with(path, "cpu", "bfloat16", cpu))
-    return (torch.tensor(prompt_logprobs_with(path, "cuda", "bfloat16", gpu)) - want).abs().mean().item()
-
-
-def prompt_logprobs_with(path: str, device: str, dtype: str, engine: dict) -> list[float]:
-    import deepserve.entrypoints.llm as llm_module
-
-    original = llm_module.LLM.__init__
-
-    def patched(self, *args, **kwargs):
-        original(self, *args, **{**kwargs, **engine})
-
-    llm_module.LLM.__init__ = patched
-    try:
-        return prompt_logprobs(path, device, dtype)
-    finally:
-        llm_module.LLM.__init__ = original
-
-
-def greedy(path: str, **kw) -> list[list[int]]:
-    llm = LLM(path, dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, block_size=16,
-              skip_tokenizer_init=True, max_num_seqs=16, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    want = torch.tensor(prompt_logprobs(path, "cpu", "bfloat16", **cpu))
+    return (torch.tensor(prompt_logprobs(path, "cuda", "bfloat16", **gpu)) - want).abs().mean().item()
 
 
 def check(name: str, path: str, fp8: dict, plain: dict) -> bool:
@@ -94,8 +70,8 @@ def check(name: str, path: str, fp8: dict, plain: dict) -> bool:
     print(f"{name:14s} {'OK' if ok else 'MISMATCH'} mean prompt logprob error, GPU FP8 vs CPU FP8 {got:.4f} "
           f"(unquantized, GPU vs CPU: {yardstick:.4f})")
     for label, engine in (("FP8", fp8), ("unquantized bf16 control", plain)):
-        graphs = greedy(path, **engine)
-        eager = greedy(path, enforce_eager=True, **engine)
+        graphs = greedy(path, "cuda", "bfloat16", **engine)
+        eager = greedy(path, "cuda", "bfloat16", enforce_eager=True, **engine)
         same = sum(a == b for a, b in zip(graphs, eager, strict=True))
         print(f"{name:14s} greedy tokens, CUDA graphs vs eager, {label}: {same}/{len(graphs)} sequences equal")
     return ok

@@ -190,7 +190,7 @@ def run_case(model: str, tokens: int, ex: Experts, device: torch.device) -> tupl
     x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
     routes = routings(tokens, e, k, ROUTINGS if tokens <= GRAPH_MAX_TOKENS else 1, device)
     row.hit = sum(int(ids.unique().numel()) for _, ids in routes) / len(routes)
-    row.config = str(fm.default_fp8_config(tokens, k, e, BLOCK[1], i))
+    row.config = str(fm.default_fp8_config(tokens, k, e, BLOCK[1]))
     ref = fm.fused_moe_fp8_ref(x, ex.q13, ex.s13, ex.q2, ex.s2, *routes[0], BLOCK)
     row.rel_err = checked_error(ex, x, routes[0], ref, None)
     row.ok = row.rel_err < TOLERANCE
@@ -206,8 +206,8 @@ def run_case(model: str, tokens: int, ex: Experts, device: torch.device) -> tupl
 
 def run_variants(row: Row, ex: Experts, inputs: tuple, device: torch.device) -> None:
     x, routes, ref = inputs
-    e, _, i, k = (MODELS | SMOKE_MODELS)[row.model]
-    default = fm.default_fp8_config(row.tokens, k, e, BLOCK[1], i)
+    e, _, _, k = (MODELS | SMOKE_MODELS)[row.model]
+    default = fm.default_fp8_config(row.tokens, k, e, BLOCK[1])
     for name, cfg in VARIANTS[default.block_m].items():
         if cfg == default or time.perf_counter() - START > VARIANTS_UNTIL_S:
             continue
@@ -223,9 +223,9 @@ def warm_jobs(models: dict) -> list[tuple]:
     """(model, kind, config, tokens) for every GEMM launch config the run will use ("fp8", "bf16"), and
     (model, "align", block_m, tokens) for the alignment kernel at each decode size."""
     jobs = set()
-    for model, (e, _, i, k) in models.items():
+    for model, (e, _, _, k) in models.items():
         for tokens in TOKENS:
-            fp8_cfg, bf16_cfg = fm.default_fp8_config(tokens, k, e, BLOCK[1], i), fm.default_config(tokens, k, e,
+            fp8_cfg, bf16_cfg = fm.default_fp8_config(tokens, k, e, BLOCK[1]), fm.default_config(tokens, k, e,
                                                                                                      torch.bfloat16)
             configs = [fp8_cfg, *VARIANTS[fp8_cfg.block_m].values()]
             jobs |= {(model, "fp8", cfg, 0) for cfg in configs} | {(model, "bf16", bf16_cfg, 0)}

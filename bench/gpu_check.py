@@ -45,18 +45,18 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def greedy(path: str, device: str, **kw) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", device=device, num_gpu_blocks_override=256, block_size=16,
+def greedy(path: str, device: str, dtype: str = "float32", **kw) -> list[list[int]]:
+    llm = LLM(path, dtype=dtype, device=device, num_gpu_blocks_override=256, block_size=16,
               skip_tokenizer_init=True, max_num_seqs=16, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True) -> list[float]:
+def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True, **engine) -> list[float]:
     """The logprob of every prompt token (positions 1..), prompts in 32-token chunks so steps mix fresh
     prompts with chunks over a cached prefix. flash=False sends prefill attention to SDPA instead of
-    flash's varlen kernel (the reference the flash path is judged against)."""
+    flash's varlen kernel (the reference the flash path is judged against); engine: more LLM arguments."""
     import deepserve.kernels.varlen_attention as varlen
 
     fits = varlen.flash_varlen_fits
@@ -64,7 +64,7 @@ def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True) -> l
         varlen.flash_varlen_fits = lambda q, v: False
     try:
         llm = LLM(path, dtype=dtype, device=device, num_gpu_blocks_override=256, block_size=16,
-                  skip_tokenizer_init=True, max_num_seqs=16, max_num_batched_tokens=32, enforce_eager=True)
+                  skip_tokenizer_init=True, max_num_seqs=16, max_num_batched_tokens=32, enforce_eager=True, **engine)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     finally:

@@ -20,7 +20,7 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -28,7 +28,7 @@ def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Ten
     """x [M, K] -> (x_q [M, K] fp8, scale [M, ceil(K/group)] float32) with x ~= x_q * scale per group;
     the last group may be partial."""
     m, k = x.shape
-    groups = _cdiv(k, group)
+    groups = cdiv(k, group)
     padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.float()
     tiles = padded.view(m, groups, group)
@@ -46,7 +46,7 @@ def dequantize_per_token_group(x_q: torch.Tensor, scale: torch.Tensor, group: in
 def quantize_weight_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] float32) as DeepSeek ships them."""
     (n, k), (bn, bk) = w.shape, block
-    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     tiles = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
     tiles[:n, :k] = w.float()
     tiles = tiles.view(nb, bn, kb, bk)
@@ -58,7 +58,7 @@ def quantize_weight_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torc
 def dequantize_weight_block(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """w_q [N, K] fp8, scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
     (n, k), (bn, bk) = w_q.shape, block
-    expected = (_cdiv(n, bn), _cdiv(k, bk))
+    expected = (cdiv(n, bn), cdiv(k, bk))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(
             f"weight of shape {(n, k)} needs a {expected} scale for {block} blocks, got {tuple(scale_inv.shape)}")

@@ -96,14 +96,13 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
     return MoEConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
-def default_fp8_config(num_tokens: int, top_k: int, num_experts: int, group_k: int = 128,
-                       inter: int | None = None) -> MoEConfig:
+def default_fp8_config(num_tokens: int, top_k: int, num_experts: int, group_k: int = 128) -> MoEConfig:
     """Tiles for FP8 weights with bk = group_k (128 for DeepSeek), by assignments per expert, as
     measured on the H200 (bench/check_fp8_moe.py, gate FP8 run 1: the fastest variant of each case).
     Activations quantized once (prequantize) won everywhere, in-GEMM quantization lost up to 3x at
     decode; 16 x 128 tiles with 8 warps up to 16 assignments per expert (V3 T <= 256: 118 us at T = 1
     against bf16's 169), 32 x 128 to about 28 (V2-Lite T = 256), 64 x 128 beyond (V3 T = 1024).
-    block_n = bk: the gate-up epilogue quantizes its act groups. `inter` is unused (kept for callers)."""
+    block_n = bk: the gate-up epilogue quantizes its act groups."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
         return MoEConfig(block_m=16, block_n=group_k, block_k=group_k, group_m=1, num_warps=8, num_stages=4,
@@ -584,7 +583,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0:
         return x.new_empty(0, h)
-    cfg = config or (default_fp8_config(t, k, e, block[1], two_i // 2) if fp8
+    cfg = config or (default_fp8_config(t, k, e, block[1]) if fp8
                      else default_config(t, k, e, x.dtype))
     if fp8:
         _check_fp8_config(cfg, block)

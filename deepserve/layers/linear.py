@@ -31,9 +31,6 @@ def _divide(n: int, world: int, what: str) -> int:
     return n // world
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -47,7 +44,7 @@ def _whole_blocks(start: int, size: int, block: int, what: str) -> tuple[int, in
     if start % block:
         raise ValueError(f"{what}: a tensor-parallel shard starting at {start} cuts an FP8 block of {block}; "
                          "choose a tensor_parallel_size that splits it into multiples of the block")
-    return start // block, _cdiv(size, block)
+    return start // block, fp8_ref.cdiv(size, block)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -72,7 +69,7 @@ def fp8_channel_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 class LinearBase(nn.Module):
     """The weight (and its FP8 scales) of one linear layer and the matmul that reads them.
 
-    Subclasses say how a checkpoint tensor maps onto this rank's rows (`_load_rows`) or columns."""
+    Subclasses say how a checkpoint tensor maps onto this rank's rows (`_copy_rows`) or columns."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: Fp8Config | None,
                  member_rows: list[int] | None = None) -> None:
@@ -86,10 +83,13 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight_scale_inv = None  # block-scaled FP8
         self.weight_scale = None  # per-channel FP8, made by quantize_loaded_weights
+        # Members that are not whole blocks share no scale row: they multiply one at a time.
+        self.split_members = bool(self.block) and len(self.member_rows) > 1 and any(
+            n % self.block[0] for n in self.member_rows)
         if self.block:
             bn, bk = self.block
-            rows = sum(_cdiv(n, bn) for n in self.member_rows)
-            scale = torch.empty(rows, _cdiv(in_features, bk), dtype=torch.float32)
+            rows = sum(fp8_ref.cdiv(n, bn) for n in self.member_rows)
+            scale = torch.empty(rows, fp8_ref.cdiv(in_features, bk), dtype=torch.float32)
             self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
             self.weight_scale_inv.weight_loader = self.weight_loader
         self.bias = None
@@ -97,12 +97,9 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
-    def _aligned(self) -> bool:
-        return len(self.member_rows) == 1 or all(n % self.block[0] == 0 for n in self.member_rows)
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is not None:
-            if self._aligned():
+            if not self.split_members:
                 return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
             return self._per_member(x, bias)
         if self.weight_scale is not None:
@@ -110,10 +107,9 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def _per_member(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Members that are not whole blocks share no scale row, so each multiplies on its own.
         outs, row, scale_row = [], 0, 0
         for n in self.member_rows:
-            rows = _cdiv(n, self.block[0])
+            rows = fp8_ref.cdiv(n, self.block[0])
             b = bias[row : row + n] if bias is not None else None
             scale = self.weight_scale_inv[scale_row : scale_row + rows]
             outs.append(fp8_block_linear(x, self.weight[row : row + n], scale, self.block, b))
@@ -137,7 +133,7 @@ class LinearBase(nn.Module):
         dst = sum(self.member_rows[:member])
         if self._is_scale(param):
             bn = self.block[0]
-            dst = sum(_cdiv(n, bn) for n in self.member_rows[:member])
+            dst = sum(fp8_ref.cdiv(n, bn) for n in self.member_rows[:member])
             src, size = _whole_blocks(src, size, bn, f"{type(self).__name__} output rows")
         default_weight_loader(param.data.narrow(0, dst, size), loaded.narrow(0, src, size))
 

@@ -37,11 +37,6 @@ from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
 from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -215,8 +210,8 @@ class RoutedExperts(nn.Module):
         self.w13_scale_inv = self.w2_scale_inv = None
         if self.block:
             bn, bk = self.block
-            shape13 = (self.num_local, 2 * _cdiv(self.inter, bn), _cdiv(hidden_size, bk))
-            shape2 = (self.num_local, _cdiv(hidden_size, bn), _cdiv(self.inter, bk))
+            shape13 = (self.num_local, 2 * fp8_ref.cdiv(self.inter, bn), fp8_ref.cdiv(hidden_size, bk))
+            shape2 = (self.num_local, fp8_ref.cdiv(hidden_size, bn), fp8_ref.cdiv(self.inter, bk))
             self.w13_scale_inv = nn.Parameter(torch.empty(shape13, dtype=torch.float32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(shape2, dtype=torch.float32), requires_grad=False)
             self.w13_scale_inv.weight_loader = self._load_w13
@@ -236,7 +231,7 @@ class RoutedExperts(nn.Module):
         if start % block:
             raise ValueError(f"moe_intermediate_size shard of {self.inter} per rank cuts FP8 blocks of {block}; "
                              "choose a tensor_parallel_size (or --enable-expert-parallel) that keeps whole blocks")
-        return start // block, _cdiv(size, block)
+        return start // block, fp8_ref.cdiv(size, block)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
         # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E] (or its block scales); None:

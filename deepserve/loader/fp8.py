@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from deepserve.kernels.fp8_ref import dequantize_weight_block
+
 logger = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"
@@ -48,19 +50,6 @@ def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [N, K] fp8 and scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
-    (n, k), (bn, bk) = weight.shape, block
-    expected = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(
-            f"weight of shape {(n, k)} needs a {expected} scale for {block} blocks, got {tuple(scale_inv.shape)}"
-        )
-    # Each factor covers a bn x bk tile; the last row and column of tiles may be partial.
-    scale = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]  # [N, K]
-    return weight.float() * scale
-
-
 def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
                            keep: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pairs every fp8 `<name>` with its `<name>_scale_inv`, in whatever order (or shard) they come,
@@ -75,12 +64,12 @@ def dequantize_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], block: t
         elif name.endswith(SCALE_SUFFIX):
             target = name.removesuffix(SCALE_SUFFIX)
             if target in weights_by_name:
-                yield target, dequantize_block_fp8(weights_by_name.pop(target), tensor, block)
+                yield target, dequantize_weight_block(weights_by_name.pop(target), tensor, block)
             else:
                 scales_by_name[target] = tensor
         elif tensor.dtype == torch.float8_e4m3fn:
             if name in scales_by_name:
-                yield name, dequantize_block_fp8(tensor, scales_by_name.pop(name), block)
+                yield name, dequantize_weight_block(tensor, scales_by_name.pop(name), block)
             else:
                 weights_by_name[name] = tensor
         else:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from deepserve.kernels import fp8_ref
-from deepserve.loader.fp8 import dequantize_block_fp8, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from deepserve.kernels.fp8_ref import dequantize_weight_block
+from deepserve.loader.fp8 import dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
 from tests.conftest import save_checkpoint
 from tests.models.test_deepseek import PROMPTS, make_hf_model, make_runner, run_step, with_blocks
 
@@ -48,10 +49,10 @@ def dequantize_by_tiles(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK
 def test_block_dequantization(shape):
     torch.manual_seed(0)
     q, scale = quantize(torch.randn(shape))
-    got = dequantize_block_fp8(q, scale, (BLOCK, BLOCK))
+    got = dequantize_weight_block(q, scale, (BLOCK, BLOCK))
     assert torch.equal(got, dequantize_by_tiles(q, scale))
     with pytest.raises(ValueError, match="scale"):
-        dequantize_block_fp8(q, scale[:, :1].repeat(1, scale.shape[1] + 1), (BLOCK, BLOCK))
+        dequantize_weight_block(q, scale[:, :1].repeat(1, scale.shape[1] + 1), (BLOCK, BLOCK))
 
 
 def test_pairs_weights_and_scales_in_any_order():

@@ -29,9 +29,8 @@ VARIANTS = {
 PROMPTS = [[5, 17, 300, 42, 9], list(range(100, 137)), [7] * 20, list(range(400, 411))]
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def checkpoint(request, tmp_path_factory, tokenizer):
-    config_cls, model_cls, extra = VARIANTS[request.param]
+def make_dense_model(config_cls, model_cls, extra: dict):
+    """A tiny random transformers Llama / Qwen2 (seed 0) of COMMON's shape."""
     torch.manual_seed(0)
     hf_model = model_cls(config_cls(**COMMON, **extra)).eval()
     # Qwen2's biases start at zero; make them count.
@@ -39,13 +38,19 @@ def checkpoint(request, tmp_path_factory, tokenizer):
         for name, p in hf_model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+    return hf_model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory, tokenizer):
+    hf_model = make_dense_model(*VARIANTS[request.param])
     path = save_checkpoint(hf_model, tokenizer, str(tmp_path_factory.mktemp(request.param)))
     return path, hf_model
 
 
-def our_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every position of every prompt, all prompts in one ragged step."""
-    runner = ModelRunner(EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config())
+def our_logits(path: str, prompts: list[list[int]], **engine) -> list[torch.Tensor]:
+    """Logits at every position of every prompt, all prompts in one ragged step (engine: more EngineArgs)."""
+    runner = ModelRunner(EngineArgs(model=path, dtype="float32", device="cpu", **engine).create_engine_config())
     runner.allocate_kv_cache(64)
     scheduled, next_block = [], 0
     for i, ids in enumerate(prompts):

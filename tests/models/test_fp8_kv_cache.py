@@ -28,8 +28,8 @@ from tests.models import test_dense_models as dense
 from tests.models.test_dense_models import hf_greedy
 
 MODELS = {
-    "llama-gqa": lambda: _dense(LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2)),
-    "qwen2-gqa": lambda: _dense(Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2)),
+    "llama-gqa": lambda: dense.make_dense_model(LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2)),
+    "qwen2-gqa": lambda: dense.make_dense_model(Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2)),
     "deepseek-v2": lambda: deepseek.make_hf_model(DeepseekV2Config, DeepseekV2ForCausalLM,
                                                    deepseek.VARIANTS["v2-group-limited-qlora-yarn"][2]),
     "deepseek-v3": lambda: deepseek.make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM,
@@ -37,16 +37,6 @@ MODELS = {
 }
 PROMPTS = dense.PROMPTS + [list(range(3, 90, 3)), [11, 200, 11, 201, 11, 202, 45, 46]]
 MAX_TOKENS = 16
-
-
-def _dense(config_cls, model_cls, extra: dict):
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**dense.COMMON, **extra)).eval()
-    with torch.no_grad():  # Qwen2's biases start at zero; make them count (as test_dense_models does)
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    return model
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -18,7 +18,7 @@ from deepserve.layers.quantization import resolve_quantization
 from tests.conftest import save_checkpoint
 from tests.loader.test_fp8 import TINY_V3, fp8_agreement, lossless_group_quantization
 from tests.models.test_deepseek import make_hf_model
-from tests.models.test_dense_models import COMMON, PROMPTS, our_logits
+from tests.models.test_dense_models import COMMON, PROMPTS, make_dense_model, our_logits
 
 DENSE = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=False)),
@@ -31,13 +31,7 @@ _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 
 @pytest.fixture(scope="module", params=sorted(DENSE))
 def dense(request, tmp_path_factory, tokenizer):
-    config_cls, model_cls, extra = DENSE[request.param]
-    torch.manual_seed(0)
-    hf_model = model_cls(config_cls(**COMMON, **extra)).eval()
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
+    hf_model = make_dense_model(*DENSE[request.param])
     return save_checkpoint(hf_model, tokenizer, str(tmp_path_factory.mktemp(request.param))), hf_model
 
 
@@ -84,24 +78,13 @@ def test_quantized_logits_against_transformers_on_dequantized_weights(dense, mon
     ref = dequantized_copy(hf_model, runner_model(path, quantization="fp8"))
     with torch.no_grad():
         want = torch.cat([ref(torch.tensor([ids])).logits[0] for ids in PROMPTS])
-    report = fp8_agreement(torch.cat(our_logits_with(path, quantization="fp8")), want)
+    report = fp8_agreement(torch.cat(our_logits(path, PROMPTS, quantization="fp8")), want)
     # Measured (2 layers, hidden 64, 73 positions): llama 0.973 / 0.011 (two near-ties flip), qwen2 1.00 / 0.007.
     assert report["argmax_agreement"] >= 0.95 and report["max_top_logprob_gap"] <= 0.1, report
     # Without the activation rounding our FP8 model is exactly transformers' on the same weights.
     monkeypatch.setattr(fp8_ref, "quantize_per_token_group_ref", lossless_group_quantization)
-    got = torch.cat(our_logits_with(path, quantization="fp8"))
+    got = torch.cat(our_logits(path, PROMPTS, quantization="fp8"))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-
-
-def our_logits_with(path: str, **kwargs) -> list[torch.Tensor]:
-    import tests.models.test_dense_models as dense_tests
-
-    original = dense_tests.EngineArgs
-    dense_tests.EngineArgs = lambda **kw: original(**kw, **kwargs)
-    try:
-        return our_logits(path, PROMPTS)
-    finally:
-        dense_tests.EngineArgs = original
 
 
 def test_llm_generates_with_fp8_and_follows_transformers(dense):
