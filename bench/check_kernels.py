@@ -15,6 +15,11 @@ cache), enough copies to overflow L2, so every call reads HBM as a decode layer 
 
     python bench/check_kernels.py               # the H200 run, < 3 minutes
     python bench/check_kernels.py --smoke       # tiny shapes; on a CPU-only machine under TRITON_INTERPRET
+    python bench/check_kernels.py --kv-dtype fp8 --no-variants   # the same cases over an FP8 cache
+
+With --kv-dtype fp8 the caches hold float8_e4m3fn codes of the bf16 values divided by a per-layer scale
+(KV_SCALE), the kernels get that scale, and the reference reads the same codes; bandwidth counts one
+byte per cached element.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ MIN_CALLS = 20  # calls per timing graph, so the graph launch itself is amortize
 SPLIT_VARIANTS = (8, 16, 32, 64)  # forced split counts timed next to the default ...
 SPLIT_VARIANTS_MAX_BATCH = 16  # ... up to this batch
 LC = tpa.LaunchConfig
+KV_SCALE = 0.05  # the FP8 caches' scale (k, v and latent alike): bf16 randn / 0.05 stays inside ±448
+KV_DTYPE = torch.bfloat16  # --kv-dtype
 # Alternatives timed next to the defaults (None = the default config); "nosplit" pins num_splits=1.
 GQA_VARIANTS = {
     1: {"fma-n32": LC(block_n=32, block_h=1, num_warps=4, num_stages=2),
@@ -116,6 +123,14 @@ def paged_inputs(batch: int, seq_len: int, device: torch.device, copies: int = 1
     return tables, seq_lens, num_blocks
 
 
+def as_kv_dtype(cache: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The bf16 cache in KV_DTYPE, and the scale tensors the FP8 kernels take (none for bf16)."""
+    if KV_DTYPE == torch.bfloat16:
+        return cache, {}
+    scale = torch.tensor(KV_SCALE, dtype=torch.float32, device=cache.device)
+    return (cache.float() / KV_SCALE).clamp_(-448, 448).to(KV_DTYPE), {"scale": scale}
+
+
 def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     if not torch.isfinite(out).all():
         return False, float("nan")
@@ -158,12 +173,14 @@ def variant_options(configs: dict[str, tpa.LaunchConfig], batch: int, default_sp
 
 def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.device, variants: bool) -> list[Row]:
     heads, kv_heads, dim = GQA_MODELS[model]
-    kv_bytes = 2 * batch * seq_len * kv_heads * dim * 2
+    kv_bytes = 2 * batch * seq_len * kv_heads * dim * KV_DTYPE.itemsize
     tables, seq_lens, num_blocks = paged_inputs(batch, seq_len, device, num_copies(kv_bytes, device))
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, device=device, dtype=torch.bfloat16)
+    kv_cache, scales = as_kv_dtype(torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, device=device,
+                                               dtype=torch.bfloat16))
+    fp8 = {"k_scale": scales["scale"], "v_scale": scales["scale"]} if scales else {}
     query = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
     scale = dim ** -0.5
-    ref = tpa.paged_decode_attention_ref(query, kv_cache, tables[0], seq_lens, scale)
+    ref = tpa.paged_decode_attention_ref(query, kv_cache, tables[0], seq_lens, scale, **fp8)
     nbytes = kv_bytes + 2 * 2 * query.numel()
     out = torch.empty_like(query)
     group = heads // kv_heads
@@ -175,26 +192,27 @@ def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
         splits = tpa._num_splits(batch * kv_heads, bound, cfg.block_n, kw.get("num_splits"), tpa.GQA_TARGET_PROGRAMS)
         row = Row("decode", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")
         run = lambda o, t, kw=kw: tpa.paged_decode_attention(query, kv_cache, t, seq_lens, scale, out=o,
-                                                             max_seq_len=bound, **kw)
+                                                             max_seq_len=bound, **kw, **fp8)
         rows.append(measure(row, run, out, ref, tables, nbytes, device))
-    rows.append(store_kv_case(model, batch, kv_cache, device))
+    rows.append(store_kv_case(model, batch, kv_cache, device, fp8))
     return rows
 
 
-def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch.device) -> Row:
+def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch.device,
+                  fp8: dict[str, torch.Tensor]) -> Row:
     # One decode step's writes: T = batch tokens into distinct random slots, one of them padding (-1).
     slots_total = kv_cache.shape[1] * BLOCK_SIZE
     slots = torch.randperm(slots_total, device=device)[:tokens]
     slots[-1] = -1
-    key, value = (torch.randn(tokens, *kv_cache.shape[3:], device=device, dtype=kv_cache.dtype) for _ in range(2))
+    key, value = (torch.randn(tokens, *kv_cache.shape[3:], device=device, dtype=torch.bfloat16) for _ in range(2))
     row = Row("store_kv", model, tokens, 0, "default", timing=timing_name(device))
     try:
         expected = kv_cache.clone()
-        tpa.store_kv_cache_ref(key, value, expected, slots)
-        tpa.store_kv_cache(key, value, kv_cache, slots)
-        row.ok, row.rel_err = torch.equal(kv_cache, expected), 0.0
+        tpa.store_kv_cache_ref(key, value, expected, slots, **fp8)
+        tpa.store_kv_cache(key, value, kv_cache, slots, **fp8)
+        row.ok, row.rel_err = torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8)), 0.0
         del expected
-        row.time_us = timed([lambda: tpa.store_kv_cache(key, value, kv_cache, slots)], device)
+        row.time_us = timed([lambda: tpa.store_kv_cache(key, value, kv_cache, slots, **fp8)], device)
         row.gbs = 2 * 2 * key.numel() * key.element_size() / row.time_us / 1e3  # read + write K and V
         row.pct_peak = 100 * row.gbs / PEAK_GBS
     except Exception as exc:
@@ -207,13 +225,15 @@ def store_kv_case(model: str, tokens: int, kv_cache: torch.Tensor, device: torch
 
 def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.device, variants: bool) -> list[Row]:
     heads, rank, rope = MLA_MODELS[model]
-    kv_bytes = batch * seq_len * (rank + rope) * 2
+    kv_bytes = batch * seq_len * (rank + rope) * KV_DTYPE.itemsize
     tables, seq_lens, num_blocks = paged_inputs(batch, seq_len, device, num_copies(kv_bytes, device))
-    cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, device=device, dtype=torch.bfloat16)
+    cache, scales = as_kv_dtype(torch.randn(num_blocks, BLOCK_SIZE, rank + rope, device=device,
+                                            dtype=torch.bfloat16))
+    fp8 = {"kv_scale": scales["scale"]} if scales else {}
     q_latent = torch.randn(batch, heads, rank, device=device, dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device=device, dtype=torch.bfloat16)
     scale = (128 + rope) ** -0.5  # qk_nope_head_dim + qk_rope_head_dim of V2/V3
-    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, tables[0], seq_lens, scale)
+    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, tables[0], seq_lens, scale, **fp8)
     nbytes = kv_bytes + 2 * (q_latent.numel() + q_rope.numel() + q_latent.numel())
     out = torch.empty_like(q_latent)
     default_cfg = tpa.default_mla_config(heads)
@@ -226,23 +246,24 @@ def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
         splits = tpa._num_splits(batch * tiles, bound, cfg.block_n, kw.get("num_splits"), tpa.MLA_TARGET_PROGRAMS)
         row = Row("mla", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")
         run = lambda o, t, kw=kw: tpa.paged_mla_decode_attention(q_latent, q_rope, cache, t, seq_lens, scale,
-                                                                 bound, out=o, **kw)
+                                                                 bound, out=o, **kw, **fp8)
         rows.append(measure(row, run, out, ref, tables, nbytes, device))
-    rows.append(store_mla_case(model, batch, cache, device))
+    rows.append(store_mla_case(model, batch, cache, device, fp8))
     return rows
 
 
-def store_mla_case(model: str, tokens: int, cache: torch.Tensor, device: torch.device) -> Row:
+def store_mla_case(model: str, tokens: int, cache: torch.Tensor, device: torch.device,
+                   fp8: dict[str, torch.Tensor]) -> Row:
     slots = torch.randperm(cache.shape[0] * BLOCK_SIZE, device=device)[:tokens]
     slots[-1] = -1
-    latent = torch.randn(tokens, cache.shape[2], device=device, dtype=cache.dtype)
+    latent = torch.randn(tokens, cache.shape[2], device=device, dtype=torch.bfloat16)
     row = Row("store_mla", model, tokens, 0, "default", timing=timing_name(device))
     try:
         expected = cache.clone()
-        tpa.store_mla_cache_ref(latent, expected, slots)
-        tpa.store_mla_cache(latent, cache, slots)
-        row.ok, row.rel_err = torch.equal(cache, expected), 0.0
-        row.time_us = timed([lambda: tpa.store_mla_cache(latent, cache, slots)], device)
+        tpa.store_mla_cache_ref(latent, expected, slots, **fp8)
+        tpa.store_mla_cache(latent, cache, slots, **fp8)
+        row.ok, row.rel_err = torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), 0.0
+        row.time_us = timed([lambda: tpa.store_mla_cache(latent, cache, slots, **fp8)], device)
         row.gbs = 2 * latent.numel() * latent.element_size() / row.time_us / 1e3
         row.pct_peak = 100 * row.gbs / PEAK_GBS
     except Exception as exc:
@@ -301,7 +322,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself")
     parser.add_argument("--no-variants", action="store_true", help="time the default launch configs only")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the caches' dtype")
     args = parser.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         parser.error("no CUDA device: only --smoke runs on CPU")
@@ -313,11 +337,12 @@ def main() -> int:
         graph_batches, graph_lens, graph_bound = (1, 4, 16), (1024, 4096), GRAPH_BOUND
     rows = run_all(batches, seq_lens, graph_batches, graph_lens, graph_bound, device, variants=not args.no_variants)
     if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "kernels.json"
+        path = Path(os.environ["OUT"]) / f"kernels{'-fp8' if args.kv_dtype == 'fp8' else ''}.json"
         path.write_text(json.dumps(dict(env=environment(device), rows=[asdict(r) for r in rows]), indent=1))
         print(f"wrote {path}")
-    print(f"\nTriton paged attention, bf16, block_size {BLOCK_SIZE}, {time.perf_counter() - START:.0f} s\n"
-          + summary(rows))
+    elapsed = time.perf_counter() - START
+    print(f"\nTriton paged attention, {args.kv_dtype} cache, block_size {BLOCK_SIZE}, {elapsed:.0f} s")
+    print(summary(rows))
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -5,6 +5,8 @@ last accepted figures (bench/baseline.json). Every change on the hot path runs i
     python bench/gate.py all --out DIR          # what gate.sh runs (a time budget, a table last)
     python bench/gate.py fp8 --out DIR          # the FP8 suite: kernel checks, V3 slice and LLM-7B in FP8
                                                 #   (gate.sh fp8; a second device call)
+    python bench/gate.py kv --out DIR           # the KV-cache suite: FP8 decode kernels, W1 with an FP8 cache,
+                                                #   a long-context point bf16 / FP8 / FP8 + host tier (gate.sh kv)
     python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
     python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
     python bench/gate.py all --smoke --out DIR  # CPU: the demo model, tiny workloads (tests the plumbing)
@@ -63,6 +65,16 @@ FIGURES = [
     Figure("deepseek-llm-7b-fp8/tpot", "FP8 W2 TPOT DeepSeek-LLM-7B (-q fp8)", "ms", False, 2.2),
     Figure("deepseek-llm-7b-fp8/ttft", "FP8 W2 TTFT DeepSeek-LLM-7B (-q fp8)", "ms", False),
     Figure("v3-slice8-fp8/ready", "FP8 time to ready V3 slice (cold)", "s", False, gated=False),
+    # KV suite (the KV-memory issue): W1 with --kv-cache-dtype fp8, then DeepSeek-LLM-7B (MHA, 480 KiB of
+    # bf16 KV a token) where the cache is the bound: 4,096-token prompts, 1,024 outputs.
+    Figure("r1-distill-qwen-7b-fp8kv/w1", "W1 R1-Distill-Qwen-7B, FP8 KV", "out tok/s", True),
+    Figure("deepseek-v2-lite-fp8kv/w1", "W1 DeepSeek-V2-Lite, FP8 KV", "out tok/s", True),
+    Figure("deepseek-llm-7b-fp8kv/w1", "W1 DeepSeek-LLM-7B, FP8 KV", "out tok/s", True),
+    Figure("deepseek-v2-lite-fp8kv/tpot", "W2 TPOT DeepSeek-V2-Lite, FP8 KV", "ms", False),
+    Figure("deepseek-llm-7b-fp8kv/tpot", "W2 TPOT DeepSeek-LLM-7B, FP8 KV", "ms", False),
+    Figure("long-7b-bf16/w1", "4k/1k DeepSeek-LLM-7B, bf16 KV", "out tok/s", True),
+    Figure("long-7b-fp8kv/w1", "4k/1k DeepSeek-LLM-7B, FP8 KV", "out tok/s", True),
+    Figure("long-7b-fp8kv-swap/w1", "4k/1k DeepSeek-LLM-7B, FP8 KV + 32 GiB host", "out tok/s", True),
 ]
 
 
@@ -74,6 +86,9 @@ class ModelRun:
     layers: int | None = None  # keep only the first N decoder layers
     timeout_s: int = 150
     quantization: str | None = None  # as --quantization; None follows the preset (V3's is FP8)
+    kv_cache_dtype: str = "auto"  # as --kv-cache-dtype
+    swap_space: float = 0  # GiB of host tier, as --swap-space
+    long_context: bool = False  # LONG_CONTEXT's workload instead of W1 (and max_model_len 8,192)
 
 
 RUNS = [
@@ -84,6 +99,20 @@ RUNS = [
     # 2 took 49 / 89 / 89 / 107 s for these four (its logs' file times).
     # bf16, the slice's figures before FP8 (the preset carries V3's FP8 config: "none" dequantizes it)
     ModelRun("v3-slice8", "deepseek-v3", w2=True, layers=8, timeout_s=160, quantization="none"),
+]
+# The KV suite's long-context point: enough 4k/1k requests that a bf16 cache holds well under half of
+# them at once on one H200 with DeepSeek-LLM-7B (~2.4 GB of KV each).
+LONG_CONTEXT = dict(input_len=4096, output_len=1024, num_requests=128)
+KV_RUNS = [
+    ModelRun("r1-distill-qwen-7b-fp8kv", "r1-distill-qwen-7b", w2=False, timeout_s=110, kv_cache_dtype="fp8"),
+    ModelRun("deepseek-v2-lite-fp8kv", "deepseek-v2-lite", w2=True, timeout_s=140, kv_cache_dtype="fp8"),
+    ModelRun("deepseek-llm-7b-fp8kv", "deepseek-llm-7b", w2=True, timeout_s=140, kv_cache_dtype="fp8"),
+]
+LONG_RUNS = [
+    ModelRun("long-7b-bf16", "deepseek-llm-7b", w2=False, timeout_s=200, long_context=True),
+    ModelRun("long-7b-fp8kv", "deepseek-llm-7b", w2=False, timeout_s=150, kv_cache_dtype="fp8", long_context=True),
+    ModelRun("long-7b-fp8kv-swap", "deepseek-llm-7b", w2=False, timeout_s=150, kv_cache_dtype="fp8",
+             swap_space=32, long_context=True),
 ]
 FP8_RUNS = [
     ModelRun("v3-slice8-fp8", "deepseek-v3", w2=True, layers=8, timeout_s=160),
@@ -100,7 +129,15 @@ FP8_CHECKS = [
      90),
     ("FP8 engine on GPU = CPU reference", [sys.executable, "bench/check_fp8_engine.py"], 120),
 ]
-SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS)}
+KV_CHECKS = [
+    ("paged decode over an FP8 cache = torch reference",
+     [sys.executable, "bench/check_kernels.py", "--kv-dtype", "fp8", "--no-variants"], 120),
+    ("paged decode over a bf16 cache = torch reference (the FP8 rows' comparison)",
+     [sys.executable, "bench/check_kernels.py", "--no-variants"], 120),
+]
+# Two device calls: "kv" (kernels and W1/W2 with an FP8 cache) and "kv-long" (the long-context point).
+SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS)}
+ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS
 
 
 def run_model(run: ModelRun, smoke: bool) -> dict:
@@ -110,15 +147,18 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
     from deepserve.bench.latency import measure_latency
     from deepserve.bench.throughput import measure_throughput
 
-    engine = dict(model=run.preset, skip_tokenizer_init=True, quantization=run.quantization)
+    engine = dict(model=run.preset, skip_tokenizer_init=True, quantization=run.quantization,
+                  kv_cache_dtype=run.kv_cache_dtype, swap_space=run.swap_space)
     if run.preset is not None:
-        engine.update(load_format="dummy", max_model_len=4096)
+        engine.update(load_format="dummy", max_model_len=8192 if run.long_context else 4096)
     if run.layers:
         engine["hf_overrides"] = {"num_hidden_layers": run.layers}
     llm = LLM(**engine)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     result = {"ready": time.perf_counter() - PROCESS_START, "startup_s": llm.llm_engine.core.startup_s}
     workload = workloads.w1()
+    if run.long_context:
+        workload = workloads.fixed(**LONG_CONTEXT)
     if smoke:  # the demo model's vocabulary has 1,000 tokens
         workload = workloads.fixed(32, 8, 8)
         workload.prompts = [[t % 1000 for t in p] for p in workload.prompts]
@@ -253,7 +293,7 @@ def main() -> int:
         a.add_argument("--smoke", action="store_true")
         a.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
     m = sub.add_parser("model")
-    m.add_argument("name", choices=[r.name for r in RUNS + FP8_RUNS] + ["demo"])
+    m.add_argument("name", choices=[r.name for r in ALL_RUNS] + ["demo"])
     m.add_argument("--json", required=True)
     m.add_argument("--smoke", action="store_true")
     c = sub.add_parser("compare")
@@ -264,7 +304,7 @@ def main() -> int:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        run = next((r for r in RUNS + FP8_RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
+        run = next((r for r in ALL_RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
         Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke)))
         return 0
     result = (run_all(Path(ns.out), ns.smoke, ns.cmd) if ns.cmd in SUITES

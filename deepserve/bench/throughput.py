@@ -54,6 +54,7 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         "output_tokens_per_second": num_out / elapsed,
         "peak_memory_gib": peak_memory_gib(),
         "num_preemptions": stats.num_preemptions_total,
+        "num_swapped_out_blocks": stats.num_swapped_out_blocks_total,
         "kv_cache_blocks": llm.llm_engine.core.num_blocks,
         "output_tokens_per_joule": num_out / joules if joules else None,
         "tensor_parallel_size": parallel.tensor_parallel_size,
