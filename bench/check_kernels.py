@@ -74,6 +74,24 @@ MLA_VARIANTS = {
           "h64-n16-w8": LC(block_n=16, block_h=64, num_warps=8, num_stages=2)},
 }
 
+# Over an FP8 cache (--kv-dtype fp8): the default tiles (tuned on bf16 caches) widened to fp16 instead of
+# bf16, and longer / deeper-pipelined key tiles (half the bytes per key).
+FP8_GQA_VARIANTS = {
+    group: {"f16": LC(block_n=64, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16"),
+            "n128-s3": LC(block_n=128, block_h=16, num_warps=4, num_stages=3),
+            "f16-n128-s3": LC(block_n=128, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16"),
+            "f16-n128-w8": LC(block_n=128, block_h=16, num_warps=8, num_stages=3, fp8_widen="fp16")}
+    for group in (1, 7)
+}
+FP8_MLA_VARIANTS = {
+    16: {"f16": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16"),
+         "n64": LC(block_n=64, block_h=16, num_warps=4, num_stages=2),
+         "f16-n64-s3": LC(block_n=64, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16")},
+    128: {"f16": LC(block_n=16, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16"),
+          "f16-n32": LC(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16"),
+          "f16-h16-n32": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16")},
+}
+
 
 @dataclass
 class Row:
@@ -187,7 +205,8 @@ def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     default_cfg = tpa.default_gqa_config(group, query.dtype)
     default_splits = tpa._num_splits(batch * kv_heads, bound, default_cfg.block_n, None, tpa.GQA_TARGET_PROGRAMS)
     rows = []
-    for name, kw in variant_options(GQA_VARIANTS.get(group, {}), batch, default_splits, variants).items():
+    configs = (FP8_GQA_VARIANTS if scales else GQA_VARIANTS).get(group, {})
+    for name, kw in variant_options(configs, batch, default_splits, variants).items():
         cfg = kw.get("config") or default_cfg
         splits = tpa._num_splits(batch * kv_heads, bound, cfg.block_n, kw.get("num_splits"), tpa.GQA_TARGET_PROGRAMS)
         row = Row("decode", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")
@@ -240,7 +259,8 @@ def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     tiles = -(-heads // default_cfg.block_h)
     default_splits = tpa._num_splits(batch * tiles, bound, default_cfg.block_n, None, tpa.MLA_TARGET_PROGRAMS)
     rows = []
-    for name, kw in variant_options(MLA_VARIANTS.get(heads, {}), batch, default_splits, variants).items():
+    configs = (FP8_MLA_VARIANTS if scales else MLA_VARIANTS).get(heads, {})
+    for name, kw in variant_options(configs, batch, default_splits, variants).items():
         cfg = kw.get("config") or default_cfg
         tiles = -(-heads // cfg.block_h)
         splits = tpa._num_splits(batch * tiles, bound, cfg.block_n, kw.get("num_splits"), tpa.MLA_TARGET_PROGRAMS)

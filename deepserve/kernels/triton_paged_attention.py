@@ -86,6 +86,10 @@ class LaunchConfig:
     block_h: int
     num_warps: int
     num_stages: int
+    # FP8 caches only: the dtype the codes widen to for the dots. "query": the query's (bf16), the
+    # default; "fp16": e4m3 -> fp16 is one conversion instruction per two values on sm_90 (bf16 is
+    # not), with the queries and probabilities cast to fp16 too (an experiment, bench/check_kernels.py).
+    fp8_widen: str = "query"
 
 
 def default_gqa_config(group: int, dtype: torch.dtype) -> LaunchConfig:
@@ -137,7 +141,7 @@ def _gqa_decode_kernel(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
@@ -157,6 +161,8 @@ def _gqa_decode_kernel(
 
     if KV_FP8:  # scores of k = fp8 * k_scale: the scale joins the score scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if WIDEN_F16:
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -172,7 +178,7 @@ def _gqa_decode_kernel(
         k = tl.load(kv_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(kv_ptr + stride_kv + kv_offs, mask=kv_mask, other=0.0)
         if KV_FP8:  # exact widening; the dots then run in the query's dtype as for a bf16 cache
-            k = k.to(q.dtype)
+            k = k.to(q.dtype)  # (fp16 when WIDEN_F16: q was cast above)
             v = v.to(q.dtype)
         if BLOCK_G == 1:
             scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
@@ -293,7 +299,7 @@ def _mla_decode_kernel(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
     # sharing a sequence run side by side and the latent rows they all read come from L2.
@@ -314,6 +320,9 @@ def _mla_decode_kernel(
 
     if KV_FP8:  # one scale for the whole entry: the keys' (c_kv and k_pe) joins the score scale
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
+    if WIDEN_F16:
+        q_lat = q_lat.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -405,6 +414,11 @@ def _kv_scales(cache: torch.Tensor, *scales: torch.Tensor | None) -> tuple[torch
     return scales
 
 
+def _widen_f16(cfg: LaunchConfig, cache: torch.Tensor) -> bool:
+    _require(cfg.fp8_widen in ("query", "fp16"), "config.fp8_widen must be 'query' or 'fp16'")
+    return cache.dtype == FP8 and cfg.fp8_widen == "fp16"
+
+
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     # fp32 inputs: "ieee", not the tf32 default, so fp32 matches the reference to 1e-5.
     return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -493,7 +507,8 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
-        KV_FP8=kv_cache.dtype == FP8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)
@@ -541,8 +556,8 @@ def paged_mla_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
-        **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8,
+        WIDEN_F16=_widen_f16(cfg, latent_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)
