@@ -202,7 +202,7 @@ def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     nbytes = kv_bytes + 2 * 2 * query.numel()
     out = torch.empty_like(query)
     group = heads // kv_heads
-    default_cfg = tpa.default_gqa_config(group, query.dtype)
+    default_cfg = tpa.default_gqa_config(group, query.dtype, bool(scales))
     default_splits = tpa._num_splits(batch * kv_heads, bound, default_cfg.block_n, None, tpa.GQA_TARGET_PROGRAMS)
     rows = []
     configs = (FP8_GQA_VARIANTS if scales else GQA_VARIANTS).get(group, {})
@@ -255,7 +255,7 @@ def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, tables[0], seq_lens, scale, **fp8)
     nbytes = kv_bytes + 2 * (q_latent.numel() + q_rope.numel() + q_latent.numel())
     out = torch.empty_like(q_latent)
-    default_cfg = tpa.default_mla_config(heads)
+    default_cfg = tpa.default_mla_config(heads, bool(scales))
     tiles = -(-heads // default_cfg.block_h)
     default_splits = tpa._num_splits(batch * tiles, bound, default_cfg.block_n, None, tpa.MLA_TARGET_PROGRAMS)
     rows = []

@@ -86,28 +86,38 @@ class LaunchConfig:
     block_h: int
     num_warps: int
     num_stages: int
-    # FP8 caches only: the dtype the codes widen to for the dots. "query": the query's (bf16), the
-    # default; "fp16": e4m3 -> fp16 is one conversion instruction per two values on sm_90 (bf16 is
-    # not), with the queries and probabilities cast to fp16 too (an experiment, bench/check_kernels.py).
+    # FP8 caches only: the dtype the codes widen to for the dots. "query": the query's (bf16); "fp16"
+    # (the FP8 defaults): e4m3 -> fp16 is one conversion instruction per two values on sm_90 (bf16 is
+    # not), with the queries (saturated to fp16's range) and the probabilities cast to fp16 too.
     fp8_widen: str = "query"
 
 
-def default_gqa_config(group: int, dtype: torch.dtype) -> LaunchConfig:
+def default_gqa_config(group: int, dtype: torch.dtype, kv_fp8: bool = False) -> LaunchConfig:
     # tl.dot even for MHA (group 1 padded to 16 rows): on sm_90 Triton then pipelines the K/V tile loads
     # through shared memory (cp.async, one tile ahead); the block_h=1 FMA path loads into registers only.
     # ptxas sm_90, bf16, D 128: 80-96 registers, 38 KiB shared memory, no spills.
     block_h = max(16, triton.next_power_of_2(group))
     if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
         return LaunchConfig(block_n=32, block_h=block_h, num_warps=4, num_stages=1)
+    if kv_fp8:
+        # Half the bytes a key: 128-key tiles, 3 stages, codes widened to fp16. H200 (check_kernels
+        # --kv-dtype fp8, graph replays): LLM-7B B=256 L=2,048 1,782 us against 2,126 with the bf16 cache's
+        # tiles widened to bf16 (and 1,907 for a bf16 cache); Qwen-7B 226 / 288 (bf16 cache 256).
+        return LaunchConfig(block_n=128, block_h=block_h, num_warps=4, num_stages=3, fp8_widen="fp16")
     return LaunchConfig(block_n=64, block_h=block_h, num_warps=4, num_stages=2)
 
 
-def default_mla_config(num_heads: int) -> LaunchConfig:
+def default_mla_config(num_heads: int, kv_fp8: bool = False) -> LaunchConfig:
     # The [block_h, R] fp32 accumulator is what limits the head tile: 32 x 512 needs 8 warps.
+    # FP8 caches widen their codes to fp16 (H200, every case of check_kernels --kv-dtype fp8 faster than
+    # widening to bf16: V2-Lite B=256 L=1,024 146 against 162 us; V3 B=64 L=1,024 248 with 32-key
+    # tiles against 479 with the bf16 cache's 16-key tiles widened to bf16, and 324 for a bf16 cache).
     if num_heads <= 16:
         # 32-token tiles: measured faster than 16 in every V2-Lite case of bench/check_kernels.py on the
         # H200 (batch 1 to 256, 1k and 2k tokens; e.g. 114 vs 147 us at batch 256 x 1,024).
-        return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
+        return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16" if kv_fp8 else "query")
+    if kv_fp8:
+        return LaunchConfig(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16")
     return LaunchConfig(block_n=16, block_h=32, num_warps=8, num_stages=2)  # 128 registers, 55 KiB
 
 
@@ -161,8 +171,8 @@ def _gqa_decode_kernel(
 
     if KV_FP8:  # scores of k = fp8 * k_scale: the scale joins the score scale
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if WIDEN_F16:
-        q = q.to(tl.float16)
+    if WIDEN_F16:  # saturated: a query past fp16's range (never seen) must not turn into inf / NaN
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -320,9 +330,9 @@ def _mla_decode_kernel(
 
     if KV_FP8:  # one scale for the whole entry: the keys' (c_kv and k_pe) joins the score scale
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
-    if WIDEN_F16:
-        q_lat = q_lat.to(tl.float16)
-        q_pe = q_pe.to(tl.float16)
+    if WIDEN_F16:  # saturated: a query past fp16's range (never seen) must not turn into inf / NaN
+        q_lat = tl.clamp(q_lat.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_pe = tl.clamp(q_pe.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -414,9 +424,10 @@ def _kv_scales(cache: torch.Tensor, *scales: torch.Tensor | None) -> tuple[torch
     return scales
 
 
-def _widen_f16(cfg: LaunchConfig, cache: torch.Tensor) -> bool:
+def _widen_f16(cfg: LaunchConfig, cache: torch.Tensor, query_dtype: torch.dtype) -> bool:
+    # fp32 queries (tests) keep their precision: the fp16 dots are for 16-bit queries only.
     _require(cfg.fp8_widen in ("query", "fp16"), "config.fp8_widen must be 'query' or 'fp16'")
-    return cache.dtype == FP8 and cfg.fp8_widen == "fp16"
+    return cache.dtype == FP8 and cfg.fp8_widen == "fp16" and query_dtype != torch.float32
 
 
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
@@ -493,7 +504,7 @@ def paged_decode_attention(
     _check_paged(block_tables, seq_lens, batch)
     out = _check_out(out, query)
     group = heads // kv_heads
-    cfg = config or default_gqa_config(group, query.dtype)
+    cfg = config or default_gqa_config(group, query.dtype, kv_cache.dtype == FP8)
     _require(cfg.block_h == 1 and group == 1 or cfg.block_h >= max(16, group),
              "config.block_h must be 1 (MHA only) or >= max(16, group)")
     splits = _num_splits(batch * kv_heads, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
@@ -507,7 +518,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
-        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache), num_warps=cfg.num_warps,
+        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -542,7 +553,7 @@ def paged_mla_decode_attention(
              "the feature axis must be contiguous")
     _check_paged(block_tables, seq_lens, batch)
     out = _check_out(out, q_latent)
-    cfg = config or default_mla_config(heads)
+    cfg = config or default_mla_config(heads, latent_cache.dtype == FP8)
     _require(cfg.block_h >= 16, "config.block_h must be >= 16 (tl.dot)")
     head_tiles = triton.cdiv(heads, cfg.block_h)
     splits = _num_splits(batch * head_tiles, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
@@ -557,7 +568,7 @@ def paged_mla_decode_attention(
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
         **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8,
-        WIDEN_F16=_widen_f16(cfg, latent_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

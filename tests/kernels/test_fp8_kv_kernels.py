@@ -150,3 +150,19 @@ def test_fp8_cache_without_its_scales_is_refused():
         tpa.store_kv_cache(query[:, :2], query[:, :2], kv8, torch.zeros(2, dtype=torch.int64), scale(1.0), 1.0)
     with pytest.raises(ValueError, match="dtype"):
         tpa.paged_decode_attention(query, kv8.to(torch.float16), table, seq_lens, 1.0)
+
+
+def test_fp16_widening_saturates_queries_past_fp16_range():
+    # The FP8 defaults run the dots in fp16: a query element beyond fp16's range is saturated, not inf,
+    # so the output stays finite (the reference, in fp32, is only a sanity bound here).
+    query, kv_cache, table, seq_lens, lens = make_decode(3, 4, 2, 64, 16, 40, torch.bfloat16, seed=7)
+    query[:, :, 0] = 1e5
+    kv8 = torch.stack([to_fp8(kv_cache[0].float(), K_SCALE), to_fp8(kv_cache[1].float(), V_SCALE)])
+    out = tpa.paged_decode_attention(query, kv8, table, seq_lens, 64 ** -0.5, max_seq_len=max(lens),
+                                     k_scale=scale(K_SCALE), v_scale=scale(V_SCALE))
+    assert torch.isfinite(out).all()
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(3, 16, 64, 32, 16, 40, torch.bfloat16, seed=8)
+    q_latent[:, :, 0] = -1e5
+    out = tpa.paged_mla_decode_attention(q_latent, q_rope, to_fp8(cache.float(), LATENT_SCALE), table, seq_lens,
+                                         0.1, max(lens), kv_scale=scale(LATENT_SCALE))
+    assert torch.isfinite(out).all()
