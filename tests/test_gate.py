@@ -51,6 +51,8 @@ def test_targets_missing_figures_checks_and_ungated_ready():
     assert found["r1-distill-qwen-7b/w1"] == "ok target met" and found["deepseek-llm-7b/ready"] == "worse (not gated)"
     found, ok = verdicts(figs({"deepseek-llm-7b/ttft": 25.0}))
     assert not ok and found["deepseek-llm-7b/ttft"] == "REGRESSION target met"  # under 30 ms, 25 % over 20 ms
+    found, ok = verdicts(figs({"deepseek-llm-7b/ttft": 22.0}))  # TTFT is judged at 15 %: 10 % over is noise
+    assert ok and found["deepseek-llm-7b/ttft"] == "ok target met"
     found, ok = verdicts({"deepseek-llm-7b/tpot": 3.9})
     assert not ok and found["r1-distill-qwen-7b/w1"] == "MISSING"
     _, ok = verdicts(BASE["figures"], {"greedy": "FAIL (rc=1)"})
