@@ -3,7 +3,12 @@
 CI runs the kernels in Triton's interpreter, which accepts code the real compiler rejects (a plain Python
 global read inside a kernel did exactly that once, and only the GPU run found it). Here each wrapper runs
 once on CPU with its kernels recorded, then every recorded launch is compiled for sm_90 with
-`triton.compile`: the signature, the constexprs and num_warps / num_stages come from the launch itself."""
+`triton.compile`: the signature, the constexprs and num_warps / num_stages come from the launch itself.
+
+With DEEPSERVE_PTX_FINGERPRINT=FILE set, every compiled launch also appends a line to FILE: the kernel,
+its constexprs and a hash of its PTX without line and file directives. Run these tests in two trees and
+diff the files to show, on a machine with no GPU, that a change leaves a kernel's GPU code identical
+(e.g. the bf16 path after an FP8 or int4 change)."""
 
 from __future__ import annotations
 
@@ -90,15 +95,22 @@ def _job(rec: _Recorder, args: tuple, kwargs: dict) -> dict:
 # Runs in a fresh interpreter without TRITON_INTERPRET: the interpreter patches triton.language in the
 # process that uses it, and the compiler cannot run beside it.
 _COMPILER = """
-import importlib, json, sys
+import hashlib, importlib, json, os, sys
 import triton
 from triton.backends.compiler import GPUTarget
+fingerprints = os.environ.get("DEEPSERVE_PTX_FINGERPRINT")
 for job in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
     source = triton.compiler.ASTSource(fn=kernel, signature=job["signature"], constexprs=job["constexprs"])
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=job["options"])
     assert "ptx" in compiled.asm
     print("compiled", job["kernel"], job["constexprs"])
+    if fingerprints:  # the code without its source positions (.loc / .file) and debug sections
+        code = compiled.asm["ptx"].split(".section\\t.debug")[0]
+        code = "\\n".join(line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+        with open(fingerprints, "a") as f:
+            f.write(f"{job['kernel']} {json.dumps(job['constexprs'], sort_keys=True)} "
+                    f"{json.dumps(job['options'], sort_keys=True)} {hashlib.sha256(code.encode()).hexdigest()[:16]}\\n")
 """
 
 
