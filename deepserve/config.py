@@ -28,6 +28,7 @@ class ModelConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     # "fp8" or None, resolved from --quantization and the checkpoint (layers/quantization.py)
     quantization: str | None = None
+    decryption_key_file: str | None = None  # key of a checkpoint encrypted at rest (loader/encryption.py)
 
     @property
     def architecture(self) -> str:
@@ -190,6 +191,9 @@ class EngineArgs:
     # None: follow the checkpoint (FP8 checkpoints are served in FP8); "fp8": also quantize an unquantized
     # checkpoint at load (per-channel weights, per-token activations); "none": dequantize an FP8 checkpoint.
     quantization: str | None = None
+    # A checkpoint encrypted at rest (deepserve encrypt-model): the file with its key, 64 hex characters.
+    # Every rank reads it (each node needs it at this path); weights are decrypted in memory only.
+    decryption_key_file: str | None = None
     device: str = "auto"
     cpu_kv_cache_gib: float = 1.0
     # None: decode CUDA graphs in one process, eager ranks under tensor parallelism (graphs there are
@@ -241,6 +245,7 @@ class EngineArgs:
             device=device,
             enforce_eager=self.tensor_parallel_size > 1 if self.enforce_eager is None else self.enforce_eager,
             quantization=_resolve_quantization(hf_config, self.quantization, device),
+            decryption_key_file=self.decryption_key_file,
         )
         if self.enforce_eager is False and self.tensor_parallel_size > 1:
             import logging

@@ -46,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the tensor-parallel ranks split the MoE routed experts (whole experts per rank) "
                         "instead of each expert's intermediate size")
     g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    g.add_argument("--decryption-key-file", default=d.decryption_key_file, metavar="PATH",
+                   help="key of a checkpoint encrypted with deepserve encrypt-model (64 hex characters); its "
+                        "weights are decrypted in memory while loading")
     g.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
                    help="weight quantization (default: the checkpoint's; DeepSeek-V3/R1's FP8 is served as shipped): "
                         "fp8 also quantizes an unquantized checkpoint at load (per-channel weights, per-token "
@@ -165,6 +168,20 @@ def cmd_demo_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_encrypt_model(ns: argparse.Namespace) -> int:
+    from deepserve.loader.encryption import encrypt_model, new_key_file, read_key_file
+
+    if ns.new_key_file:
+        try:
+            new_key_file(ns.key_file)
+        except FileExistsError:
+            raise ValueError(f"--new-key-file: {ns.key_file} exists; pick another path or drop --new-key-file "
+                             "to use that key") from None
+    written = encrypt_model(ns.src, ns.dst, read_key_file(ns.key_file, "--key-file"), ns.cipher)
+    print(f"wrote {len(written)} files to {ns.dst} ({ns.cipher}); serve it with --decryption-key-file {ns.key_file}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description="Serve DeepSeek models.")
     parser.add_argument("--log-level", default="WARNING")
@@ -190,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="write the built-in tiny demo checkpoint to PATH")
     demo.add_argument("path")
     demo.set_defaults(func=cmd_demo_model)
+
+    enc = sub.add_parser("encrypt-model", help="encrypt a checkpoint's weights at rest (SRC stays as it is)",
+                         description="Seal every *.safetensors of SRC into DST as *.safetensors.enc (authenticated "
+                                     "encryption, random access by 1 MiB chunk); config and tokenizer files are "
+                                     "copied as they are. Serve DST with --decryption-key-file KEY.")
+    enc.add_argument("src", help="checkpoint folder")
+    enc.add_argument("dst", help="folder for the encrypted checkpoint (created)")
+    enc.add_argument("--key-file", required=True, metavar="PATH",
+                     help="key file: 32 bytes as 64 hex characters (see --new-key-file)")
+    enc.add_argument("--new-key-file", action="store_true",
+                     help="write a fresh random key to --key-file first (refused if the file exists)")
+    enc.add_argument("--cipher", default="aes-256-gcm", choices=["aes-256-gcm", "sm4-gcm"],
+                     help="AEAD cipher (default: aes-256-gcm; sm4-gcm for deployments held to SM4)")
+    enc.set_defaults(func=cmd_encrypt_model)
 
     _add_server_commands(sub)
     from deepserve.bench.cli import add_bench_parser

@@ -19,16 +19,24 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from deepserve.loader.encryption import SAFETENSORS_DTYPES as _DTYPES
+from deepserve.loader.encryption import SUFFIX, DecryptionError, EncryptedSafetensors
+
 logger = logging.getLogger(__name__)
 
 
 def checkpoint_files(model_path: str) -> list[str]:
+    """The checkpoint's shards: *.safetensors, or *.safetensors.enc when it was encrypted at rest
+    (loader/encryption.py)."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
+        names = [n if os.path.exists(os.path.join(model_path, n)) or not _is_sealed(model_path, n) else n + SUFFIX
+                 for n in names]
     else:
         names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+        names = names or sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors" + SUFFIX))
     if not names:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_path}; convert the checkpoint to safetensors, "
@@ -37,11 +45,10 @@ def checkpoint_files(model_path: str) -> list[str]:
     return [os.path.join(model_path, n) for n in names]
 
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+def _is_sealed(model_path: str, name: str) -> bool:
+    return os.path.exists(os.path.join(model_path, name + SUFFIX))
+
+
 
 
 class LazyTensor:
@@ -127,15 +134,23 @@ def materialize(x: torch.Tensor | LazyTensor) -> torch.Tensor:
     return x.materialize() if isinstance(x, LazyTensor) else x
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, LazyTensor) for every tensor of every shard; a tensor is read when a loader uses it."""
+def iterate_safetensors(model_path: str, decryption_key: bytes | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, LazyTensor) for every tensor of every shard; a tensor is read when a loader uses it.
+    Encrypted shards (*.safetensors.enc) need `decryption_key` and are decrypted in memory, slice by slice."""
     for path in checkpoint_files(model_path):
-        f = safe_open(path, framework="pt")  # kept open by the slices that refer to it
+        if path.endswith(SUFFIX):
+            if decryption_key is None:
+                raise DecryptionError(f"{path} is encrypted: pass its key with --decryption-key-file "
+                                      "(LLM(decryption_key_file=...))")
+            f = EncryptedSafetensors(path, decryption_key)
+        else:
+            f = safe_open(path, framework="pt")  # kept open by the slices that refer to it
         for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
             s = f.get_slice(name)
             shape, dtype = tuple(s.get_shape()), _DTYPES.get(s.get_dtype())
             if dtype is None or not shape:  # an exotic dtype or a scalar: read it as it is
-                yield name, f.get_tensor(name)
+                yield name, s[()] if isinstance(f, EncryptedSafetensors) else f.get_tensor(name)
             else:
                 yield name, LazyTensor(s, shape, dtype)  # type: ignore[misc]
 

@@ -10,6 +10,7 @@ from torch import nn
 from deepserve.config import ModelConfig
 from deepserve.layers.quantization import quantize_after_loading
 from deepserve.loader.checkpoint import check_all_loaded, init_dummy_weights, iterate_safetensors
+from deepserve.loader.encryption import read_key_file
 from deepserve.loader.kv_scales import take_kv_scales
 from deepserve.models.registry import get_model_class
 
@@ -28,7 +29,8 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        loaded = model.load_weights(take_kv_scales(model, iterate_safetensors(config.model)))
+        key = read_key_file(config.decryption_key_file) if config.decryption_key_file else None
+        loaded = model.load_weights(take_kv_scales(model, iterate_safetensors(config.model, key)))
         check_all_loaded(model, loaded | _tied(model))
     quantize_after_loading(model)  # --quantization fp8 on an unquantized checkpoint: per-channel FP8 now
     return model.eval()

@@ -1,0 +1,172 @@
+"""Weights encrypted at rest: the sealed format, its refusals, and a checkpoint served from it.
+
+The reference for every read is the plaintext: bytes of the source file, safetensors' own safe_open, and
+transformers' greedy output of the model the checkpoint came from."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from deepserve.loader import encryption as enc
+
+pytest.importorskip("cryptography")
+CIPHERS = list(enc.CIPHERS)
+
+
+@pytest.fixture
+def key():
+    return bytes(range(32))
+
+
+def _seal(tmp_path, data: bytes, key: bytes, cipher: str, chunk: int):
+    src, dst = tmp_path / "x.bin", tmp_path / "x.bin.enc"
+    src.write_bytes(data)
+    enc.encrypt_file(src, dst, key, cipher, chunk_bytes=chunk)
+    return dst
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_random_reads_equal_the_plaintext_and_touch_only_their_chunks(tmp_path, key, cipher):
+    data = os.urandom(1000)
+    f = enc.EncryptedFile(_seal(tmp_path, data, key, cipher, chunk=64), key)
+    assert f.size == 1000
+    for offset, length in [(0, 1000), (63, 2), (999, 1), (128, 64), (500, 0), (10, 300)]:
+        assert bytes(f.read(offset, length)) == data[offset:offset + length]
+    fresh = enc.EncryptedFile(tmp_path / "x.bin.enc", key)
+    fresh.read(130, 10)  # inside chunk 2 only
+    assert fresh.chunks_decrypted == 1
+    assert b"".join(data[i:i + 16] for i in range(0, 64, 16)) not in (tmp_path / "x.bin.enc").read_bytes()
+    with pytest.raises(enc.DecryptionError, match="past"):
+        f.read(990, 20)
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_tampering_truncation_reordering_renaming_and_wrong_keys_are_refused(tmp_path, key, cipher):
+    path = _seal(tmp_path, os.urandom(640), key, cipher, chunk=64)
+    sealed = bytearray(path.read_bytes())
+    header_end = len(sealed) - 10 * (64 + enc.TAG_BYTES)
+
+    def sealed_copy(folder: str, data: bytes, name: str = "x.bin.enc"):  # under the name it was sealed as
+        (tmp_path / folder).mkdir()
+        p = tmp_path / folder / name
+        p.write_bytes(data)
+        return p
+
+    flipped = bytearray(sealed)
+    flipped[header_end + 3 * 80 + 5] ^= 1  # a byte of chunk 3
+    f = enc.EncryptedFile(sealed_copy("flip", flipped), key)
+    f.read(0, 64 * 3)  # chunks 0-2 are intact
+    with pytest.raises(enc.DecryptionError, match="chunk 3 failed authentication"):
+        f.read(64 * 3, 1)
+    swapped = sealed[:header_end] + sealed[header_end + 80:header_end + 160] + sealed[header_end:header_end + 80] \
+        + sealed[header_end + 160:]
+    with pytest.raises(enc.DecryptionError, match="chunk 0 failed"):
+        enc.EncryptedFile(sealed_copy("swap", swapped), key).read(0, 1)
+    with pytest.raises(enc.DecryptionError, match="truncated"):
+        enc.EncryptedFile(sealed_copy("cut", sealed[:-80]), key)
+    # The last chunk dropped and the header's size edited to match: the new last chunk was sealed as not last.
+    edited = bytes(sealed[:-80]).replace(b'"plain_size": 640', b'"plain_size": 576')
+    with pytest.raises(enc.DecryptionError, match="failed authentication"):
+        enc.EncryptedFile(sealed_copy("edit", edited), key).read(570, 1)
+    with pytest.raises(enc.DecryptionError, match="encrypted as 'x.bin.enc'"):
+        enc.EncryptedFile(sealed_copy("renamed", sealed, "y.bin.enc"), key)
+    with pytest.raises(enc.DecryptionError, match="another key"):
+        enc.EncryptedFile(path, bytes(32))
+    with pytest.raises(enc.DecryptionError, match="not a deepserve encrypted file"):
+        enc.EncryptedFile(sealed_copy("plain", b"hello world, not sealed"), key)
+
+
+def test_tensors_and_their_windows_read_as_safetensors_reads_them(tmp_path, key):
+    torch.manual_seed(0)
+    tensors = {
+        "w.bf16": torch.randn(37, 19, dtype=torch.bfloat16),
+        "w.f32": torch.randn(5, 3, 7),
+        "w.fp8": torch.randn(33, 16).to(torch.float8_e4m3fn),
+        "w.i32": torch.randint(-9, 9, (11,), dtype=torch.int32),
+        "s.f32": torch.tensor(2.5),
+    }
+    src = tmp_path / "m.safetensors"
+    save_file(tensors, src, metadata={"format": "pt"})
+    enc.encrypt_file(src, tmp_path / "m.safetensors.enc", key, chunk_bytes=128)
+    sealed = enc.EncryptedSafetensors(tmp_path / "m.safetensors.enc", key)
+    with safe_open(src, framework="pt") as plain:
+        assert sorted(sealed.keys()) == sorted(plain.keys())
+        for name in plain.keys():  # noqa: SIM118
+            ours, theirs = sealed.get_slice(name), plain.get_slice(name)
+            assert ours.get_shape() == theirs.get_shape() and ours.get_dtype() == theirs.get_dtype()
+            full = tuple(slice(0, n) for n in theirs.get_shape())
+            got, want = ours[full], plain.get_tensor(name)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        assert torch.equal(sealed.get_slice("w.bf16")[3:9, 2:11], plain.get_slice("w.bf16")[3:9, 2:11])
+        assert torch.equal(sealed.get_slice("w.f32")[1:4, :, 2:5], plain.get_slice("w.f32")[1:4, :, 2:5])
+
+
+def test_a_first_dimension_slice_decrypts_only_its_rows(tmp_path, key):
+    rows = torch.randn(64, 256)  # 1 KiB a row, 64 KiB in all: 64 chunks of 1 KiB
+    save_file({"w": rows}, tmp_path / "m.safetensors")
+    enc.encrypt_file(tmp_path / "m.safetensors", tmp_path / "m.safetensors.enc", key, chunk_bytes=1024)
+    sealed = enc.EncryptedSafetensors(tmp_path / "m.safetensors.enc", key)
+    before = sealed.file.chunks_decrypted
+    half = sealed.get_slice("w")[32:48, 0:256]  # one rank's quarter under tensor parallelism
+    assert torch.equal(half, rows[32:48])
+    assert sealed.file.chunks_decrypted - before <= 17  # 16 rows of 1 KiB, offset by the header
+
+
+def test_key_files(tmp_path):
+    path = tmp_path / "k"
+    enc.new_key_file(path)
+    assert len(enc.read_key_file(path)) == 32 and oct(path.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(FileExistsError):
+        enc.new_key_file(path)
+    (tmp_path / "short").write_text("abcd")
+    with pytest.raises(ValueError, match="--decryption-key-file: .* 64 hex characters"):
+        enc.read_key_file(tmp_path / "short")
+    with pytest.raises(ValueError, match="--key-file: cannot read"):
+        enc.read_key_file(tmp_path / "missing", "--key-file")
+
+
+def test_an_encrypted_checkpoint_serves_what_transformers_computes(tmp_path, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepserve import LLM, SamplingParams
+    from deepserve.entrypoints.cli import main
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    hf_model = LlamaForCausalLM(config).eval()
+    src, dst, key = tmp_path / "plain", tmp_path / "sealed", tmp_path / "key"
+    hf_model.save_pretrained(src, max_shard_size="100KB")  # several shards and their index
+    tokenizer.save_pretrained(src)
+    assert main(["encrypt-model", str(src), str(dst), "--key-file", str(key), "--new-key-file"]) == 0
+    names = os.listdir(dst)
+    assert not any(n.endswith(".safetensors") for n in names)
+    assert sum(n.endswith(".safetensors.enc") for n in names) > 1 and "model.safetensors.index.json" in names
+
+    prompt = [5, 17, 300, 42, 9]
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(dst), decryption_key_file=str(key), dtype="float32", device="cpu", num_gpu_blocks_override=32)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+    with pytest.raises(enc.DecryptionError, match="--decryption-key-file"):
+        LLM(str(dst), dtype="float32", device="cpu", num_gpu_blocks_override=32)
+    other = tmp_path / "other-key"
+    enc.new_key_file(other)
+    with pytest.raises(enc.DecryptionError, match="another key"):
+        LLM(str(dst), decryption_key_file=str(other), dtype="float32", device="cpu", num_gpu_blocks_override=32)
+
+
+def test_encrypt_model_refuses_its_own_source_folder(tmp_path, key):
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="another folder"):
+        enc.encrypt_model(tmp_path, tmp_path, key)
+    assert struct.unpack("<Q", (tmp_path / "model.safetensors").read_bytes()[:8])[0] > 0  # untouched
