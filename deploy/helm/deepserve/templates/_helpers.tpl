@@ -29,6 +29,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
     {{- if .Values.leaderWorkerSet.enabled }}
     {{- include "deepserve.multinodeArgs" (dict "root" . "nodeRank" "0") | nindent 4 }}
     {{- end }}
+    {{- if .Values.model.decryptionKeySecret }}
+    - --decryption-key-file
+    - /etc/deepserve/decryption/key
+    {{- end }}
     {{- range .Values.engine.extraArgs }}
     - {{ . | quote }}
     {{- end }}
@@ -63,6 +67,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
     - {name: tls, mountPath: /etc/deepserve/tls, readOnly: true}
     {{- end }}
     - {name: models, mountPath: {{ .Values.model.mountPath }}, readOnly: true}
+    {{- if .Values.model.decryptionKeySecret }}
+    - {name: decryption-key, mountPath: /etc/deepserve/decryption, readOnly: true}
+    {{- end }}
     - {name: tmp, mountPath: /tmp}
     - {name: compile-cache, mountPath: /var/cache/deepserve}
     - {name: dshm, mountPath: /dev/shm}
@@ -115,6 +122,10 @@ volumes:
   {{- end }}
   - name: models
     persistentVolumeClaim: {claimName: {{ .Values.model.pvcName }}, readOnly: true}
+  {{- if .Values.model.decryptionKeySecret }}
+  - name: decryption-key
+    secret: {secretName: {{ .Values.model.decryptionKeySecret }}, defaultMode: 0400}
+  {{- end }}
   - name: tmp
     emptyDir: {}
   # Compiled Triton / inductor kernels (DEEPSERVE_CACHE_DIR, set in the image): a claim keeps them for the
