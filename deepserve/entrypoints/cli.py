@@ -234,11 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_server_commands(sub: argparse._SubParsersAction) -> None:
     try:
-        from deepserve.entrypoints.serve import add_keys_parser, add_serve_parser
+        from deepserve.entrypoints.serve import add_audit_parser, add_keys_parser, add_serve_parser
     except ImportError:  # the server extras are part of the package; this guards partial installs
         return
     add_serve_parser(sub)
     add_keys_parser(sub)
+    add_audit_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,23 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
+def add_audit_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("audit", help="check the audit log's hash chain")
+    sub = p.add_subparsers(dest="audit_command", required=True)
+    verify = sub.add_parser("verify", help="verify one chain: the rotated files oldest first, then the live one")
+    verify.add_argument("files", nargs="+")
+    verify.add_argument("--continues", action="store_true",
+                        help="the first file is a rotated one that continues an earlier file not given here")
+    verify.set_defaults(func=cmd_audit_verify)
+    return p
+
+
+def cmd_audit_verify(ns: argparse.Namespace) -> int:
+    from deepserve.server.audit import main
+
+    return main(ns.files, ns.continues)
+
+
 def cmd_keys_add(ns: argparse.Namespace) -> int:
     from deepserve.server.auth import add_key_to_file
 

@@ -73,9 +73,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_sighup(state: ServerState) -> None:
+    # SIGHUP: reload the key file, and reopen the audit log (after logrotate renamed it). Run by the
+    # event loop between callbacks, never inside an audit write.
+    def on_sighup() -> None:
+        state.keys.reload()
+        if state.audit is not None:
+            state.audit.reopen()
+            logger.info("audit log reopened: %s", state.audit.path)
+
     if hasattr(signal, "SIGHUP"):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, state.keys.reload)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
 
 
 async def _start_engine(state: ServerState) -> None:

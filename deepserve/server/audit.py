@@ -2,8 +2,12 @@
 
 Record i carries `prev` = the hash of record i-1 and `hash` = SHA-256(prev + canonical JSON of the
 record without `hash`). Editing, inserting or deleting a line breaks every later link, which
-`verify_chain()` reports (`python -m deepserve.server.audit FILE`). The chain continues across
-restarts from the file's last line. Prompts are recorded only when enabled.
+`verify_chain()` reports (`deepserve audit verify FILE...`, or `python -m deepserve.server.audit FILE...`).
+The chain continues across restarts from the file's last line, and across rotation: after logrotate (or
+anyone) renames the file, SIGHUP makes the server reopen the path, and the new file's first record links
+to the old file's last. Verify rotated files oldest first to check the whole chain; a rotated file verified
+alone needs --continues (it links to a hash of an earlier file, which is then printed), since without the
+earlier file a deletion of its first records cannot be told from a rotation. Prompts are recorded only when enabled.
 """
 
 from __future__ import annotations
@@ -42,8 +46,18 @@ class AuditLog:
         self.log_prompts = log_prompts
         self._lock = threading.Lock()
         self._prev = _last_hash(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._file = self._open()
+
+    def _open(self):
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8")
+
+    def reopen(self) -> None:
+        """Opens the path anew (SIGHUP after rotation); the chain goes on from the last record written,
+        whatever file held it."""
+        with self._lock:
+            self._file.close()
+            self._file = self._open()
 
     def write(self, **fields: Any) -> None:
         if not self.log_prompts:
@@ -59,25 +73,47 @@ class AuditLog:
         self._file.close()
 
 
-def verify_chain(path: str) -> tuple[int, str | None]:
-    """(number of valid records, None) if the chain is intact, else (index of the first bad line, why)."""
-    prev, count = GENESIS, 0
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                return i, f"line {i + 1} is not JSON"
-            claimed = record.pop("hash", None)
-            if record.get("prev") != prev:
-                return i, f"line {i + 1} does not link to the line before it"
-            if claimed != _digest(prev, record):
-                return i, f"line {i + 1} was modified (hash mismatch)"
-            prev, count = claimed, count + 1
-    return count, None
+def verify_chain(*paths: str, continues: bool = False) -> tuple[int, str | None]:
+    """Files of one chain, oldest first: (number of valid records, None) if the chain is intact, else
+    (index of the first bad record over all files, why). continues: the first file may continue an
+    earlier one (a rotated file); otherwise the chain must start in it."""
+    count, _, problem = _verify(paths, continues)
+    return count, problem
+
+
+def _verify(paths: tuple[str, ...], continues: bool) -> tuple[int, str | None, str | None]:
+    # -> (records, the hash the first file continues from or None for the chain's start, problem)
+    prev, count, start = None, 0, None
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                where = f"{os.path.basename(path)} line {i + 1}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return count, start, f"{where} is not JSON"
+                claimed = record.pop("hash", None)
+                if prev is None:  # the first record read: the chain's start, or a rotated file's
+                    prev = record.get("prev") if continues else GENESIS
+                    start = None if prev == GENESIS else prev
+                if record.get("prev") != prev:
+                    return count, start, f"{where} does not link to the record before it"
+                if claimed != _digest(prev, record):
+                    return count, start, f"{where} was modified (hash mismatch)"
+                prev, count = claimed, count + 1
+    return count, start, None
+
+
+def main(paths: list[str], continues: bool = False) -> int:
+    count, start, problem = _verify(tuple(paths), continues)
+    if problem:
+        print(f"BROKEN after {count} good records: {problem}")
+        return 1
+    origin = "from the start" if start is None else f"continuing from hash {start[:16]}... (an earlier file)"
+    print(f"ok: {count} records, chain intact {origin}")
+    return 0
 
 
 if __name__ == "__main__":
-    count, problem = verify_chain(sys.argv[1])
-    print(problem or f"ok: {count} records, chain intact")
-    sys.exit(1 if problem else 0)
+    args = sys.argv[1:]
+    sys.exit(main([a for a in args if a != "--continues"], "--continues" in args))

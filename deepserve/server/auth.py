@@ -132,18 +132,19 @@ class KeyStore:
     def names(self) -> list[str]:
         return [k.name for k in self._keys]
 
-    def reload(self) -> bool:
+    def reload(self) -> str | None:
+        """Reads the key file again; None when it loaded, else why it did not (the keys then stay)."""
         if not self.path:
-            return True
+            return None
         try:
             keys = self._inline + load_key_file(self.path)
         except (OSError, ValueError, yaml.YAMLError) as e:
             logger.error("key file reload failed, keeping the previous %d keys: %s", len(self._keys), e)
-            return False
+            return f"{type(e).__name__}: {e}"
         with self._lock:
             self._keys = keys
         logger.info("reloaded %d API keys from %s", len(keys), self.path)
-        return True
+        return None
 
     def lookup(self, token: str) -> ApiKey | None:
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()

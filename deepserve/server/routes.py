@@ -113,6 +113,7 @@ async def usage(request: Request) -> JSONResponse:
 @router.post("/admin/keys/reload")
 async def reload_keys(request: Request) -> JSONResponse:
     st = _state(request)
-    if not st.keys.reload():
-        raise APIError(500, "key file reload failed; the previous keys stay in force (see the server log)")
+    problem = st.keys.reload()
+    if problem is not None:  # the admin's file is at fault, not the server: a 4xx that says what is wrong
+        raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
     return JSONResponse({"status": "ok", "keys": len(st.keys.names())})

@@ -423,3 +423,30 @@ def test_sighup_reloads_keys(srv):
     assert wait_until(lambda: httpx.get(f"{srv.url}/v1/models", headers=auth(new_key)).status_code == 200, 10)
     time.sleep(0.1)
     assert srv.proc.poll() is None
+
+
+def test_sighup_reopens_a_rotated_audit_log_and_the_chain_goes_on(srv, client):
+    rotated = srv.audit_path + ".1"
+    os.rename(srv.audit_path, rotated)  # what logrotate does, then it signals the server
+    os.kill(srv.proc.pid, signal.SIGHUP)
+    time.sleep(0.5)  # the signal is handled by the server's event loop
+    client.completions.create(model=MODEL, prompt="after rotation", max_tokens=2)
+    assert wait_until(lambda: os.path.exists(srv.audit_path) and os.path.getsize(srv.audit_path) > 0, 10)
+    count, problem = verify_chain(rotated, srv.audit_path)
+    assert problem is None and count > 10
+    assert verify_chain(srv.audit_path)[1] is not None  # alone, the new file does not start the chain
+    assert verify_chain(srv.audit_path, continues=True)[1] is None
+
+
+def test_reloading_a_broken_key_file_is_a_4xx_and_keeps_the_keys(srv, client):
+    good = open(srv.keys_path).read()
+    try:
+        with open(srv.keys_path, "w") as f:
+            f.write("keys: [ {name: broken")
+        r = httpx.post(f"{srv.url}/admin/keys/reload", headers=auth(ADMIN), timeout=30)
+        assert r.status_code == 422 and "previous keys stay" in r.json()["error"]["message"]
+        assert client.models.list().data  # the user key still works
+    finally:
+        with open(srv.keys_path, "w") as f:
+            f.write(good)
+    assert httpx.post(f"{srv.url}/admin/keys/reload", headers=auth(ADMIN), timeout=30).status_code == 200

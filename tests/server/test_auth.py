@@ -76,10 +76,10 @@ def test_reload_swaps_keys_and_keeps_old_on_error(tmp_path):
     path = write(tmp_path / "k.yaml", [entry("u", "sk-user-1")])
     store = KeyStore(path)
     write(path, [entry("v", "sk-user-2")])
-    assert store.reload() and store.lookup("sk-user-2") and store.lookup("sk-user-1") is None
+    assert store.reload() is None and store.lookup("sk-user-2") and store.lookup("sk-user-1") is None
     with open(path, "w") as f:
         f.write("keys: [ {name: broken")
-    assert not store.reload()
+    assert store.reload() is not None
     assert store.lookup("sk-user-2").name == "v"
 
 
