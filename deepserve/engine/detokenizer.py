@@ -76,6 +76,10 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._num_chars = 0
         self._num_sent = 0  # characters already returned by get_delta
+        # token_text_ends[k]: where output token k's text ends in output_text, for the tokens whose text
+        # is final (a token ending inside a character waits for the rest of it). Streams that carry
+        # logprobs cut their text at these boundaries, so each chunk's logprobs are its tokens'.
+        self.token_text_ends: list[int] = []
 
     @property
     def output_text(self) -> str:
@@ -98,6 +102,7 @@ class IncrementalDetokenizer:
         if self.matched_stop is not None:
             return None
         parts = []
+        pending = 0  # characters in parts
         # One token at a time, so text completed mid-batch is not held back by a partial
         # character at the batch's end.
         for token_id in new_token_ids:
@@ -108,7 +113,13 @@ class IncrementalDetokenizer:
                 self._add_text(text)  # no stop string may end the output yet
             elif text:
                 parts.append(text)
+                pending += len(text)
+            if text or self._read_offset == len(self._ids):  # every token so far has its text
+                self._mark_ends(self._num_tokens, self._num_chars + pending)
         return self._append("".join(parts)) if parts else None
+
+    def _mark_ends(self, num_tokens: int, end: int) -> None:
+        self.token_text_ends.extend([end] * (num_tokens - len(self.token_text_ends)))
 
     def finish(self) -> str | None:
         """Flush text still waiting for the rest of a character; idempotent.
@@ -122,7 +133,9 @@ class IncrementalDetokenizer:
             return None
         text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
-        return self._append(text[len(self._prefix_text) :])
+        stop = self._append(text[len(self._prefix_text) :])
+        self._mark_ends(self._num_tokens, self._num_chars)
+        return stop
 
     def get_delta(self, finished: bool) -> str:
         """Text not returned before. While the request runs the last (longest stop string - 1)
@@ -214,5 +227,7 @@ class IncrementalDetokenizer:
                 self._pieces[-1] = last[: len(last) - drop]
                 drop = 0
         self._num_chars = length
+        # Tokens whose text the cut removed end at the cut.
+        self.token_text_ends = [min(e, length) for e in self.token_text_ends]
         # Hold-back keeps a stop string's first character unsent, so this never cuts sent text.
         assert self._num_sent <= length

@@ -10,6 +10,7 @@ class Logprob:
     logprob: float
     rank: int | None = None  # 1 = the most likely token
     decoded_token: str | None = None
+    decoded_bytes: bytes | None = None  # the token's own bytes (engine/token_bytes.py), for OpenAI's `bytes`
 
 
 # One dict per position: token id -> Logprob (the sampled/actual token and the top-k alternatives).
@@ -26,6 +27,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With logprobs and text: where each token's text ends in `text`, for the tokens whose text is
+    # complete (streams cut their chunks there, so a chunk's logprobs are its own tokens').
+    token_text_ends: list[int] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -15,6 +15,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from deepserve.engine.detokenizer import IncrementalDetokenizer
 from deepserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepserve.engine.token_bytes import TokenBytes
 from deepserve.sampling_params import SamplingParams
 
 
@@ -103,9 +104,10 @@ class _Completion:
 
     def output(self) -> CompletionOutput:
         text = self.detokenizer.output_text if self.detokenizer else ""
+        ends = list(self.detokenizer.token_text_ends) if self.detokenizer and self.logprobs is not None else None
         return CompletionOutput(self.index, text, list(self.token_ids),
                                 self.cumulative_logprob if self.logprobs is not None else None,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+                                self.logprobs, self.finish_reason, self.stop_reason, ends)
 
 
 @dataclass
@@ -131,6 +133,7 @@ class _RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._token_bytes: TokenBytes | None = None  # built on the first logprobs
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, _Completion]] = {}
 
@@ -217,5 +220,12 @@ class OutputProcessor:
         return True
 
     def _logprob_dict(self, entry: list[tuple[int, float, int]]) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode if self.tokenizer is not None else lambda ids: None
-        return {tid: Logprob(lp, rank, decode([tid])) for tid, lp, rank in entry}
+        if self.tokenizer is None:
+            return {tid: Logprob(lp, rank) for tid, lp, rank in entry}
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        out = {}
+        for tid, lp, rank in entry:
+            text = self.tokenizer.decode([tid])
+            out[tid] = Logprob(lp, rank, text, self._token_bytes(tid, text))
+        return out

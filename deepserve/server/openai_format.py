@@ -8,6 +8,7 @@ Non-streaming responses are built from the same deltas, so both paths count toke
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,11 +46,17 @@ class ChoiceTracker:
             return None
         final = c.finish_reason is not None
         end = len(c.text) if final else max(self.sent_chars, len(c.text) - self.holdback)
+        tokens = len(c.token_ids)
+        if c.token_text_ends is not None and not final:
+            # Logprobs travel with their tokens' text: the chunk ends at the last token boundary
+            # before `end`, and tokens whose text is not all sent yet wait for the next chunk.
+            tokens = max(self.sent_tokens, bisect.bisect_right(c.token_text_ends, end))
+            end = max(self.sent_chars, c.token_text_ends[tokens - 1] if tokens else 0)
         delta = Delta(self.index, c.text[self.sent_chars:end], text_offset=self.sent_chars,
-                      token_ids=c.token_ids[self.sent_tokens:])
+                      token_ids=c.token_ids[self.sent_tokens:tokens])
         if c.logprobs is not None:
-            delta.logprobs = c.logprobs[self.sent_tokens:len(c.token_ids)]
-        self.sent_chars, self.sent_tokens = end, len(c.token_ids)
+            delta.logprobs = c.logprobs[self.sent_tokens:tokens]
+        self.sent_chars, self.sent_tokens = end, tokens
         if self.splitter is not None:
             if self.splitter.in_reasoning:  # the token that closes </think> still counts as thinking
                 self.reasoning_tokens += len(delta.token_ids)
@@ -78,14 +85,19 @@ def _token_str(lp: Logprob, token_id: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"<token {token_id}>"
 
 
+def _token_bytes(lp: Logprob, token: str) -> list[int]:
+    # The token's own bytes: a token ending inside a character decodes to U+FFFD, whose bytes are not its
+    return list(lp.decoded_bytes if lp.decoded_bytes is not None else token.encode())
+
+
 def chat_logprobs(delta: Delta, top_n: int) -> list[dict]:
     out = []
     for tid, pos in zip(delta.token_ids, delta.logprobs or [], strict=False):
         sampled = pos.get(tid) or Logprob(-math.inf)
         tok = _token_str(sampled, tid)
-        tops = [{"token": (s := _token_str(lp, t)), "logprob": _lp(lp.logprob), "bytes": list(s.encode())}
+        tops = [{"token": (s := _token_str(lp, t)), "logprob": _lp(lp.logprob), "bytes": _token_bytes(lp, s)}
                 for t, lp in _top(pos, top_n)]
-        out.append({"token": tok, "logprob": _lp(sampled.logprob), "bytes": list(tok.encode()),
+        out.append({"token": tok, "logprob": _lp(sampled.logprob), "bytes": _token_bytes(sampled, tok),
                     "top_logprobs": tops})
     return out
 

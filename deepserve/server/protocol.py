@@ -225,7 +225,7 @@ def _check_completion(req: CompletionRequest) -> None:
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
         if len(req.prompt) != 1:
             raise bad_request("send one prompt per request (batched prompts are not supported)", "prompt")
-    if req.prompt == "":
+    if single_prompt(req) in ("", []):  # "", [""] and [[]] alike
         raise bad_request("prompt must not be empty", param="prompt")
 
 

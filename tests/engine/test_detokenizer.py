@@ -220,3 +220,31 @@ def test_engine_module_imports_no_torch_or_transformers():
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_token_text_ends_are_where_each_prefix_of_tokens_ends(tok, seed):
+    # transformers' own decode of the first k tokens is the reference: where it ends in a whole character,
+    # token k-1's text end is that text's length; in the middle of one, the token's text is not final yet.
+    rng = random.Random(seed)
+    ids = tok.encode(random_text(rng, rng.randint(1, 30)), add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode(random_text(rng, 3)))
+    for k in range(1, len(ids) + 1):
+        detok.update(ids[k - 1:k])
+        ends = detok.token_text_ends
+        assert ends == sorted(ends) and len(ends) <= k
+        prefix = tok.decode(ids[:k], skip_special_tokens=True)
+        if not prefix.endswith("\ufffd"):
+            assert len(ends) == k and ends[-1] == len(prefix) and detok.output_text == prefix
+    detok.finish()
+    assert len(detok.token_text_ends) == len(ids) and detok.token_text_ends[-1] == len(detok.output_text)
+
+
+def test_token_text_ends_stop_at_a_stop_string_cut(tok):
+    ids = tok.encode("paged attention stores keys", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["stores"])
+    for tid in ids:
+        if detok.update([tid]):
+            break
+    assert detok.output_text == "paged attention "
+    assert max(detok.token_text_ends) == len("paged attention ")

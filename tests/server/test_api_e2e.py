@@ -205,6 +205,9 @@ def test_tokenize_detokenize(srv):
     (b'{"prompt": "x", "stop": ["a","b","c","d","e","f","g","h","i"]}', "stop"),
     (b'{"prompt": "x", "temprature": 0.5}', "temprature"),
     (b'{"prompt": [1, -2]}', "prompt.1"),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"prompt": [""]}', "prompt"),  # was 200 while "" was 400
+    (b'{"prompt": [[]]}', "prompt"),
     (b'{"prompt": "x", "model": "nope"}', "model"),
 ])
 def test_bad_numbers_name_the_field(srv, raw, param):

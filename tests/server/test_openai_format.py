@@ -58,3 +58,46 @@ def test_usage_shape():
     assert usage(3, 4, 1, None) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                     "prompt_tokens_details": {"cached_tokens": 1}}
     assert usage(3, 4, 0, 2)["completion_tokens_details"] == {"reasoning_tokens": 2}
+
+
+def _stream_with_logprobs(tok, text: str, stop: tuple[str, ...] = ()) -> tuple[list, str]:
+    """Deltas of a stream that carries logprobs, fed one token a step through the engine's detokenizer,
+    and the final text."""
+    from deepserve.engine.detokenizer import IncrementalDetokenizer
+    from deepserve.engine.token_bytes import TokenBytes
+
+    ids = tok.encode(text, add_special_tokens=False)
+    detok, spell = IncrementalDetokenizer(tok, [], stop=stop), TokenBytes(tok)
+    holdback = max((len(s) for s in stop), default=1) - 1
+    tracker, deltas, lps = ChoiceTracker(0, holdback, reasoning=False), [], []
+    for i, tid in enumerate(ids):
+        lps.append({tid: Logprob(-1.0, 1, tok.decode([tid]), spell(tid, tok.decode([tid])))})
+        stopped = detok.update([tid])
+        final = stopped is not None or i == len(ids) - 1
+        if final:
+            detok.finish()
+        c = CompletionOutput(0, detok.output_text, ids[:i + 1], -1.0, list(lps), "stop" if final else None,
+                             None, list(detok.token_text_ends))
+        if d := tracker.advance(c):
+            deltas.append(d)
+        if final:
+            return deltas, detok.output_text
+    raise AssertionError("unreachable")
+
+
+def test_each_streamed_chunk_carries_the_logprobs_of_its_own_text():
+    # Byte-level tokens that end inside a character (CJK, emoji) have no text of their own until the
+    # character completes: their logprobs must travel with the chunk whose text holds that character.
+    from deepserve.demo import CORPUS, SPECIAL_TOKENS, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(CORPUS, 1000, SPECIAL_TOKENS)
+    text = "深度求索 builds 🚀✨ models; 注意力 is all you need. 🚀"
+    for stop in [(), ("STOP",)]:  # with a stop string, chunks also hold back the last 3 characters
+        deltas, final = _stream_with_logprobs(tok, text, stop)
+        assert "".join(d.content for d in deltas) == final == text
+        partial = 0
+        for d in deltas:
+            spelled = [chat_logprobs(d, 0)[k]["bytes"] for k in range(len(d.token_ids))]
+            assert b"".join(bytes(b) for b in spelled) == d.content.encode()
+            partial += sum("\ufffd" in lp[t].decoded_token for t, lp in zip(d.token_ids, d.logprobs, strict=True))
+        assert partial > 0  # the case this test is about occurred
