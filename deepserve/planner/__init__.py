@@ -7,6 +7,16 @@ the engine will allocate, not a rule of thumb.
 
 from __future__ import annotations
 
-from deepserve.planner.estimate import Plan, PlanRequest, plan
+from typing import Any
 
 __all__ = ["Plan", "PlanRequest", "plan"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the estimate builds models on the meta device (torch), and `deepserve
+    # --help` imports this package's CLI, which must not wait seconds for torch.
+    if name in __all__:
+        from deepserve.planner import estimate
+
+        return getattr(estimate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,10 @@ says what was expected, so a client library surfaces an actionable error.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when a response is built: `deepserve --help` must not wait for FastAPI
+    from fastapi.responses import JSONResponse
 
 _TYPES = {
     400: "invalid_request_error",
@@ -42,6 +45,8 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
+        from fastapi.responses import JSONResponse
+
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 

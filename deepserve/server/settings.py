@@ -54,7 +54,8 @@ class ServerSettings:
             raise ValueError("--ssl-cert-reqs (mTLS) needs --ssl-ca-certs and --ssl-certfile/--ssl-keyfile")
         for name in self.api_keys:
             if len(name) < 8:
-                raise ValueError("--api-key must be at least 8 characters; generate one with `deepserve keys add`")
+                raise ValueError("--api-key must be at least 8 characters; generate one with `openssl rand -hex 24` "
+                                 "(or keep keys in a file: `deepserve keys add NAME --role admin` and --api-keys FILE)")
 
     @property
     def limits(self) -> RequestLimits:
