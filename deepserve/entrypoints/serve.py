@@ -50,6 +50,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--audit-log", default=None, metavar="FILE", help="append hash-chained JSON lines here")
     g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
     g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout)
+    g.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout, metavar="SECONDS",
+                   help="a request whose headers, or then whose body, have not arrived within this many seconds "
+                        "is closed (headers) or answered 408 (body)")
     g.add_argument("--forwarded-allow-ips", default=None,
                    help="trust X-Forwarded-For from these proxy IPs (default: trust none)")
     add_engine_args(p)
@@ -95,6 +98,7 @@ def settings_from(ns: argparse.Namespace) -> ServerSettings:
         max_body_bytes=ns.max_body_bytes, max_header_bytes=ns.max_header_bytes,
         ip_requests_per_minute=ns.ip_requests_per_minute, audit_log=ns.audit_log,
         audit_log_prompts=ns.audit_log_prompts, engine_stall_timeout=ns.engine_stall_timeout,
+        request_read_timeout=ns.request_read_timeout,
         forwarded_allow_ips=ns.forwarded_allow_ips,
     )
 

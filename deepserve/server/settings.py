@@ -31,6 +31,7 @@ class ServerSettings:
     audit_log: str | None = None
     audit_log_prompts: bool = False
     engine_stall_timeout: float = 120.0
+    request_read_timeout: float = 30.0  # seconds a request's headers, and then its body, may take to arrive
     forwarded_allow_ips: str | None = None  # None: X-Forwarded-* ignored (clients could forge them)
 
     def __post_init__(self) -> None:
@@ -42,6 +43,8 @@ class ServerSettings:
             _positive("ip-requests-per-minute", self.ip_requests_per_minute)
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not self.request_read_timeout > 0:
+            raise ValueError(f"--request-read-timeout must be > 0 seconds, got {self.request_read_timeout}")
         if self.engine_stall_timeout <= 0:
             raise ValueError(f"--engine-stall-timeout must be > 0 seconds, got {self.engine_stall_timeout}")
         if self.reasoning_parser not in (None, *PARSERS):

@@ -1,7 +1,11 @@
 """Per-key limits (429 + Retry-After + x-ratelimit-*) and the global wait queue (503) on a real server
-whose engine runs one sequence at a time, so a second long request is deterministically waiting."""
+whose engine runs one sequence at a time, so a second long request is deterministically waiting; and
+the read timeouts (--request-read-timeout 2) against clients that never finish sending."""
 
 from __future__ import annotations
+
+import socket
+import time
 
 import httpx
 import openai
@@ -23,7 +27,8 @@ def srv(server_factory, tmp_path_factory):
         {"name": "conc", "key_hash": hash_key(CONC), "role": "user", "max_concurrent": 1},
         {"name": "defaults", "key_hash": hash_key(DEFAULTS), "role": "user", "tokens_per_minute": 1000},
     ])
-    return server_factory(["--api-keys", keys, "--max-num-seqs", "1", "--max-waiting-requests", "1"])
+    return server_factory(["--api-keys", keys, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                           "--request-read-timeout", "2"])
 
 
 def complete(srv, key: str, **body) -> httpx.Response:
@@ -104,3 +109,50 @@ def test_overload_is_503(srv):
                 assert c.headers["Retry-After"] == "1" and "overloaded" in c.json()["error"]["message"]
     assert wait_until(lambda: in_flight(srv) == 0, timeout=10)
     assert complete(srv, ADMIN).status_code == 200
+
+
+def _send_and_wait(srv, payload: bytes, close_after: float | None = None) -> tuple[float, bytes]:
+    """Seconds until the server answers or closes, and what it sent (b"" when it just closed)."""
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(payload)
+        if close_after is not None:
+            time.sleep(close_after)
+            return close_after, b""
+        s.settimeout(20)
+        start = time.monotonic()
+        data = s.recv(4096)
+        return time.monotonic() - start, data
+
+
+POST = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+        "Content-Type: application/json\r\n")
+
+
+@pytest.mark.parametrize("payload,status", [
+    (b"GET /ready HTTP/1.1\r\nHost: x\r\n", None),  # headers never end: closed, no answer
+    (POST.encode() + b"Content-Length: 100\r\n\r\n{\"prompt\":", b"408"),  # a body shorter than declared
+    (POST.encode() + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n", b"408"),  # no last chunk
+])
+def test_slow_clients_are_cut_off_and_the_server_keeps_serving(srv, payload, status):
+    waited, data = _send_and_wait(srv, payload)
+    assert 1.5 < waited < 10, waited
+    assert (data == b"") if status is None else data.startswith(b"HTTP/1.1 " + status)
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
+def test_a_client_gone_mid_body_is_one_log_line(srv):
+    _send_and_wait(srv, POST.encode() + b"Content-Length: 100\r\n\r\n{\"pro", close_after=0.3)
+    assert wait_until(lambda: "went away before its request body arrived" in srv.tail(), 10)
+    assert "Traceback" not in srv.tail(20000)
+
+
+def test_start_up_says_where_it_listens_and_probes_stay_out_of_the_access_log(srv):
+    for _ in range(3):
+        httpx.get(f"{srv.url}/health", timeout=5)
+        httpx.get(f"{srv.url}/ready", timeout=5)
+    complete(srv, ADMIN)
+    log = srv.tail(200000)
+    assert f"listening on http://127.0.0.1:{srv.port}" in log
+    assert "INFO deepserve.server.api_server: engine ready" in log
+    assert '"POST /v1/completions HTTP/1.1" 200' in log
+    assert '"GET /health' not in log and '"GET /ready' not in log

@@ -1,0 +1,108 @@
+"""Read timeouts: a request's headers and body must arrive within --request-read-timeout seconds.
+
+Without them a client holds a connection as long as it likes: headers that never end (slowloris), a
+Content-Length larger than the body it sends, a chunked body with no last chunk. Two pieces:
+
+- Headers: uvicorn's HTTP protocol class, subclassed through the asyncio Protocol methods only
+  (connection_made / data_received / connection_lost) plus `on_response_complete`, which both of
+  uvicorn's implementations (h11, httptools) call when a response ends. A timer runs from the
+  connection's start, and again from each response's end (the next request on a kept-alive
+  connection), until a blank line ends the headers; when it fires the connection is closed.
+- Body: an ASGI middleware gives each request a deadline (from its arrival, which follows its
+  headers) that every `receive()` of its body must meet; past it the route gets RequestReadTimeout,
+  answered 408. After the last body chunk receive() only waits for a disconnect: no deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+HEADERS_END = b"\r\n\r\n"
+
+
+class RequestReadTimeout(Exception):
+    """The request body did not arrive in time."""
+
+
+def header_timeout_protocol(base: type, timeout: float) -> type:
+    """uvicorn's protocol class `base`, closing connections whose request headers take over `timeout` s."""
+
+    class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._header_tail = b""
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None:
+                seen = self._header_tail + data
+                if HEADERS_END in seen:  # this request's headers are complete
+                    self._header_timer.cancel()
+                    self._header_timer = None
+                self._header_tail = seen[-(len(HEADERS_END) - 1):]
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()  # a kept-alive connection's next request: its headers are due
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_tail = b""
+            self._header_timer = asyncio.get_event_loop().call_later(timeout, self._headers_too_slow)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            logger.info("closed a connection whose request headers took over %.0f s (--request-read-timeout)",
+                        timeout)
+            self.transport.close()
+
+    HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"
+    return HeaderTimeoutProtocol
+
+
+def default_protocol_class() -> type:
+    """The HTTP protocol class uvicorn would pick by itself ("auto": httptools if installed, else h11)."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    return import_from_string(HTTP_PROTOCOLS["auto"])
+
+
+class BodyTimeoutMiddleware:
+    def __init__(self, app: Any, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        body_done = False
+
+        async def receive_in_time() -> dict:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestReadTimeout() from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, receive_in_time, send)
