@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import HeaderLimitMiddleware
+from deepserve.server.memory import TrimAfterLargeBodies
 from deepserve.server.routes import require_key, router
 from deepserve.server.state import ServerState
 from deepserve.server.timeouts import (
@@ -61,6 +62,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(router)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=state.settings.max_header_bytes)
     app.add_middleware(BodyTimeoutMiddleware, timeout=state.settings.request_read_timeout)
+    app.add_middleware(TrimAfterLargeBodies, run_off_loop=state.off_loop)
     _install_error_handlers(app)
     return app
 

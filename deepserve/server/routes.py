@@ -79,7 +79,8 @@ async def chat_completions(request: Request) -> Response:
 async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
     st = _state(request)
     st.check_accepting()
-    req = p.parse_body(await read_body(request, st.settings.max_body_bytes), model, st.settings.limits)
+    req = await st.off_loop(p.parse_body, await read_body(request, st.settings.max_body_bytes), model,
+                            st.settings.limits)
     st.resolve_model(req.model, request.state.api_key)
     return st, req
 
@@ -88,9 +89,10 @@ async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
 async def tokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.TokenizeRequest)
     if req.messages is not None:
-        _, ids = chat_prompt(st, p.ChatCompletionRequest(messages=req.messages))
+        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages))
     else:
-        ids = list(st.engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        ids = await st.off_loop(lambda: list(st.engine.tokenizer.encode(req.prompt,
+                                                                        add_special_tokens=req.add_special_tokens)))
     return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids})
 
 
@@ -100,7 +102,7 @@ async def detokenize(request: Request) -> JSONResponse:
     vocab = st.engine.config.model.hf_config.vocab_size
     if bad := [t for t in req.tokens if t >= vocab]:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-    return JSONResponse({"prompt": st.engine.tokenizer.decode(req.tokens)})
+    return JSONResponse({"prompt": await st.off_loop(st.engine.tokenizer.decode, req.tokens)})
 
 
 @router.get("/admin/usage")

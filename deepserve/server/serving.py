@@ -9,6 +9,7 @@ records metrics and usage, and writes the audit record.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -119,6 +120,29 @@ def chat_prompt(st: ServerState, req: p.ChatCompletionRequest) -> tuple[str, lis
     return text, list(tok.encode(text, add_special_tokens=False))  # the template wrote bos already
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (its longest vocabulary entry), cached on the
+    tokenizer: a text of n characters has at least n / this many tokens, known without tokenizing."""
+    cached = getattr(tokenizer, "_deepserve_max_token_chars", None)
+    if cached is None:
+        cached = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+        with contextlib.suppress(AttributeError):
+            tokenizer._deepserve_max_token_chars = cached
+    return cached
+
+
+def _check_text_length(st: ServerState, chars: int, chat: bool) -> None:
+    """A 400 before tokenizing for a text too long for the context whatever its tokens: tokenizing a
+    3 MB prompt took 12-94 s of CPU (bench: issue 21) only to refuse it."""
+    at_least = chars // max_token_chars(st.engine.tokenizer)
+    if at_least > st.engine.max_model_len:
+        raise bad_request(f"This model's maximum context length is {st.engine.max_model_len} tokens. However, "
+                          f"your {'messages hold' if chat else 'prompt holds'} {chars} characters, at least "
+                          f"{at_least} tokens. Please reduce the length of the "
+                          f"{'messages' if chat else 'prompt'}.", param="messages" if chat else "prompt",
+                          code="context_length_exceeded")
+
+
 def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str | None, list[int]]:
     prompt = p.single_prompt(req)
     if isinstance(prompt, str):
@@ -128,6 +152,11 @@ def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str |
 
 def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list]:
     """Prompt text, prompt ids and the engine's core requests; raises APIError(400)."""
+    if chat:
+        _check_text_length(st, sum(len(m.content) if isinstance(m.content, str) else
+                                   sum(len(t.text) for t in m.content or []) for m in req.messages), chat)
+    elif isinstance(p.single_prompt(req), str):
+        _check_text_length(st, len(p.single_prompt(req)), chat)
     text, ids = chat_prompt(st, req) if chat else _completion_prompt(st, req)
     # Without max_tokens chat may run to the end of the context; completions stop at 16 (as OpenAI and
     # vLLM do), or sooner when the context has less room, and the engine reports a full context.
@@ -161,9 +190,12 @@ async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
         st.check_accepting()
         st.limiter.check_ip(client, st.settings.ip_requests_per_minute)
         raw = await read_body(request, st.settings.max_body_bytes)
-        req = p.parse_body(raw, p.ChatCompletionRequest if chat else p.CompletionRequest, st.settings.limits)
+        # Parsing, the chat template and tokenizing run on a worker thread: the event loop keeps
+        # answering /health, /ready and streams whatever one large request costs.
+        req = await st.off_loop(p.parse_body, raw, p.ChatCompletionRequest if chat else p.CompletionRequest,
+                                st.settings.limits)
         model = st.resolve_model(req.model, key)
-        text, ids, core_requests = _prepare(st, req, chat, rid)
+        text, ids, core_requests = await st.off_loop(_prepare, st, req, chat, rid)
         max_tokens = core_requests[0].sampling_params.max_tokens
         adm = st.limiter.admit(key, len(ids) + max_tokens * req.n)
         try:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from deepserve.server.async_llm import AsyncLLM
 from deepserve.server.audit import AuditLog
@@ -16,6 +18,7 @@ from deepserve.server.ratelimit import RateLimiter, WaitQueue
 from deepserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServerState:
@@ -34,10 +37,16 @@ class ServerState:
         self.load_error: str | None = None
         self.in_flight = 0  # admitted generation requests not yet finished
         self.request_exit: Callable[[int], None] | None = None  # set by the runner: stop with this code
+        # CPU work of a request (JSON, chat template, tokenizer) runs here, off the event loop; two
+        # threads on any machine: the tokenizer's Rust code releases the GIL, the rest is short.
+        self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deepserve-prepare")
         engine.on_stats = self.metrics.update_engine
         if not self.keys.configured:
             logger.warning("no API keys configured: every route except /health and /ready answers 401; "
                            "start with --api-key KEY or --api-keys keys.yaml")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     @property
     def dead_reason(self) -> str | None:

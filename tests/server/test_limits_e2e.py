@@ -156,3 +156,35 @@ def test_start_up_says_where_it_listens_and_probes_stay_out_of_the_access_log(sr
     assert "INFO deepserve.server.api_server: engine ready" in log
     assert '"POST /v1/completions HTTP/1.1" 200' in log
     assert '"GET /health' not in log and '"GET /ready' not in log
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(srv):
+    # Tokenizing runs off the event loop: /health must not wait for it (it took 11-45 s once).
+    import threading
+
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            start = time.monotonic()
+            httpx.get(f"{srv.url}/health", timeout=60)
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    start = time.monotonic()
+    r = httpx.post(f"{srv.url}/tokenize", json={"prompt": "深度求索 attention " * 100_000}, headers=auth(ADMIN),
+                   timeout=300)
+    took = time.monotonic() - start
+    stop.set()
+    poller.join()
+    assert r.status_code == 200 and r.json()["count"] > 100_000
+    assert took > 0.5 and len(latencies) >= 3, (took, latencies)
+    assert max(latencies) < 0.5 * took, (took, latencies)
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(srv):
+    r = complete(srv, ADMIN, prompt="深度求索注意力模型" * 100_000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"]  # refused from its length, before tokenizing
