@@ -22,34 +22,42 @@ DEMO_MODEL_NAME = "deepserve-demo"
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from deepserve.entrypoints.cli import add_engine_args
 
-    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")
     d = ServerSettings()
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind (use 0.0.0.0 to expose on every interface)")
-    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients ask for")
     g.add_argument("--api-key", action="append", default=None,
                    help="an admin key (repeatable; also $DEEPSERVE_API_KEY)")
     g.add_argument("--api-keys", default=None, metavar="FILE", help="YAML key file (see `deepserve keys add`)")
-    g.add_argument("--ssl-keyfile", default=None)
-    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile serves HTTPS")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mTLS)")
     g.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs,
                    help="client certificates: 0 none, 1 optional, 2 required (mTLS)")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"])
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"],
+                   help="split <think>...</think> into reasoning_content (DeepSeek-R1 and its distills)")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests may run after SIGTERM")
-    g.add_argument("--max-n", type=int, default=d.max_n)
-    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
-    g.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens)
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes)
-    g.add_argument("--ip-requests-per-minute", type=int, default=None)
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request) accepted")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="requests waiting for their first token before new ones get 503")
+    g.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens,
+                   help="prompt tokens of the waiting requests before new ones get 503")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="BYTES",
+                   help="largest request body in bytes (larger: 413)")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes, metavar="BYTES",
+                   help="largest request header block in bytes (larger: 431)")
+    g.add_argument("--ip-requests-per-minute", type=int, default=None,
+                   help="requests per minute per client address (429 beyond); default: no limit")
     g.add_argument("--audit-log", default=None, metavar="FILE", help="append hash-chained JSON lines here")
     g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
-    g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout)
+    g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout, metavar="SECONDS",
+                   help="/ready answers 503 when requests wait and the engine has sent nothing for this long")
     g.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout, metavar="SECONDS",
                    help="a request whose headers, or then whose body, have not arrived within this many seconds "
                         "is closed (headers) or answered 408 (body)")
