@@ -6,9 +6,10 @@ once on CPU with its kernels recorded, then every recorded launch is compiled fo
 `triton.compile`: the signature, the constexprs and num_warps / num_stages come from the launch itself.
 
 With DEEPSERVE_PTX_FINGERPRINT=FILE set, every compiled launch also appends a line to FILE: the kernel,
-its constexprs and a hash of its PTX without line and file directives. Run these tests in two trees and
-diff the files to show, on a machine with no GPU, that a change leaves a kernel's GPU code identical
-(e.g. the bf16 path after an FP8 or int4 change)."""
+its constexprs, a hash of its PTX without line and file directives (the PTX itself goes to FILE.ptx/) and
+`code=`, a hash of the same without the parameter list, which an unused new argument alone changes. Run
+these tests in two trees and diff the files to show, on a machine with no GPU, that a change leaves a
+kernel's GPU code identical (e.g. the bf16 path after an FP8 or int4 change)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def _job(rec: _Recorder, args: tuple, kwargs: dict) -> dict:
 # Runs in a fresh interpreter without TRITON_INTERPRET: the interpreter patches triton.language in the
 # process that uses it, and the compiler cannot run beside it.
 _COMPILER = """
-import hashlib, importlib, json, os, sys
+import hashlib, importlib, json, os, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 fingerprints = os.environ.get("DEEPSERVE_PTX_FINGERPRINT")
@@ -108,9 +109,17 @@ for job in json.load(sys.stdin):
     if fingerprints:  # the code without its source positions (.loc / .file) and debug sections
         code = compiled.asm["ptx"].split(".section\\t.debug")[0]
         code = "\\n".join(line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//")))
+        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+        # and without the parameter list (an unused argument added to a kernel changes only that)
+        body = re.sub(r"_param_[0-9]+", "_param", "\\n".join(
+            line for line in code.splitlines() if not line.strip().startswith(".param")))
         with open(fingerprints, "a") as f:
             f.write(f"{job['kernel']} {json.dumps(job['constexprs'], sort_keys=True)} "
-                    f"{json.dumps(job['options'], sort_keys=True)} {hashlib.sha256(code.encode()).hexdigest()[:16]}\\n")
+                    f"{json.dumps(job['options'], sort_keys=True)} {digest} "
+                    f"code={hashlib.sha256(body.encode()).hexdigest()[:16]}\\n")
+        os.makedirs(fingerprints + ".ptx", exist_ok=True)  # the code itself, to diff two trees' versions
+        with open(os.path.join(fingerprints + ".ptx", job["kernel"] + "-" + digest + ".ptx"), "w") as f:
+            f.write(code)
 """
 
 
