@@ -1,36 +1,201 @@
-"""The host tier of the KV cache (--swap-space): host buffers shaped like each layer's cache, and the
-block copies between the two that the scheduler lists in SchedulerOutput.
+"""The host tier of the KV cache (--swap-space): host buffers for every layer's cache, and the block copies
+between the two tiers that the scheduler lists in SchedulerOutput (swap-outs and prefix stores: GPU ->
+host; swap-ins and prefix loads: host -> GPU).
 
-On CUDA the host buffers are pinned and every copy is `non_blocking` on the current stream, queued before
-the step's forward: the stream orders a swap-out's read of a GPU block before the forward that reuses
-it, and a swap-in before the forward that reads it, with no host sync. Copies move raw bytes, so an
-FP8 cache (float8_e4m3fn, which some CPU ops lack) swaps like any other.
+Layout. A GPU cache is [2, blocks, ...] (key and value planes) or [blocks, ...] (MLA); seen as bytes, each
+(plane, block) is one contiguous row, row p * blocks + b. The host tier is block-major, [host blocks,
+planes, ...]: host block h's planes are rows h * planes .. h * planes + planes - 1, so a run of consecutive
+host blocks is one contiguous span. Copies move raw bytes, so an FP8 cache swaps like any other.
+
+Batched copies, one direction at a time: GPU -> host is one index_select per layer that gathers the
+step's rows into a GPU staging tensor, then one memcpy per run of consecutive host blocks; host -> GPU is
+one memcpy per run into staging, then one index_copy_ per layer. On the CPU (tests, the reference path)
+each direction is one index_select + index_copy_ per layer, in program order.
+
+Ordering on CUDA (HostTier.run, called by the runner just before each step's forward):
+1. The copies go on a side stream that first waits for everything queued on the forward's stream so
+   far: the KV a swap-out reads was written by earlier forwards (under async scheduling step n-1 may
+   still be running), and a block a swap-in fills may still be written by an earlier forward's row of
+   a request that was freed meanwhile (a finished request keeps its row in the step launched after it).
+2. Swap-outs, then swap-ins, on that one stream (the scheduler's contract: a swap-in's fresh GPU block may
+   be one a swap-out still has to read; a host block written by a step's swap-out may be read by that
+   step's swap-in). Across steps the same stream keeps issue order: step n's swap-in reads a host block
+   before step n+1's swap-out overwrites it.
+3. The forward's stream waits for the swap-in event of its step before the forward (it reads those
+   blocks), and for a swap-out event only if the step writes one of the GPU blocks that swap-out reads
+   (blocks freed or evicted and handed out again): other swap-outs overlap the forward. Swap-outs still
+   running are remembered with their blocks and checked by every later step until their event is done.
+Nothing here runs inside a CUDA graph capture; a decode graph's replay is queued after these waits like
+any other kernel on the forward's stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from deepserve.engine.request import SchedulerOutput
 from deepserve.layers.kv_cache_spec import KVCacheSpec
+
+Pairs = Sequence[tuple[int, int]]
 
 
 def allocate_host_caches(specs: list[KVCacheSpec], num_host_blocks: int, block_size: int,
                          pin: bool) -> list[torch.Tensor]:
-    """One host tensor per layer with the layer's cache layout and num_host_blocks blocks; never read
-    before a swap-out writes it, so left uninitialised."""
-    return [torch.empty(spec.shape(num_host_blocks, block_size), dtype=spec.dtype, pin_memory=pin)
-            for spec in specs]
+    """One host tensor per layer, [host blocks, planes, block_size, *entry] in the layer's dtype; never read
+    before a copy writes it, so left uninitialised."""
+    return [torch.empty((num_host_blocks, spec.planes, block_size, *spec.entry_shape), dtype=spec.dtype,
+                        pin_memory=pin) for spec in specs]
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]], planes: int) -> None:
-    """dst block b <- src block a for each (a, b) in `pairs`, on the current stream. A cache is
-    [2, blocks, ...] (key and value planes) or [blocks, ...] (`planes` 1); each block of each plane is
-    contiguous, so each copy is one flat memcpy."""
-    if not pairs:
-        return
-    src, dst = src.view(torch.uint8), dst.view(torch.uint8)  # raw bytes: the cache tensors are contiguous
-    if planes == 1:
-        src, dst = src.unsqueeze(0), dst.unsqueeze(0)  # [1, blocks, ...]
+def gpu_rows(cache: torch.Tensor, planes: int) -> torch.Tensor:
+    """The cache as bytes, one row per (plane, block): [planes * blocks, bytes per block and plane]."""
+    num_blocks = cache.shape[1] if planes > 1 else cache.shape[0]
+    return cache.view(torch.uint8).view(planes * num_blocks, -1)
+
+
+def host_rows(host: torch.Tensor) -> torch.Tensor:
+    """The host tier as bytes, one row per (block, plane): [blocks * planes, bytes per block and plane]."""
+    return host.view(torch.uint8).view(host.shape[0] * host.shape[1], -1)
+
+
+def row_indices(pairs: Pairs, num_gpu_blocks: int, planes: int, gpu_first: bool) -> tuple[list[int], list[int]]:
+    """(GPU rows, host rows) of each pair's planes, pair by pair; pairs are (gpu, host) if gpu_first."""
+    gpu, host = [], []
     for a, b in pairs:
-        for p in range(src.shape[0]):
-            dst[p, b].copy_(src[p, a], non_blocking=True)
+        g, h = (a, b) if gpu_first else (b, a)
+        gpu += [p * num_gpu_blocks + g for p in range(planes)]
+        host += [h * planes + p for p in range(planes)]
+    return gpu, host
+
+
+def host_runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first host block, position in the list, length) of each run of consecutive host blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for i, h in enumerate(host_blocks):
+        if runs and h == runs[-1][0] + runs[-1][2]:
+            first, pos, n = runs[-1]
+            runs[-1] = (first, pos, n + 1)
+        else:
+            runs.append((h, i, 1))
+    return runs
+
+
+def last_writer_wins(pairs: Pairs) -> list[tuple[int, int]]:
+    """Swap-outs sorted by host block, each host block once, written by its last pair (pairs are in the
+    order the scheduler decided them: a host block freed and taken again is written again later)."""
+    return sorted({h: (g, h) for g, h in pairs}.values(), key=lambda pair: pair[1])
+
+
+def copy_out(cache: torch.Tensor, host: torch.Tensor, pairs: Pairs, planes: int) -> None:
+    """host block h <- GPU block g for each (g, h), on the current stream (pairs: last_writer_wins)."""
+    src, dst = gpu_rows(cache, planes), host_rows(host)
+    gpu, hst = row_indices(pairs, src.shape[0] // planes, planes, gpu_first=True)
+    if not cache.is_cuda:
+        dst.index_copy_(0, torch.tensor(hst), src.index_select(0, torch.tensor(gpu)))
+        return
+    staging = src.index_select(0, _to_device(gpu, cache.device))  # [pairs * planes, row bytes]
+    for first, pos, n in host_runs([h for _, h in pairs]):
+        dst[first * planes : (first + n) * planes].copy_(staging[pos * planes : (pos + n) * planes], non_blocking=True)
+
+
+def copy_in(host: torch.Tensor, cache: torch.Tensor, pairs: Pairs, planes: int) -> None:
+    """GPU block g <- host block h for each (h, g), on the current stream (GPU blocks distinct)."""
+    src, dst = host_rows(host), gpu_rows(cache, planes)
+    gpu, hst = row_indices(pairs, dst.shape[0] // planes, planes, gpu_first=False)
+    if not cache.is_cuda:
+        dst.index_copy_(0, torch.tensor(gpu), src.index_select(0, torch.tensor(hst)))
+        return
+    staging = torch.empty((len(gpu), dst.shape[1]), dtype=torch.uint8, device=cache.device)
+    for first, pos, n in host_runs([h for h, _ in pairs]):
+        staging[pos * planes : (pos + n) * planes].copy_(src[first * planes : (first + n) * planes], non_blocking=True)
+    dst.index_copy_(0, _to_device(gpu, cache.device), staging)
+
+
+def copy_blocks_reference(cache: torch.Tensor, host: torch.Tensor, pairs: Pairs, planes: int, to_host: bool) -> None:
+    """The per-block definition the batched copies must equal: one copy per pair and plane, in order."""
+    gpu = cache if planes > 1 else cache.unsqueeze(0)  # [planes, blocks, ...]
+    for a, b in pairs:
+        for p in range(planes):
+            if to_host:
+                host[b, p].copy_(gpu[p, a])
+            else:
+                gpu[p, b].copy_(host[a, p])
+
+
+def blocks_written(out: SchedulerOutput, block_size: int) -> set[int]:
+    """GPU blocks the step's forward writes KV into: each scheduled request's blocks over its new tokens."""
+    written: set[int] = set()
+    for s in out.scheduled:
+        if s.num_new_tokens:
+            last = (s.start + s.num_new_tokens - 1) // block_size
+            written.update(s.request.block_ids[s.start // block_size : last + 1])
+    return written
+
+
+class HostTier:
+    """The host caches of every attention layer and the copies of each step (ordering: module docstring)."""
+
+    def __init__(self, specs: list[KVCacheSpec], num_host_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host_caches = allocate_host_caches(specs, num_host_blocks, block_size, pin=cuda)
+        self.planes = [spec.planes for spec in specs]
+        self.block_size = block_size
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        # Swap-outs that may still be running: the GPU blocks they read, and their event.
+        self.running_outs: list[tuple[set[int], torch.cuda.Event]] = []
+
+    def run(self, out: SchedulerOutput, caches: list[torch.Tensor]) -> None:
+        """Queue the step's copies, and make the current (forward's) stream wait for those it depends on."""
+        outs = last_writer_wins(out.blocks_to_swap_out)
+        ins = sorted(out.blocks_to_swap_in)  # by host block: longer runs; their GPU blocks are distinct
+        if self.stream is None:  # CPU: plain copies, in program order
+            self._copy(caches, outs, ins)
+            return
+        forward = torch.cuda.current_stream()
+        if outs or ins:
+            self.stream.wait_stream(forward)  # rule 1
+            with torch.cuda.stream(self.stream):
+                self._copy(caches, outs, [])
+                if outs:
+                    self.running_outs.append(({g for g, _ in outs}, _record()))
+                self._copy(caches, [], ins)
+                loaded = _record() if ins else None
+            if loaded is not None:
+                forward.wait_event(loaded)  # rule 3: the forward reads the loaded blocks
+        self._wait_for_overwritten(out, forward)
+
+    def _copy(self, caches: list[torch.Tensor], outs: Pairs, ins: Pairs) -> None:
+        for cache, host, planes in zip(caches, self.host_caches, self.planes, strict=True):
+            if outs:
+                copy_out(cache, host, outs, planes)
+            if ins:
+                copy_in(host, cache, ins, planes)
+
+    def _wait_for_overwritten(self, out: SchedulerOutput, forward: torch.cuda.Stream) -> None:
+        """Rule 3 for swap-outs: the forward waits for those still running whose GPU blocks it writes.
+        Once the forward's stream waits for one, every later forward comes after it too."""
+        if not self.running_outs:
+            return
+        written = blocks_written(out, self.block_size)
+        still = []
+        for blocks, done in self.running_outs:
+            if done.query():
+                continue
+            if blocks.isdisjoint(written):
+                still.append((blocks, done))
+            else:
+                forward.wait_event(done)
+        self.running_outs = still
+
+
+def _record() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
