@@ -147,7 +147,8 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             request.block_ids.append(block_id)
-        self._host_busy.update(host_hits)  # before any eviction below could store over them
+        if host_hits:
+            self._host_busy.update(host_hits)  # before any eviction below could store over them
         for _ in range(num_fresh):
             request.block_ids.append(self._take_fresh_block())
         if host_hits:
