@@ -32,6 +32,7 @@ any other kernel on the forward's stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -60,14 +61,31 @@ def host_rows(host: torch.Tensor) -> torch.Tensor:
     return host.view(torch.uint8).view(host.shape[0] * host.shape[1], -1)
 
 
-def row_indices(pairs: Pairs, num_gpu_blocks: int, planes: int, gpu_first: bool) -> tuple[list[int], list[int]]:
-    """(GPU rows, host rows) of each pair's planes, pair by pair; pairs are (gpu, host) if gpu_first."""
-    gpu, host = [], []
-    for a, b in pairs:
-        g, h = (a, b) if gpu_first else (b, a)
-        gpu += [p * num_gpu_blocks + g for p in range(planes)]
-        host += [h * planes + p for p in range(planes)]
-    return gpu, host
+@dataclass
+class CopyPlan:
+    """One direction's copies for every layer of one layout (planes, GPU blocks): built once per step."""
+
+    planes: int
+    gpu_rows: torch.Tensor  # [pairs * planes] int64 on the cache's device: each pair's GPU rows, pair by pair
+    host_rows: torch.Tensor | None  # the same for the host rows (CPU caches only)
+    runs: list[tuple[int, int, int]]  # host_runs of the pairs' host blocks (CUDA caches only)
+
+
+def plan_copies(pairs: Pairs, num_gpu_blocks: int, planes: int, device: torch.device, gpu_first: bool,
+                by_runs: bool | None = None) -> CopyPlan:
+    """The plan of `pairs`: (gpu block, host block) pairs if gpu_first, else (host block, gpu block). By runs
+    of host blocks (staging + one memcpy per run) on CUDA, by host row indices elsewhere; `by_runs` forces
+    one (the tests run the CUDA path's arithmetic on CPU tensors)."""
+    gpu_blocks, host_blocks = ([a for a, _ in pairs], [b for _, b in pairs])
+    if not gpu_first:
+        gpu_blocks, host_blocks = host_blocks, gpu_blocks
+    gpu = torch.tensor([p * num_gpu_blocks + g for g in gpu_blocks for p in range(planes)], dtype=torch.int64)
+    if device.type == "cuda":
+        gpu = gpu.pin_memory().to(device, non_blocking=True)
+    if by_runs if by_runs is not None else device.type == "cuda":
+        return CopyPlan(planes, gpu, None, host_runs(host_blocks))
+    host = torch.tensor([h * planes + p for h in host_blocks for p in range(planes)], dtype=torch.int64)
+    return CopyPlan(planes, gpu, host, [])
 
 
 def host_runs(host_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -88,29 +106,27 @@ def last_writer_wins(pairs: Pairs) -> list[tuple[int, int]]:
     return sorted({h: (g, h) for g, h in pairs}.values(), key=lambda pair: pair[1])
 
 
-def copy_out(cache: torch.Tensor, host: torch.Tensor, pairs: Pairs, planes: int) -> None:
-    """host block h <- GPU block g for each (g, h), on the current stream (pairs: last_writer_wins)."""
-    src, dst = gpu_rows(cache, planes), host_rows(host)
-    gpu, hst = row_indices(pairs, src.shape[0] // planes, planes, gpu_first=True)
-    if not cache.is_cuda:
-        dst.index_copy_(0, torch.tensor(hst), src.index_select(0, torch.tensor(gpu)))
+def copy_out(cache: torch.Tensor, host: torch.Tensor, plan: CopyPlan) -> None:
+    """The host blocks of `plan` <- its GPU blocks, on the current stream (host blocks distinct)."""
+    src, dst, planes = gpu_rows(cache, plan.planes), host_rows(host), plan.planes
+    if plan.host_rows is not None:  # by row indices (CPU)
+        dst.index_copy_(0, plan.host_rows, src.index_select(0, plan.gpu_rows))
         return
-    staging = src.index_select(0, _to_device(gpu, cache.device))  # [pairs * planes, row bytes]
-    for first, pos, n in host_runs([h for _, h in pairs]):
+    staging = src.index_select(0, plan.gpu_rows)  # [pairs * planes, row bytes], in pair order
+    for first, pos, n in plan.runs:
         dst[first * planes : (first + n) * planes].copy_(staging[pos * planes : (pos + n) * planes], non_blocking=True)
 
 
-def copy_in(host: torch.Tensor, cache: torch.Tensor, pairs: Pairs, planes: int) -> None:
-    """GPU block g <- host block h for each (h, g), on the current stream (GPU blocks distinct)."""
-    src, dst = host_rows(host), gpu_rows(cache, planes)
-    gpu, hst = row_indices(pairs, dst.shape[0] // planes, planes, gpu_first=False)
-    if not cache.is_cuda:
-        dst.index_copy_(0, torch.tensor(gpu), src.index_select(0, torch.tensor(hst)))
+def copy_in(host: torch.Tensor, cache: torch.Tensor, plan: CopyPlan) -> None:
+    """The GPU blocks of `plan` <- its host blocks, on the current stream (GPU blocks distinct)."""
+    src, dst, planes = host_rows(host), gpu_rows(cache, plan.planes), plan.planes
+    if plan.host_rows is not None:  # by row indices (CPU)
+        dst.index_copy_(0, plan.gpu_rows, src.index_select(0, plan.host_rows))
         return
-    staging = torch.empty((len(gpu), dst.shape[1]), dtype=torch.uint8, device=cache.device)
-    for first, pos, n in host_runs([h for h, _ in pairs]):
+    staging = torch.empty((plan.gpu_rows.shape[0], dst.shape[1]), dtype=torch.uint8, device=cache.device)
+    for first, pos, n in plan.runs:
         staging[pos * planes : (pos + n) * planes].copy_(src[first * planes : (first + n) * planes], non_blocking=True)
-    dst.index_copy_(0, _to_device(gpu, cache.device), staging)
+    dst.index_copy_(0, plan.gpu_rows, staging)
 
 
 def copy_blocks_reference(cache: torch.Tensor, host: torch.Tensor, pairs: Pairs, planes: int, to_host: bool) -> None:
@@ -168,11 +184,21 @@ class HostTier:
         self._wait_for_overwritten(out, forward)
 
     def _copy(self, caches: list[torch.Tensor], outs: Pairs, ins: Pairs) -> None:
-        for cache, host, planes in zip(caches, self.host_caches, self.planes, strict=True):
-            if outs:
-                copy_out(cache, host, outs, planes)
-            if ins:
-                copy_in(host, cache, ins, planes)
+        """One direction at a time, every layer; the plan is built once per layout (the layers share one)."""
+        for pairs, to_host in ((outs, True), (ins, False)):
+            if not pairs:
+                continue
+            plans: dict[tuple[int, int], CopyPlan] = {}
+            for cache, host, planes in zip(caches, self.host_caches, self.planes, strict=True):
+                num_gpu_blocks = cache.shape[1] if planes > 1 else cache.shape[0]
+                plan = plans.get((planes, num_gpu_blocks))
+                if plan is None:
+                    plan = plans[planes, num_gpu_blocks] = plan_copies(pairs, num_gpu_blocks, planes, cache.device,
+                                                                       gpu_first=to_host)
+                if to_host:
+                    copy_out(cache, host, plan)
+                else:
+                    copy_in(host, cache, plan)
 
     def _wait_for_overwritten(self, out: SchedulerOutput, forward: torch.cuda.Stream) -> None:
         """Rule 3 for swap-outs: the forward waits for those still running whose GPU blocks it writes.
@@ -197,5 +223,3 @@ def _record() -> torch.cuda.Event:
     return event
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)

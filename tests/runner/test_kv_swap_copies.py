@@ -17,6 +17,7 @@ from deepserve.runner.kv_swap import (
     copy_out,
     host_runs,
     last_writer_wins,
+    plan_copies,
 )
 from deepserve.sampling_params import SamplingParams
 
@@ -47,17 +48,28 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).cpu()
 
 
+def batched(cache: torch.Tensor, host: torch.Tensor, pairs, planes: int, to_host: bool, by_runs: bool) -> None:
+    plan = plan_copies(pairs, NUM_GPU, planes, cache.device, gpu_first=to_host, by_runs=by_runs)
+    if to_host:
+        copy_out(cache, host, plan)
+    else:
+        copy_in(host, cache, plan)
+
+
+# by_runs: the CUDA path's arithmetic (gather into staging, one copy per run of host blocks, scatter),
+# here on CPU tensors; otherwise the CPU path (row indices).
+@pytest.mark.parametrize("by_runs", [False, True], ids=["rows", "runs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", sorted(SPECS))
-def test_batched_copies_equal_the_per_block_definition(layout, dtype):
+def test_batched_copies_equal_the_per_block_definition(layout, dtype, by_runs):
     torch.manual_seed(0)
     spec, cache, host = make_pair(layout, dtype)
     want_cache, want_host = cache.clone(), host.clone()
     copy_blocks_reference(want_cache, want_host, OUTS, spec.planes, to_host=True)  # in order: last write wins
-    copy_out(cache, host, last_writer_wins(OUTS), spec.planes)
+    batched(cache, host, last_writer_wins(OUTS), spec.planes, True, by_runs)
     assert torch.equal(as_bytes(host), as_bytes(want_host))
     copy_blocks_reference(want_cache, want_host, INS, spec.planes, to_host=False)
-    copy_in(host, cache, sorted(INS), spec.planes)
+    batched(cache, host, sorted(INS), spec.planes, False, by_runs)
     assert torch.equal(as_bytes(cache), as_bytes(want_cache))
     assert not torch.equal(as_bytes(cache), as_bytes(make_pair(layout, dtype)[1]))  # something moved
 
