@@ -5,8 +5,9 @@
 1. copies: HostTier.run on CUDA (gather + one memcpy per run of host blocks + scatter, on a side stream)
    against the per-block definition computed on the CPU, for an MHA bf16 and an MLA FP8 layout; with the
    ordering hazards of a real step made live: the "previous forward" writes a block the swap-out reads
-   (queued behind a 50 ms sleep, so a side stream that did not wait would read the old bytes), and the
-   "forward" overwrites a swapped-out block and reads the swapped-in ones right after `run` returns.
+   (queued behind a 50 ms sleep, so a side stream that did not wait would read the old bytes), the
+   "forward" overwrites a swapped-out block and reads the swapped-in ones right after `run` returns, and
+   the next step's "forward" overwrites a block whose swap-out runs behind the first forward.
 2. speed: swap-out and swap-in of N blocks for a Llama-8B-like cache (32 layers of [2, blocks, 16, 8, 128]
    bf16, 2 MiB a block) and a DeepSeek-V3-like one (61 layers of [blocks, 16, 576] bf16, 1.1 MiB a block):
    the batched path with host blocks in one run and scattered, and the old per-block copies (one
@@ -38,7 +39,13 @@ from gpu_check import COMMON, VARIANTS  # noqa: E402
 from deepserve import LLM, SamplingParams  # noqa: E402
 from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput  # noqa: E402
 from deepserve.layers.kv_cache_spec import KVCacheSpec  # noqa: E402
-from deepserve.runner.kv_swap import HostTier, copy_blocks_reference, gpu_rows  # noqa: E402
+from deepserve.runner.kv_swap import (  # noqa: E402
+    HostTier,
+    copy_blocks_reference,
+    gpu_rows,
+    last_writer_wins,
+    split_swap_outs,
+)
 
 CUDA = torch.device("cuda")
 ROWS: list[tuple[str, str, str]] = []  # (case, OK / FAIL / measured, detail)
@@ -73,7 +80,7 @@ def check_copies(name: str, spec: KVCacheSpec, layers: int = 4, num_gpu: int = 1
     ins = list(zip(torch.randint(0, num_host, (400,), generator=g).tolist(), perm[501:901], strict=True))
     ins.append((hosts[0], perm[901]))  # a host block written by this step's swap-out, read by its swap-in
     pre_written, overwritten = outs[1][0], outs[0][0]
-    want_caches = [c.cpu() for c in caches]
+    want_caches = [c.to("cpu", copy=True) for c in caches]
     want_hosts = [h.clone() for h in tier.host_caches]
     # The previous forward writes a block the swap-out reads, queued behind a sleep: the side stream must wait.
     torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz
@@ -81,12 +88,19 @@ def check_copies(name: str, spec: KVCacheSpec, layers: int = 4, num_gpu: int = 1
         gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, pre_written].fill_(7)
         gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, pre_written].fill_(7)
     tier.run(SchedulerOutput(writer_step(overwritten, bs), blocks_to_swap_out=outs, blocks_to_swap_in=ins), caches)
-    # The forward: overwrites a block a swap-out reads (rule 3) and reads the swapped-in blocks.
+    # The forward: overwrites a block a swap-out reads and reads the swapped-in blocks (rule 2).
     loaded_gpu = torch.tensor([gpu for _, gpu in ins], device=CUDA)
     seen = []
     for cache in caches:
         gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, overwritten].fill_(9)
         seen.append(plane_view(cache, spec.planes).index_select(1, loaded_gpu).cpu())
+    # The next step's forward overwrites a block that a swap-out running behind this step's forward reads
+    # (rule 3): queued at once, it must still wait for that copy.
+    behind = split_swap_outs(last_writer_wins(outs), sorted(ins), {overwritten})[1]
+    late = behind[0][0]
+    tier.run(SchedulerOutput(writer_step(late, bs)), caches)
+    for cache in caches:
+        gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, late].fill_(11)
     torch.cuda.synchronize()
     for want, host in zip(want_caches, want_hosts, strict=True):
         copy_blocks_reference(want, host, outs, spec.planes, to_host=True)
@@ -97,9 +111,11 @@ def check_copies(name: str, spec: KVCacheSpec, layers: int = 4, num_gpu: int = 1
         ok &= torch.equal(host.view(torch.uint8), want_host.view(torch.uint8))
         ok &= torch.equal(got_loaded, plane_view(want, spec.planes).index_select(1, loaded_gpu.cpu()))
         gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, overwritten].fill_(9)
+        gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, late].fill_(11)
         ok &= torch.equal(plane_view(cache, spec.planes).cpu(), plane_view(want, spec.planes))
     ROWS.append((f"copies {name}", "OK" if ok else "FAIL",
-                 f"{len(outs)} out + {len(ins)} in blocks x {layers} layers = per-block definition, hazards live"))
+                 f"{len(outs)} out ({len(behind)} behind the forward) + {len(ins)} in blocks x {layers} layers "
+                 "= per-block definition, hazards live"))
 
 
 def timed(fn, reps: int = 5) -> float:

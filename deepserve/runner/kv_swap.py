@@ -12,19 +12,24 @@ step's rows into a GPU staging tensor, then one memcpy per run of consecutive ho
 one memcpy per run into staging, then one index_copy_ per layer. On the CPU (tests, the reference path)
 each direction is one index_select + index_copy_ per layer, in program order.
 
-Ordering on CUDA (HostTier.run, called by the runner just before each step's forward):
+Ordering (HostTier.run, called by the runner just before each step's forward). The scheduler's contract is
+"a step's swap-outs, then its swap-ins, then its forward": a swap-in's fresh GPU block may be one a
+swap-out still has to read, and a host block a swap-out writes may be one a swap-in reads. Only those
+pairs, and swap-outs of blocks the forward writes, need that order; the rest commute. So the step's
+swap-outs are split: "first" ones (reading a block the forward or a swap-in writes, or writing a host
+block a swap-in reads) and "behind" ones (all others). On the CPU they run in the order first, swap-ins,
+behind: plain copies. On CUDA:
 1. The copies go on a side stream that first waits for everything queued on the forward's stream so
    far: the KV a swap-out reads was written by earlier forwards (under async scheduling step n-1 may
    still be running), and a block a swap-in fills may still be written by an earlier forward's row of
    a request that was freed meanwhile (a finished request keeps its row in the step launched after it).
-2. Swap-outs, then swap-ins, on that one stream (the scheduler's contract: a swap-in's fresh GPU block may
-   be one a swap-out still has to read; a host block written by a step's swap-out may be read by that
-   step's swap-in). Across steps the same stream keeps issue order: step n's swap-in reads a host block
-   before step n+1's swap-out overwrites it.
-3. The forward's stream waits for the swap-in event of its step before the forward (it reads those
-   blocks), and for a swap-out event only if the step writes one of the GPU blocks that swap-out reads
-   (blocks freed or evicted and handed out again): other swap-outs overlap the forward. Swap-outs still
-   running are remembered with their blocks and checked by every later step until their event is done.
+2. On that one stream: first swap-outs, swap-ins, an event ("ready"), then the behind swap-outs and their
+   event. The forward's stream waits for "ready" only: the forward reads the loaded blocks and may
+   overwrite the first swap-outs' blocks; the behind swap-outs overlap the forward.
+3. Behind swap-outs still running are remembered with the GPU blocks they read; every later step whose
+   forward writes one of those blocks makes its stream wait for their event first (once it has, every
+   later forward comes after it too). Later copies are on the same stream, so they follow in issue
+   order: step n's swap-in reads a host block before step n+1's swap-out overwrites it.
 Nothing here runs inside a CUDA graph capture; a decode graph's replay is queued after these waits like
 any other kernel on the forward's stream.
 """
@@ -140,6 +145,19 @@ def copy_blocks_reference(cache: torch.Tensor, host: torch.Tensor, pairs: Pairs,
                 gpu[p, b].copy_(host[a, p])
 
 
+def split_swap_outs(outs: Pairs, ins: Pairs, written: set[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(first, behind): the swap-outs that must precede the step's swap-ins and forward — they read a GPU
+    block the forward writes or a swap-in fills, or write a host block a swap-in reads — and the rest."""
+    if not outs:
+        return [], []
+    overwritten = written | {g for _, g in ins}
+    read = {h for h, _ in ins}
+    first, behind = [], []
+    for g, h in outs:
+        (first if g in overwritten or h in read else behind).append((g, h))
+    return first, behind
+
+
 def blocks_written(out: SchedulerOutput, block_size: int) -> set[int]:
     """GPU blocks the step's forward writes KV into: each scheduled request's blocks over its new tokens."""
     written: set[int] = set()
@@ -165,23 +183,28 @@ class HostTier:
 
     def run(self, out: SchedulerOutput, caches: list[torch.Tensor]) -> None:
         """Queue the step's copies, and make the current (forward's) stream wait for those it depends on."""
-        outs = last_writer_wins(out.blocks_to_swap_out)
+        if not out.blocks_to_swap_out and not out.blocks_to_swap_in and not self.running_outs:
+            return
+        written = blocks_written(out, self.block_size)
         ins = sorted(out.blocks_to_swap_in)  # by host block: longer runs; their GPU blocks are distinct
-        if self.stream is None:  # CPU: plain copies, in program order
-            self._copy(caches, outs, ins)
+        first, behind = split_swap_outs(last_writer_wins(out.blocks_to_swap_out), ins, written)
+        if self.stream is None:  # CPU: plain copies, in that order
+            self._copy(caches, first, ins)
+            self._copy(caches, behind, [])
             return
         forward = torch.cuda.current_stream()
-        if outs or ins:
-            self.stream.wait_stream(forward)  # rule 1
-            with torch.cuda.stream(self.stream):
-                self._copy(caches, outs, [])
-                if outs:
-                    self.running_outs.append(({g for g, _ in outs}, _record()))
-                self._copy(caches, [], ins)
-                loaded = _record() if ins else None
-            if loaded is not None:
-                forward.wait_event(loaded)  # rule 3: the forward reads the loaded blocks
-        self._wait_for_overwritten(out, forward)
+        self._wait_for_overwritten(written, forward)  # rule 3, for earlier steps' behind swap-outs
+        if not first and not ins and not behind:
+            return
+        self.stream.wait_stream(forward)  # rule 1
+        with torch.cuda.stream(self.stream):
+            self._copy(caches, first, ins)
+            ready = _record() if first or ins else None
+            self._copy(caches, behind, [])
+            if behind:
+                self.running_outs.append(({g for g, _ in behind}, _record()))
+        if ready is not None:
+            forward.wait_event(ready)  # rule 2
 
     def _copy(self, caches: list[torch.Tensor], outs: Pairs, ins: Pairs) -> None:
         """One direction at a time, every layer; the plan is built once per layout (the layers share one)."""
@@ -200,12 +223,8 @@ class HostTier:
                 else:
                     copy_in(host, cache, plan)
 
-    def _wait_for_overwritten(self, out: SchedulerOutput, forward: torch.cuda.Stream) -> None:
-        """Rule 3 for swap-outs: the forward waits for those still running whose GPU blocks it writes.
-        Once the forward's stream waits for one, every later forward comes after it too."""
-        if not self.running_outs:
-            return
-        written = blocks_written(out, self.block_size)
+    def _wait_for_overwritten(self, written: set[int], forward: torch.cuda.Stream) -> None:
+        """Rule 3: the forward waits for the behind swap-outs still running whose GPU blocks it writes."""
         still = []
         for blocks, done in self.running_outs:
             if done.query():

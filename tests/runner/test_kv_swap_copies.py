@@ -18,6 +18,7 @@ from deepserve.runner.kv_swap import (
     host_runs,
     last_writer_wins,
     plan_copies,
+    split_swap_outs,
 )
 from deepserve.sampling_params import SamplingParams
 
@@ -104,6 +105,35 @@ def test_a_step_makes_its_swap_outs_before_its_swap_ins(layout):
         assert torch.equal(host_after[1, p], gpu_before[p, 2])  # read before block 2 was refilled
         assert torch.equal(gpu[p, 6], gpu_before[p, 2])  # host block 1 read after it was written
         assert torch.equal(gpu[p, 2], as_bytes(host)[3, p])
+
+
+def test_swap_outs_split_into_those_before_the_swap_ins_and_forward_and_the_rest():
+    # (2, 11): block 2 is refilled by a swap-in; (3, 12): host block 12 is read by a swap-in; (4, 13):
+    # block 4 is written by the forward. (1, 10) conflicts with nothing and may run behind.
+    first, behind = split_swap_outs([(1, 10), (2, 11), (3, 12), (4, 13)], [(12, 7), (20, 2)], written={4})
+    assert first == [(2, 11), (3, 12), (4, 13)] and behind == [(1, 10)]
+    assert split_swap_outs([], [(1, 2)], {3}) == ([], [])
+
+
+@pytest.mark.parametrize("layout", sorted(SPECS))
+def test_a_step_through_the_host_tier_equals_its_swap_outs_then_its_swap_ins(layout):
+    # OUTS write host blocks INS read and (8, 3) reads GPU block 8, which INS refill: they go first; (4, 1)
+    # and (6, 2) conflict with nothing and run behind the swap-ins. The result must be that of every
+    # swap-out, in order, before every swap-in.
+    outs = [*OUTS, (8, 3), (4, 1), (6, 2)]
+    spec, cache, host = make_pair(layout, torch.bfloat16)
+    tier = HostTier([spec], NUM_HOST, BLOCK, torch.device("cpu"))
+    tier.host_caches[0].copy_(host)
+    want_cache, want_host = cache.clone(), host.clone()
+    copy_blocks_reference(want_cache, want_host, outs, spec.planes, to_host=True)
+    copy_blocks_reference(want_cache, want_host, INS, spec.planes, to_host=False)
+    writer = Request("w", [0] * 8, SamplingParams())
+    writer.block_ids = [6, 1]  # its new tokens 6 and 7 land in block 1
+    step = SchedulerOutput([ScheduledRequest(writer, 2, 6)], blocks_to_swap_out=outs, blocks_to_swap_in=INS)
+    assert split_swap_outs(last_writer_wins(outs), INS, blocks_written(step, BLOCK))[1] == [(4, 1), (6, 2)]
+    tier.run(step, [cache])
+    assert torch.equal(as_bytes(cache), as_bytes(want_cache))
+    assert torch.equal(as_bytes(tier.host_caches[0]), as_bytes(want_host))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the side stream needs CUDA")
