@@ -47,7 +47,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    # GiB of host memory (pinned on CUDA) for the KV blocks of preempted requests; 0: they recompute
+    # GiB of host memory (pinned on CUDA) for the KV blocks of preempted requests and, with prefix caching,
+    # prefix blocks evicted from the GPU (engine/block_manager.py); 0: no host tier
     swap_space: float = 0.0
     kv_cache_dtype: str = "auto"
     cpu_kv_cache_gib: float = 1.0  # the cache budget on CPU, where there is no device to measure

@@ -12,7 +12,19 @@ Invariants:
   worst miss the cache, never return wrong KV.
 - Host tier (--swap-space): a preempted request's computed blocks may move to host blocks
   (`swap_out`) and back into fresh GPU blocks when it resumes (`swap_in`). A request holds GPU blocks
-  or host blocks, never both; host blocks carry no hash, so their free list is a plain stack.
+  or host blocks, never both. A host block is free (`free_host_blocks`, a stack), held by a
+  swapped-out request, or (prefix caching on) a cached prefix block (`host_prefix`).
+- Host prefix tier: a cached GPU block that is evicted is copied to a host block with its hash and
+  tokens (a "store") instead of being lost, and a lookup that misses on the GPU continues on the host:
+  each host hit gets a fresh GPU block and a copy back (a "load"). The host keeps its copy (a block
+  evicted again costs no second store). Policy for the shared host space: preempted requests come
+  first — a swap-out takes free host blocks, then evicts cached prefix blocks, least recently stored
+  or hit first; a store takes a free host block or evicts the least recent prefix block, never a
+  request's. The copies go to the scheduler through `take_host_copies`, once per step.
+- Copy ordering (the runner makes a step's stores and swap-outs first, then its loads and swap-ins,
+  all before its forward): a host block read in a step is neither evicted nor reused in that step
+  (`_host_busy` for prefix blocks, `_host_release` for a resumed request's blocks, both cleared by
+  `take_host_copies`), so no write of the same step lands on it first.
 """
 
 from __future__ import annotations
@@ -41,12 +53,21 @@ class BlockManager:
     free_blocks: OrderedDict[int, None] = field(init=False)
     cached_blocks: dict[int, int] = field(init=False)  # block hash -> block id
     free_host_blocks: list[int] = field(init=False)  # popped from the end: host block 0 goes first
+    # Host prefix tier, in eviction order (front first): host block -> (hash, tokens); and hash -> host block.
+    host_prefix: OrderedDict[int, tuple[int, tuple[int, ...]]] = field(init=False)
+    host_cached: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self.free_blocks = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached_blocks = {}
         self.free_host_blocks = list(reversed(range(self.num_host_blocks)))
+        self.host_prefix = OrderedDict()
+        self.host_cached = {}
+        self._stores: list[tuple[int, int]] = []  # (gpu block, host block) copies not yet taken
+        self._loads: list[tuple[int, int]] = []  # (host block, gpu block)
+        self._host_busy: set[int] = set()  # prefix blocks a pending copy reads or writes: not evictable
+        self._host_release: list[int] = []  # a resumed request's host blocks, free once its loads are taken
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -64,8 +85,7 @@ class BlockManager:
         """The longest run of cached full blocks that prefixes the request's tokens.
 
         At least one token is always left to compute: its logits are needed to sample."""
-        # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._may_hit(request):
             return []
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -82,12 +102,36 @@ class BlockManager:
         request.block_hashes = [self.blocks[b].block_hash for b in hits]
         return hits
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def get_host_hits(self, request: Request) -> list[int]:
+        """Host prefix blocks that continue the GPU hits `get_computed_blocks` just found (their chain
+        is in request.block_hashes), verified by tokens; still leaving one token to compute."""
+        if not self.host_prefix or not self._may_hit(request):
+            return []
+        tokens, size = request.token_ids, self.block_size
+        parent_hash = request.block_hashes[-1] if request.block_hashes else None
+        hits: list[int] = []
+        for i in range(len(request.block_hashes), (len(tokens) - 1) // size):
+            chunk = tuple(tokens[i * size : (i + 1) * size])
+            block_hash = hash((parent_hash, chunk))
+            host = self.host_cached.get(block_hash)
+            if host is None or self.host_prefix[host][1] != chunk:
+                break
+            hits.append(host)
+            parent_hash = block_hash
+        return hits
+
+    def _may_hit(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = (),
+                       host_hits: list[int] = ()) -> bool:
         """Make the request's blocks cover its computed tokens plus `num_new_tokens`.
 
-        `computed_blocks` (admission only) are prefix-cache hits to take over first. Returns False
-        and changes nothing when there are not enough free blocks."""
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        `computed_blocks` (admission only) are prefix-cache hits to take over first, then `host_hits`
+        (get_host_hits), each loaded into a fresh GPU block. Returns False and changes nothing when
+        there are not enough free blocks."""
+        num_computed = request.num_computed_tokens + (len(computed_blocks) + len(host_hits)) * self.block_size
         held = len(request.block_ids) + len(computed_blocks)
         num_fresh = -(-(num_computed + num_new_tokens) // self.block_size) - held
         if num_fresh <= 0 and not computed_blocks:  # the common decode step: the last block has room
@@ -103,9 +147,25 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             request.block_ids.append(block_id)
+        if host_hits:
+            self._host_busy.update(host_hits)  # before any eviction below could store over them
         for _ in range(num_fresh):
             request.block_ids.append(self._take_fresh_block())
+        if host_hits:
+            self._load_host_hits(request, host_hits)
         return True
+
+    def _load_host_hits(self, request: Request, host_hits: list[int]) -> None:
+        """The first fresh blocks just taken receive the host hits: a load each, and the hash and tokens
+        of the block they hold, so they are GPU prefix-cache blocks from now on."""
+        first = len(request.block_hashes)
+        for i, host in enumerate(host_hits):
+            block = self.blocks[request.block_ids[first + i]]
+            block.block_hash, block.token_ids = self.host_prefix[host]
+            self.cached_blocks.setdefault(block.block_hash, block.block_id)
+            request.block_hashes.append(block.block_hash)
+            self.host_prefix.move_to_end(host)  # a hit makes it the most recent
+            self._loads.append((host, block.block_id))
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Register the hashes of blocks that became full and computed (call after each step); only
@@ -145,9 +205,10 @@ class BlockManager:
         the (gpu block, host block) copies, which must run before those GPU blocks are written again.
         None, and nothing changed, when there is nothing to keep or the host tier lacks room."""
         num = -(-request.num_computed_tokens // self.block_size)
-        if num == 0 or num > len(self.free_host_blocks):
+        evictable = len(self.host_prefix) - len(self._host_busy)  # busy blocks are all prefix blocks
+        if num == 0 or num > len(self.free_host_blocks) + evictable:
             return None
-        host = [self.free_host_blocks.pop() for _ in range(num)]
+        host = [self._take_host_block() for _ in range(num)]
         copies = list(zip(request.block_ids[:num], host, strict=True))
         self.free(request)
         request.host_block_ids = host
@@ -156,14 +217,25 @@ class BlockManager:
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Fresh GPU blocks for a swapped-out request's kept tokens plus `num_new_tokens`, and its host
         blocks freed; the (host block, gpu block) copies. None, and nothing changed, when GPU blocks lack.
-        The host blocks freed here take a swap-out only in a later schedule (a step that preempts admits
-        nothing), so its copy runs after these."""
+        The host blocks are freed by the next `take_host_copies`, so no copy of this step writes them
+        before these loads read them."""
         if not self.allocate_slots(request, num_new_tokens):
             return None
         copies = list(zip(request.host_block_ids, request.block_ids, strict=False))
-        self.free_host_blocks.extend(reversed(request.host_block_ids))
+        self._host_release.extend(reversed(request.host_block_ids))
         request.host_block_ids = []
         return copies
+
+    def take_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host prefix tier's copies decided since the last call, for the step about to run:
+        (stores (gpu block, host block), loads (host block, gpu block)). The host blocks they read are
+        evictable and reusable again from now on: a later step's copies run after this step's."""
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = [], []
+        self._host_busy.clear()
+        self.free_host_blocks.extend(self._host_release)
+        self._host_release = []
+        return stores, loads
 
     def _take_fresh_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
@@ -171,7 +243,35 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
+                if self.num_host_blocks:
+                    self._store(block)
             block.block_hash = None
             block.token_ids = ()
         block.ref_count = 1
         return block_id
+
+    def _store(self, block: KVBlock) -> None:
+        """Keep an evicted prefix block on the host: a store into a free or evicted host block, unless
+        the host holds that hash already, or every host block is a request's or busy."""
+        host = self.host_cached.get(block.block_hash)
+        if host is not None:
+            self.host_prefix.move_to_end(host)
+            return
+        host = self._take_host_block()
+        if host is None:
+            return
+        self.host_prefix[host] = (block.block_hash, block.token_ids)
+        self.host_cached[block.block_hash] = host
+        self._host_busy.add(host)  # written this step: no eviction, hence no second write, before it runs
+        self._stores.append((block.block_id, host))
+
+    def _take_host_block(self) -> int | None:
+        """A free host block, else the least recent prefix block that no pending copy uses; None if neither."""
+        if self.free_host_blocks:
+            return self.free_host_blocks.pop()
+        for host in self.host_prefix:
+            if host not in self._host_busy:
+                block_hash, _ = self.host_prefix.pop(host)
+                del self.host_cached[block_hash]
+                return host
+        return None

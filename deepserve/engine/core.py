@@ -101,7 +101,9 @@ class EngineCore:
             num_host_blocks = runner.determine_num_host_blocks()
             runner.initialize_host_cache(num_host_blocks)
             logger.info("host KV tier (--swap-space %s GiB): %d blocks; a preempted request moves there when "
-                        "it fits, else it recomputes", config.cache.swap_space, num_host_blocks)
+                        "it fits, else it recomputes%s", config.cache.swap_space, num_host_blocks,
+                        "; prefix blocks evicted from the GPU are kept there" if config.cache.enable_prefix_caching
+                        else "")
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, block_manager)

@@ -184,7 +184,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Host tier (--swap-space): KV block copies the runner makes before the step's forward, all swap-outs
-    # first (a swap-in's fresh GPU block may be one a swap-out is still to read).
+    # first (a swap-in's fresh GPU block may be one a swap-out is still to read; a host block a swap-out
+    # writes may be one a swap-in reads). Swap-outs: preempted requests' blocks, then prefix blocks evicted
+    # from the GPU (stores); swap-ins: resumed requests' blocks, then host prefix hits (loads).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, gpu block)
 

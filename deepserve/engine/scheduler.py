@@ -6,8 +6,10 @@ go first, in arrival order, and each leaves one token of budget for every runnin
 it, so a long chunked prefill never starves the decodes. When blocks run out, the latest-arrived
 running request is preempted: its blocks are freed and it recomputes later from the front of the
 waiting queue — or, with a host tier (--swap-space) that has room, its computed blocks are copied to
-host memory and back when it resumes, its num_computed_tokens kept. Waiting requests are admitted in
-arrival order while budget, sequence slots and blocks last, and never in a step that had to preempt.
+host memory and back when it resumes, its num_computed_tokens kept. With prefix caching too, evicted
+prefix blocks are kept on the host and a prefix hit there loads them back (BlockManager). Waiting
+requests are admitted in arrival order while budget, sequence slots and blocks last, and never in a
+step that had to preempt.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     num_swapped_out_blocks_total: int = 0  # KV blocks copied to the host tier (--swap-space)
     num_swapped_in_blocks_total: int = 0  # and back
+    prefix_cache_host_hits_total: int = 0  # of prefix_cache_hits_total, tokens loaded from the host tier
+    prefix_cache_host_stores_total: int = 0  # evicted prefix blocks copied to the host tier
 
 
 class Scheduler:
@@ -44,6 +48,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of which found
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.prefix_cache_host_hits = 0
+        self.prefix_cache_host_stores = 0
         # Swap-out copies of a schedule that ran no step: they go with the next step that runs, before
         # its forward, which is the first thing that can write the GPU blocks they read.
         self._unsent_swap_out: list[tuple[int, int]] = []
@@ -70,7 +76,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if out.is_empty():
             self._unsent_swap_out, out.blocks_to_swap_out = out.blocks_to_swap_out, []
+        elif self.block_manager.num_host_blocks:
+            self._take_host_copies(out)
         return out
+
+    def _take_host_copies(self, out: SchedulerOutput) -> None:
+        # After the swap-outs: a block stored here may be one a swap-out reads too, never one it writes.
+        stores, loads = self.block_manager.take_host_copies()
+        out.blocks_to_swap_out.extend(stores)
+        out.blocks_to_swap_in.extend(loads)
+        self.prefix_cache_host_stores += len(stores)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -119,7 +134,9 @@ class Scheduler:
         A swapped-out request keeps its computed tokens and comes back through the host tier."""
         swapped = bool(request.host_block_ids)
         hits = [] if swapped else self.block_manager.get_computed_blocks(request)
-        num_computed = request.num_computed_tokens if swapped else len(hits) * self.block_manager.block_size
+        host_hits = [] if swapped else self.block_manager.get_host_hits(request)
+        block_size = self.block_manager.block_size
+        num_computed = request.num_computed_tokens if swapped else (len(hits) + len(host_hits)) * block_size
         num_new = request.num_tokens - num_computed
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
@@ -130,7 +147,7 @@ class Scheduler:
                 return 0
             out.blocks_to_swap_in.extend(copies)
             self.num_swapped_in_blocks += len(copies)
-        elif not self.block_manager.allocate_slots(request, num_new, hits):
+        elif not self.block_manager.allocate_slots(request, num_new, hits, host_hits):
             return 0
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
@@ -138,6 +155,7 @@ class Scheduler:
             request.num_cached_tokens = num_computed
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
+            self.prefix_cache_host_hits += len(host_hits) * block_size
         self.running.append(request)
         return num_new
 
@@ -265,6 +283,8 @@ class Scheduler:
             prefix_cache_hits_total=self.prefix_cache_hits,
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
+            prefix_cache_host_hits_total=self.prefix_cache_host_hits,
+            prefix_cache_host_stores_total=self.prefix_cache_host_stores,
         )
 
 

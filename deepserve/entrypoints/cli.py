@@ -28,8 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--swap-space", type=float, default=d.swap_space,
-                   help="GiB of host memory for the KV blocks of preempted requests (pinned on CUDA), copied "
-                        "back when they resume instead of recomputed; 0: recompute")
+                   help="GiB of host memory (pinned on CUDA) for the KV blocks of preempted requests, copied "
+                        "back when they resume instead of recomputed, and for prefix-cache blocks evicted from "
+                        "the GPU, found again by prefix hits; 0: no host tier")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="auto: the model's dtype; fp8 (= fp8_e4m3): float8_e4m3fn with per-layer k/v scales "
                         "(the checkpoint's, else 1.0), twice the tokens per GiB")

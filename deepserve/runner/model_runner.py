@@ -23,7 +23,7 @@ from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
-from deepserve.runner.kv_swap import allocate_host_caches, copy_blocks
+from deepserve.runner.kv_swap import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ModelRunner:
         name = config.cache.cache_dtype_name
         self.kv_specs = [layer.kv_cache_spec(getattr(torch, name) if name else self.dtype)
                          for layer in self.attention_layers]
-        self.host_caches: list[torch.Tensor] = []  # the host tier (--swap-space), one per attention layer
+        self.host_tier: HostTier | None = None  # the host tier (--swap-space > 0)
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
 
@@ -161,16 +161,13 @@ class ModelRunner:
         return int(self.config.cache.swap_space * 2**30) // self.kv_cache_bytes_per_block()
 
     def initialize_host_cache(self, num_host_blocks: int) -> None:
-        self.host_caches = allocate_host_caches(self.kv_specs, num_host_blocks, self.block_size,
-                                                pin=self.device.type == "cuda")
+        self.host_tier = HostTier(self.kv_specs, num_host_blocks, self.block_size, self.device)
 
     def _swap_blocks(self, out: SchedulerOutput) -> None:
-        """The step's host-tier copies, queued before its forward: every swap-out, then every swap-in."""
-        if not out.blocks_to_swap_out and not out.blocks_to_swap_in:
-            return
-        for layer, host, spec in zip(self.attention_layers, self.host_caches, self.kv_specs, strict=True):
-            copy_blocks(layer.kv_cache, host, out.blocks_to_swap_out, spec.planes)
-            copy_blocks(host, layer.kv_cache, out.blocks_to_swap_in, spec.planes)
+        """The step's host-tier copies (swap-outs and prefix stores, then swap-ins and prefix loads) and
+        the forward stream's waits on them, queued before its forward (kv_swap.HostTier.run)."""
+        if self.host_tier is not None:
+            self.host_tier.run(out, [layer.kv_cache for layer in self.attention_layers])
 
     def release_graphs(self) -> None:
         """Drop the decode graphs (see DecodeGraphs.release); the runner then runs eager."""

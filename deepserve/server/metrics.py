@@ -28,9 +28,11 @@ _TOKEN_GAP = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
 _ENGINE_TOTALS = {
     "num_preemptions_total": "Cumulative number of preemptions by the scheduler.",
     "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
+    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache (GPU or host tier).",
     "num_swapped_out_blocks_total": "KV blocks of preempted requests copied to the host tier (--swap-space).",
     "num_swapped_in_blocks_total": "KV blocks copied back from the host tier when their request resumed.",
+    "prefix_cache_host_hits_total": "Prompt tokens found in the host tier's prefix blocks and loaded back.",
+    "prefix_cache_host_stores_total": "Prefix blocks evicted from the GPU and kept in the host tier.",
 }
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from deepserve import LLM, SamplingParams
 from tests.conftest import save_checkpoint
+from tests.models import test_deepseek as deepseek
 from tests.models.test_dense_models import COMMON, PROMPTS, assert_same_greedy, hf_greedy
 
 MAX_TOKENS = 10
@@ -37,7 +38,7 @@ def want(checkpoint):
 
 def generate(path: str, **settings) -> tuple[list[list[int]], LLM, int]:
     """Greedy outputs, the engine, and how many tokens its steps computed (prefill and decode)."""
-    llm = LLM(path, dtype="float32", device="cpu", **{**TINY_CACHE, **settings})
+    llm = LLM(path, device="cpu", **{"dtype": "float32", **TINY_CACHE, **settings})
     runner = llm.llm_engine.core.runner
     computed = []
     launch = runner.launch  # every step goes through it (execute = wait(launch(...)))
@@ -67,7 +68,9 @@ def test_swapped_requests_match_transformers_without_recompute(checkpoint, want,
     assert stats.num_swapped_in_blocks_total == stats.num_swapped_out_blocks_total
     assert computed == NO_RECOMPUTE
     bm = llm.llm_engine.core.scheduler.block_manager
-    assert bm.num_host_blocks == 64 and bm.num_free_host_blocks == 64 and bm.num_free_blocks == 12  # no leak
+    # No leak: every host block is free or keeps an evicted prefix block (prefix caching is on).
+    assert bm.num_host_blocks == 64 and bm.num_free_host_blocks + len(bm.host_prefix) == 64
+    assert bm.num_free_blocks == 12
     off, _, computed_off = generate(checkpoint[0], async_scheduling=async_scheduling)
     assert got == off
     assert computed_off > NO_RECOMPUTE  # the same run without the host tier recomputes
@@ -85,7 +88,23 @@ def test_too_small_a_host_tier_falls_back_to_recompute(checkpoint, want):
 
 def test_fp8_cache_swaps_its_raw_bytes(checkpoint):
     got, llm, computed = generate(checkpoint[0], swap_space=ROOMY, kv_cache_dtype="fp8")
-    assert llm.llm_engine.core.runner.host_caches[0].dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.core.runner.host_tier.host_caches[0].dtype == torch.float8_e4m3fn
     assert llm.llm_engine.stats().num_swapped_in_blocks_total > 0 and computed == NO_RECOMPUTE
     off, _, _ = generate(checkpoint[0], kv_cache_dtype="fp8")
     assert got == off
+
+
+def test_mla_latent_cache_swaps_without_recompute(tmp_path, tokenizer):
+    # DeepSeek-V2's one-plane latent cache [blocks, block_size, C + Dr] through the same host tier.
+    hf_model = deepseek.make_hf_model(DeepseekV2Config, DeepseekV2ForCausalLM,
+                                      deepseek.VARIANTS["v2-group-limited-qlora-yarn"][2])
+    path = save_checkpoint(hf_model, tokenizer, str(tmp_path / "v2"))
+    got, llm, computed = generate(path, swap_space=2**-10)
+    for tokens, ids in zip(got, PROMPTS, strict=True):
+        assert_same_greedy(tokens, *hf_greedy(hf_model, ids, MAX_TOKENS))
+    assert llm.llm_engine.stats().num_swapped_in_blocks_total > 0 and computed == NO_RECOMPUTE
+    for settings in (dict(dtype="bfloat16"), dict(kv_cache_dtype="fp8")):
+        got, llm, computed = generate(path, swap_space=2**-10, **settings)
+        assert llm.llm_engine.stats().num_swapped_in_blocks_total > 0 and computed == NO_RECOMPUTE
+        roomy, _, _ = generate(path, num_gpu_blocks_override=64, **settings)  # never preempted
+        assert got == roomy

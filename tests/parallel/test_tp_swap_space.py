@@ -48,3 +48,29 @@ def test_tp2_swaps_on_every_rank(tmp_path, tokenizer):
     got, swapped_in = run(path, 2, swap_space=2**-12)
     assert swapped_in > 0
     assert got == want
+
+
+def prompt_filler_prompt(path: str, tp: int, **kwargs) -> tuple[list[list[int]], int]:
+    """A 33-token prompt, a filler that takes every GPU block, the prompt again; the outputs and the
+    prompt tokens loaded from the host tier."""
+    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_gpu_blocks_override=12,
+              block_size=4, max_model_len=48, **kwargs)
+    try:
+        prompt, filler = list(range(100, 133)), list(range(300, 338))
+        outs = [llm.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0] for p in (prompt, filler, prompt)]
+        return [list(o.outputs[0].token_ids) for o in outs], llm.llm_engine.stats().prefix_cache_host_hits_total
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+
+
+def test_tp2_stores_and_loads_host_prefix_blocks_on_every_rank(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(LlamaConfig(**DENSE, initializer_range=0.3)).eval()
+    path = save_checkpoint(hf_model, tokenizer, str(tmp_path / "llama"))
+    want, _ = prompt_filler_prompt(path, 1)
+    got, host_hits = prompt_filler_prompt(path, 2, swap_space=2**-12)
+    assert host_hits == 32  # the second prompt's 8 full blocks, loaded in both ranks' shards
+    assert got == want and got[2] == got[0]

@@ -364,7 +364,8 @@ def test_metrics_names(srv):
                  "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count", "num_preemptions_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_swapped_out_blocks_total", "num_swapped_in_blocks_total"):
+                 "prefix_cache_hits_total", "num_swapped_out_blocks_total", "num_swapped_in_blocks_total",
+                 "prefix_cache_host_hits_total", "prefix_cache_host_stores_total"):
         metric(text, f"deepserve:{name}")
     assert metric(text, "deepserve:generation_tokens_total") > 0
     assert 'deepserve:key_requests_total{key="user",outcome="ok"}' in text

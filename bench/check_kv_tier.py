@@ -1,0 +1,274 @@
+"""The --swap-space host tier on a GPU: its batched side-stream copies, their speed, and the tier end to end.
+
+    python bench/check_kv_tier.py            # about 2-4 minutes on one H200; non-zero exit on a wrong result
+
+1. copies: HostTier.run on CUDA (gather + one memcpy per run of host blocks + scatter, on a side stream)
+   against the per-block definition computed on the CPU, for an MHA bf16 and an MLA FP8 layout; with the
+   ordering hazards of a real step made live: the "previous forward" writes a block the swap-out reads
+   (queued behind a 50 ms sleep, so a side stream that did not wait would read the old bytes), the
+   "forward" overwrites a swapped-out block and reads the swapped-in ones right after `run` returns, and
+   the next step's "forward" overwrites a block whose swap-out runs behind the first forward.
+2. speed: swap-out and swap-in of N blocks for a Llama-8B-like cache (32 layers of [2, blocks, 16, 8, 128]
+   bf16, 2 MiB a block) and a DeepSeek-V3-like one (61 layers of [blocks, 16, 576] bf16, 1.1 MiB a block):
+   the batched path with host blocks in one run and scattered, and the old per-block copies (one
+   non_blocking copy per block, layer and plane, on the forward's stream); GB/s over the bytes moved.
+   Then how much of a swap-out hides behind a bf16 matmul loop standing in for a forward (overlap 1.0:
+   fully hidden; 0: none).
+3. end to end (tiny random Llama-GQA and DeepSeek-V2-like MLA checkpoints, float32, CUDA graphs on, sync and
+   async scheduling): under a GPU cache too small to keep a prompt, the prompt is served, then a filler that
+   takes every block, then the prompt again: the second serving must find the evicted blocks in the host
+   tier (host-hit tokens > 0, its prefill only the tokens after the hits) and give the tokens of an engine
+   whose cache kept the prompt on the GPU. And forced preemption with swap: equal to the roomy engine, no
+   token recomputed.
+The table comes last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_check import COMMON, VARIANTS  # noqa: E402
+
+from deepserve import LLM, SamplingParams  # noqa: E402
+from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput  # noqa: E402
+from deepserve.layers.kv_cache_spec import KVCacheSpec  # noqa: E402
+from deepserve.runner.kv_swap import (  # noqa: E402
+    HostTier,
+    copy_blocks_reference,
+    gpu_rows,
+    last_writer_wins,
+    split_swap_outs,
+)
+
+CUDA = torch.device("cuda")
+ROWS: list[tuple[str, str, str]] = []  # (case, OK / FAIL / measured, detail)
+
+
+def random_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), dtype=torch.uint8, device=device).view(dtype)
+
+
+def plane_view(t: torch.Tensor, planes: int) -> torch.Tensor:
+    return (t if planes > 1 else t.unsqueeze(0)).view(torch.uint8)  # [planes, blocks, ...] bytes
+
+
+def writer_step(block: int, block_size: int) -> list[ScheduledRequest]:
+    """A scheduled request whose one new token lands in `block` (the forward overwrites it)."""
+    req = Request("w", [0] * block_size, SamplingParams())
+    req.block_ids = [block]
+    return [ScheduledRequest(req, 1, block_size - 1)]
+
+
+def check_copies(name: str, spec: KVCacheSpec, layers: int = 4, num_gpu: int = 1024, num_host: int = 1200) -> None:
+    g = torch.Generator().manual_seed(0)
+    bs = 16
+    caches = [random_cache(spec.shape(num_gpu, bs), spec.dtype, CUDA) for _ in range(layers)]
+    tier = HostTier([spec] * layers, num_host, bs, CUDA)
+    for host in tier.host_caches:
+        host.copy_(random_cache(host.shape, spec.dtype, torch.device("cpu")))
+    perm = torch.randperm(num_gpu, generator=g).tolist()
+    hosts = list(range(100, 400)) + torch.randperm(num_host, generator=g)[:200].tolist()  # one run, then scattered
+    outs = list(zip(perm[:500], hosts, strict=True)) + [(perm[500], hosts[3])]  # host block hosts[3] written twice
+    ins = list(zip(torch.randint(0, num_host, (400,), generator=g).tolist(), perm[501:901], strict=True))
+    ins.append((hosts[0], perm[901]))  # a host block written by this step's swap-out, read by its swap-in
+    pre_written, overwritten = outs[1][0], outs[0][0]
+    want_caches = [c.to("cpu", copy=True) for c in caches]
+    want_hosts = [h.clone() for h in tier.host_caches]
+    # The previous forward writes a block the swap-out reads, queued behind a sleep: the side stream must wait.
+    torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz
+    for cache, want in zip(caches, want_caches, strict=True):
+        gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, pre_written].fill_(7)
+        gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, pre_written].fill_(7)
+    tier.run(SchedulerOutput(writer_step(overwritten, bs), blocks_to_swap_out=outs, blocks_to_swap_in=ins), caches)
+    # The forward: overwrites a block a swap-out reads and reads the swapped-in blocks (rule 2).
+    loaded_gpu = torch.tensor([gpu for _, gpu in ins], device=CUDA)
+    seen = []
+    for cache in caches:
+        gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, overwritten].fill_(9)
+        seen.append(plane_view(cache, spec.planes).index_select(1, loaded_gpu).cpu())
+    # The next step's forward overwrites a block that a swap-out running behind this step's forward reads
+    # (rule 3): queued at once, it must still wait for that copy.
+    behind = split_swap_outs(last_writer_wins(outs), sorted(ins), {overwritten})[1]
+    late = behind[0][0]
+    tier.run(SchedulerOutput(writer_step(late, bs)), caches)
+    for cache in caches:
+        gpu_rows(cache, spec.planes).view(spec.planes, num_gpu, -1)[:, late].fill_(11)
+    torch.cuda.synchronize()
+    for want, host in zip(want_caches, want_hosts, strict=True):
+        copy_blocks_reference(want, host, outs, spec.planes, to_host=True)
+        copy_blocks_reference(want, host, ins, spec.planes, to_host=False)
+    ok = True
+    for cache, host, want, want_host, got_loaded in zip(caches, tier.host_caches, want_caches, want_hosts, seen,
+                                                        strict=True):
+        ok &= torch.equal(host.view(torch.uint8), want_host.view(torch.uint8))
+        ok &= torch.equal(got_loaded, plane_view(want, spec.planes).index_select(1, loaded_gpu.cpu()))
+        gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, overwritten].fill_(9)
+        gpu_rows(want, spec.planes).view(spec.planes, num_gpu, -1)[:, late].fill_(11)
+        ok &= torch.equal(plane_view(cache, spec.planes).cpu(), plane_view(want, spec.planes))
+    ROWS.append((f"copies {name}", "OK" if ok else "FAIL",
+                 f"{len(outs)} out ({len(behind)} behind the forward) + {len(ins)} in blocks x {layers} layers "
+                 "= per-block definition, hazards live"))
+
+
+def timed(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def per_block(caches: list[torch.Tensor], hosts: list[torch.Tensor], pairs, planes: int, to_host: bool) -> None:
+    """The copies as they were before batching: one non_blocking copy per block, layer and plane."""
+    for cache, host in zip(caches, hosts, strict=True):
+        gpu = cache if planes > 1 else cache.unsqueeze(0)
+        for a, b in pairs:
+            for p in range(planes):
+                if to_host:
+                    host[b, p].copy_(gpu[p, a], non_blocking=True)
+                else:
+                    gpu[p, b].copy_(host[a, p], non_blocking=True)
+
+
+def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, num_host: int = 2048) -> None:
+    bs = 16
+    caches = [spec.allocate(num_gpu, bs, CUDA) for _ in range(layers)]
+    tier = HostTier([spec] * layers, num_host, bs, CUDA)
+    block_bytes = layers * bs * spec.bytes_per_token
+    for n in (16, 256, 2048):
+        gpu_ids = torch.randperm(num_gpu)[:n].tolist()
+        layouts = {"one run": list(range(n)), "scattered": torch.randperm(num_host)[:n].tolist()}
+        for label, host_ids in layouts.items():
+            outs, ins = list(zip(gpu_ids, host_ids, strict=True)), list(zip(host_ids, gpu_ids, strict=True))
+            t_out = timed(lambda o=outs: tier.run(SchedulerOutput(blocks_to_swap_out=o), caches))
+            t_in = timed(lambda i=ins: tier.run(SchedulerOutput(blocks_to_swap_in=i), caches))
+            gb = n * block_bytes / 1e9
+            ROWS.append((f"speed {name} N={n} {label}", "measured",
+                         f"out {gb / t_out:6.1f} GB/s ({t_out * 1e3:7.2f} ms)  in {gb / t_in:6.1f} GB/s "
+                         f"({t_in * 1e3:7.2f} ms)"))
+        if n <= 256:  # the per-block path launches n x layers x planes copies: slow to time at 2048
+            outs, ins = list(zip(gpu_ids, range(n), strict=True)), list(zip(range(n), gpu_ids, strict=True))
+            t_out = timed(lambda o=outs: per_block(caches, tier.host_caches, o, spec.planes, True))
+            t_in = timed(lambda i=ins: per_block(caches, tier.host_caches, i, spec.planes, False))
+            gb = n * block_bytes / 1e9
+            ROWS.append((f"speed {name} N={n} per-block (old)", "measured",
+                         f"out {gb / t_out:6.1f} GB/s ({t_out * 1e3:7.2f} ms)  in {gb / t_in:6.1f} GB/s "
+                         f"({t_in * 1e3:7.2f} ms)"))
+    # Overlap: a swap-out of 256 blocks beside a matmul loop on the forward's stream.
+    a = torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16)
+    outs = list(zip(torch.randperm(num_gpu)[:256].tolist(), range(256), strict=True))
+
+    def forward() -> None:
+        for _ in range(8):
+            a @ a
+
+    t_fwd = timed(forward)
+    t_out = timed(lambda: tier.run(SchedulerOutput(blocks_to_swap_out=outs), caches))
+    t_both = timed(lambda: (tier.run(SchedulerOutput(blocks_to_swap_out=outs), caches), forward()))
+    overlap = (t_fwd + t_out - t_both) / min(t_fwd, t_out)
+    ROWS.append((f"overlap {name} 256 blocks", "measured",
+                 f"forward {t_fwd * 1e3:.2f} ms, swap-out {t_out * 1e3:.2f} ms, both {t_both * 1e3:.2f} ms: "
+                 f"overlap {overlap:.2f}"))
+
+
+PROMPT = torch.randint(0, 512, (161,), generator=torch.Generator().manual_seed(1)).tolist()  # 10 full blocks
+FILLER = torch.randint(0, 512, (230,), generator=torch.Generator().manual_seed(2)).tolist()  # + 24: 16 blocks
+TINY = dict(num_gpu_blocks_override=18, block_size=16, max_model_len=256)
+# --e2e-on-cpu: only part 3, on the CPU reference path (to check this script where there is no GPU).
+E2E_DEVICE = "cpu" if "--e2e-on-cpu" in sys.argv else "cuda"
+
+
+def counting_llm(path: str, **kw) -> tuple[LLM, list[int]]:
+    """An engine on E2E_DEVICE and the list each of its steps appends its computed token count to."""
+    llm = LLM(path, device=E2E_DEVICE, dtype="float32", skip_tokenizer_init=True, **kw)
+    runner, computed = llm.llm_engine.core.runner, []
+    launch = runner.launch  # every step goes through it
+
+    def counted(out, *args):
+        computed.append(sum(s.num_new_tokens for s in out.scheduled))
+        return launch(out, *args)
+
+    runner.launch = counted
+    return llm, computed
+
+
+def serve_three(path: str, **kw) -> tuple[list[list[int]], int, int]:
+    """PROMPT, FILLER, PROMPT one at a time: outputs, the second PROMPT's prefill tokens, host-hit tokens."""
+    llm, computed = counting_llm(path, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for prompt in (PROMPT, FILLER, PROMPT):
+        computed.clear()
+        outs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return outs, computed[0], llm.llm_engine.stats().prefix_cache_host_hits_total
+
+
+def check_end_to_end(name: str, path: str) -> None:
+    for sync in (True, False):
+        mode = "sync" if sync else "async"
+        outs, prefill, host_hits = serve_three(path, swap_space=1.0, async_scheduling=not sync, **TINY)
+        roomy, roomy_prefill, _ = serve_three(path, num_gpu_blocks_override=256, block_size=16, max_model_len=256,
+                                              async_scheduling=not sync)
+        expect_prefill = len(PROMPT) - 16 * ((len(PROMPT) - 1) // 16)
+        ok = host_hits > 0 and prefill == expect_prefill and outs == roomy and outs[2] == outs[0]
+        ROWS.append((f"e2e {name} host prefix hit ({mode})", "OK" if ok else "FAIL",
+                     f"host-hit tokens {host_hits}, second prefill {prefill} (roomy GPU {roomy_prefill}), "
+                     f"tokens {'equal' if outs == roomy else 'DIFFER'}"))
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (150, 90, 200, 120, 60, 170)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results = {}
+    for label, kw in (("swap", dict(swap_space=1.0, **TINY)), ("roomy", dict(num_gpu_blocks_override=256,
+                                                                             block_size=16, max_model_len=256))):
+        llm, computed = counting_llm(path, **kw)
+        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+        results[label] = (outs, sum(computed), llm.llm_engine.stats())
+    no_recompute = sum(len(p) + 32 - 1 for p in prompts)
+    outs, computed, stats = results["swap"]
+    ok = outs == results["roomy"][0] and computed == no_recompute and stats.num_swapped_in_blocks_total > 0
+    ROWS.append((f"e2e {name} preemption swap", "OK" if ok else "FAIL",
+                 f"preemptions {stats.num_preemptions_total}, blocks in {stats.num_swapped_in_blocks_total}, "
+                 f"computed {computed} (no recompute: {no_recompute})"))
+
+
+def main() -> int:
+    if E2E_DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (or --e2e-on-cpu for part 3 alone)")
+        return 2
+    if E2E_DEVICE == "cuda":
+        check_copies("mha-bf16", KVCacheSpec((8, 128), 2, torch.bfloat16))
+        check_copies("mla-fp8", KVCacheSpec((576,), 1, torch.float8_e4m3fn))
+        bench_speed("llama-8b-like", KVCacheSpec((8, 128), 2, torch.bfloat16), layers=32)
+        torch.cuda.empty_cache()  # the first layout's caches went with its call
+        bench_speed("v3-like-mla", KVCacheSpec((576,), 1, torch.bfloat16), layers=61)
+        torch.cuda.empty_cache()
+    for name in ("llama-gqa", "dsv2-lite-like"):
+        config_cls, model_cls, extra = VARIANTS[name]
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**COMMON, **extra))
+        with tempfile.TemporaryDirectory() as path:
+            model.save_pretrained(path)
+            try:
+                check_end_to_end(name, path)
+            except Exception as e:  # one broken model must not hide the other's results
+                ROWS.append((f"e2e {name}", "FAIL", f"{type(e).__name__}: {e}"))
+    width = max(len(r[0]) for r in ROWS)
+    print(f"\n{'case':{width}s}  result    detail")
+    for case, result, detail in ROWS:
+        print(f"{case:{width}s}  {result:8s}  {detail}")
+    return 1 if any(r[1] == "FAIL" for r in ROWS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
