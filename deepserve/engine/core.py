@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.grammar import GrammarCompiler, fill_bitmasks
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
 from deepserve.sampling_params import SamplingParams
@@ -110,6 +111,7 @@ class EngineCore:
                     config.cache.kv_cache_dtype)
         self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
+        self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
 
     @classmethod
@@ -133,7 +135,19 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.arrival_time, wait_for,
         )
+        if req.sampling_params.structured_outputs is not None:
+            request.grammar = self._grammar_compiler().compile(req.sampling_params.structured_outputs)
         self.scheduler.add_request(request)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            from deepserve.loader.tokenizer import load_tokenizer
+
+            if self.config.model.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+            tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.grammars = GrammarCompiler(tokenizer, self.config.model.hf_config.vocab_size)
+        return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -147,6 +161,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         # A request whose sampling reads its earlier tokens (penalties) needs them real, not
         # placeholders (SamplingParams.needs_known_tokens): while there is one, steps run one at a time.
+        # A grammar is such a reader: its mask for step n+1 depends on the token step n samples, so with
+        # a constrained request in the engine the host waits for step n's tokens, advances the matchers
+        # (Request.check_stop) and only then builds the masks and launches n+1. Chosen over launching
+        # ahead with a stale mask (wrong) or per-request waits (one step's tokens arrive together
+        # anyway); unconstrained-only engines keep async scheduling untouched.
         if self.async_scheduling and not self.scheduler.num_needing_known_tokens:
             return self._step_async()
         outputs = self._finish_inflight()
@@ -155,6 +174,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
+        _attach_grammar_bitmask(scheduled, self.grammars)
         result = self.runner.execute(scheduled)
         self.scheduler.update_from_output(scheduled, result.sampled)
         return _outputs(scheduled, result)
@@ -182,6 +202,16 @@ class EngineCore:
         result = self.runner.wait(pending)
         self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
         return _outputs(pending.out, result)
+
+
+def _attach_grammar_bitmask(scheduled: SchedulerOutput, grammars: GrammarCompiler | None) -> None:
+    """The allowed tokens of each sampling row, from its matcher as it stands after every earlier token
+    (steps run one at a time while a grammar is live, EngineCore.step)."""
+    if grammars is None:
+        return
+    rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
+    if any(g is not None for g in rows):
+        scheduled.grammar_bitmask = fill_bitmasks(rows, grammars.bitmask_bytes)
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
