@@ -167,3 +167,19 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+
+
+def test_async_scheduling_waits_for_tokens_while_a_grammar_is_live(llm):
+    # A constrained row's mask for step n+1 needs step n's token: no step is left in flight while one runs,
+    # and the engine launches ahead again once it is gone.
+    engine = llm.llm_engine
+    engine.add_request("g", "x", SamplingParams(temperature=1.0, seed=1, max_tokens=40,
+                                                structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    engine.add_request("p", "y", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    while "g" in engine.output_processor.states:
+        engine.step()
+        assert engine.core.inflight is None
+    engine.step()
+    assert engine.core.inflight is not None  # only the unconstrained request left: launched ahead
+    while engine.has_unfinished_requests():
+        engine.step()
