@@ -140,6 +140,12 @@ def _short(message: str, limit: int = 500) -> str:
 
 
 def fill_bitmasks(states: list[GrammarState | None], num_bytes: int) -> bytes:
-    """The masks of a step's sampling rows, row after row; a row without a grammar allows everything."""
+    """The masks of a step's sampling rows, row after row, num_bytes each; a row without a grammar allows
+    everything. llguidance's rows can be a word longer than the model's vocabulary needs (seen with a
+    small tokenizer and a large n_vocab): cut to size, or padded with zeros (not allowed)."""
     full = b"\xff" * num_bytes
-    return b"".join(full if s is None else s.bitmask() for s in states)
+    return b"".join(full if s is None else _fit(s.bitmask(), num_bytes) for s in states)
+
+
+def _fit(mask: bytes, num_bytes: int) -> bytes:
+    return mask[:num_bytes] if len(mask) >= num_bytes else mask + bytes(num_bytes - len(mask))
