@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -112,6 +113,10 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
+        # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
+        self._compiling: list[tuple[Request, Future]] = []
+        self._compile_pool: ThreadPoolExecutor | None = None
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
 
     @classmethod
@@ -135,9 +140,36 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.arrival_time, wait_for,
         )
-        if req.sampling_params.structured_outputs is not None:
-            request.grammar = self._grammar_compiler().compile(req.sampling_params.structured_outputs)
+        so = req.sampling_params.structured_outputs
+        if so is not None:
+            compiler = self._grammar_compiler()
+            request.grammar = compiler.cached(so)
+            if request.grammar is None:
+                if self._compile_pool is None:
+                    self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="deepserve-grammar")
+                self._compiling.append((request, self._compile_pool.submit(compiler.compile, so)))
+                return
         self.scheduler.add_request(request)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar finished compiling to the scheduler; one that failed ends (the front
+        end validated it, so this is unexpected) with an abort output. Waits a little when nothing else
+        could run, instead of spinning."""
+        if not self.scheduler.has_unfinished_requests() and self.inflight is None:
+            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs, still = [], []
+        for request, future in self._compiling:
+            if not future.done():
+                still.append((request, future))
+            elif future.exception() is not None:
+                logger.warning("request %s: its grammar failed to compile: %s", request.request_id,
+                               future.exception())
+                outputs.append(EngineCoreOutput(request.request_id, finish_reason="abort"))
+            else:
+                request.grammar = future.result()
+                self.scheduler.add_request(request)
+        self._compiling = still
+        return outputs
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
@@ -150,15 +182,22 @@ class EngineCore:
         return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._compiling:
+            ids = set(request_ids)
+            self._compiling = [(r, f) for r, f in self._compiling if r.request_id not in ids]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.inflight is not None
+        return self.scheduler.has_unfinished_requests() or self.inflight is not None or bool(self._compiling)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled() if self._compiling else []
+        return failed + self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         # A request whose sampling reads its earlier tokens (penalties) needs them real, not
         # placeholders (SamplingParams.needs_known_tokens): while there is one, steps run one at a time.
         # A grammar is such a reader: its mask for step n+1 depends on the token step n samples, so with

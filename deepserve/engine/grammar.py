@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -99,6 +100,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._ll_tokenizer: Any = None  # llguidance's view of the tokenizer (~1 s to build): at first use
         self._templates: OrderedDict[str, Any] = OrderedDict()
+        # compile() may run on EngineCore's compile thread while the step loop calls cached().
+        self._lock = threading.Lock()
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -115,15 +118,27 @@ class GrammarCompiler:
     def compile(self, so: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for the request; raises GrammarError naming what is wrong."""
         spec = grammar_spec(so)
-        template = self._templates.get(spec)
-        if template is None:
-            template = self._build(spec)
+        state = self._copy(spec)
+        if state is not None:
+            return state
+        template = self._build(spec)  # outside the lock: llguidance releases the GIL while it compiles
+        with self._lock:
             self._templates[spec] = template
             if len(self._templates) > CACHE_SIZE:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(spec)
         return GrammarState(template.deep_copy())
+
+    def cached(self, so: StructuredOutputsParams) -> GrammarState | None:
+        """A fresh matcher when the grammar is already compiled (a copy costs microseconds), else None."""
+        return self._copy(grammar_spec(so))
+
+    def _copy(self, spec: str) -> GrammarState | None:
+        with self._lock:
+            template = self._templates.get(spec)
+            if template is None:
+                return None
+            self._templates.move_to_end(spec)
+            return GrammarState(template.deep_copy())
 
     def _build(self, spec: str) -> Any:
         import llguidance

@@ -183,3 +183,27 @@ def test_async_scheduling_waits_for_tokens_while_a_grammar_is_live(llm):
     assert engine.core.inflight is not None  # only the unconstrained request left: launched ahead
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch):
+    # The core's own compiler (as in the server, where the core runs in another process) with a compile
+    # that takes 3 s: the unconstrained request finishes meanwhile, then the constrained one runs.
+    import time
+
+    from deepserve.engine.grammar import GrammarCompiler
+
+    engine = llm.llm_engine
+    slow = GrammarCompiler(engine.tokenizer, engine.config.model.hf_config.vocab_size)
+    build = slow._build
+    monkeypatch.setattr(slow, "_build", lambda spec: (time.sleep(3.0), build(spec))[1])
+    monkeypatch.setattr(engine.core, "grammars", slow)
+    choice = StructuredOutputsParams(choice=["one", "two"])
+    engine.add_request("slow", "x", SamplingParams(temperature=0, max_tokens=100, structured_outputs=choice))
+    engine.add_request("fast", "y", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].text, bool(engine.core._compiling))
+    assert done["fast"][1], "the fast request waited for the compile"
+    assert done["slow"][0] in ("one", "two")
