@@ -12,6 +12,42 @@ from dataclasses import MISSING, dataclass, field, fields
 _MAX_SEED = 2**64 - 1
 
 
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names); exactly one field is set. The engine turns it into a
+    grammar (engine/grammar.py) and masks every token the grammar does not allow at each step.
+
+    json: a JSON schema (dict or its JSON text); regex: a regular expression the whole output matches;
+    choice: the output is one of these strings; grammar: a Lark grammar (or GBNF) as llguidance reads it;
+    json_object: any JSON object (OpenAI's meaning: never a bare array or scalar)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON only: no whitespace between tokens (compact output; a random-weight model otherwise loves it).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_fields = self.set_fields()
+        if len(set_fields) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {set_fields or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+
+    def set_fields(self) -> list[str]:
+        return [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + (
+            ["json_object"] if self.json_object else [])
+
+
 @dataclass(init=False)
 class SamplingParams:
     n: int = 1
@@ -33,6 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **kwargs: object) -> None:
         known = {f.name: f for f in fields(self)}
@@ -51,6 +88,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):  # from EngineCoreRequest.from_dict (msgpack)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     @property
@@ -66,8 +105,9 @@ class SamplingParams:
     def needs_known_tokens(self) -> bool:
         """True when sampling a token reads the request's earlier output tokens on the host side, so
         they must be real tokens, not placeholders of a step still running (async scheduling then steps
-        one at a time while such a request runs). Penalties today; a grammar's state would be another."""
-        return self.has_penalties
+        one at a time while such a request runs). Penalties, and a grammar: its mask for the next token
+        depends on the token just sampled."""
+        return self.has_penalties or self.structured_outputs is not None
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -101,6 +141,8 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

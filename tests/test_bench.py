@@ -65,3 +65,18 @@ def test_energy_meter_sums_the_visible_gpus_by_their_nvml_numbers(monkeypatch):
     counters[3] += 500
     counters[0] += 70_000  # visible, but not one of the engine's two GPUs
     assert meter.stop() == 3.5
+
+
+def test_bench_throughput_with_a_json_schema_on_every_request(tmp_path):
+    import pytest
+
+    from deepserve.demo import ensure_demo_model
+
+    with pytest.raises(SystemExit, match="--tokenizer"):
+        main(["bench", "throughput", *TINY_7B, "--fixed", "40,12,3", "--structured-output", "json"])
+    out = tmp_path / "w1json.json"
+    rc = main(["bench", "throughput", *TINY_7B, "--fixed", "40,12,3", "--structured-output", "json",
+               "--tokenizer", ensure_demo_model(), "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["workload"] == "fixed-40-12+json" and 0 < result["num_output_tokens"] <= 36

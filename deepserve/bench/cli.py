@@ -25,6 +25,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"a fixed-shape workload instead of W1; BENCHMARKS.md's W4 grid: {grid}")
     tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
     tp.add_argument("--baseline-batch-size", type=int, default=64)
+    tp.add_argument("--structured-output", choices=["json"], default=None,
+                    help="constrain every request with a JSON schema (structured output's cost on W1); needs "
+                         "a tokenizer: a model folder, or --tokenizer PATH with a shape preset")
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
     tp.set_defaults(func=cmd_throughput)
@@ -42,7 +45,8 @@ def _engine_args(ns: argparse.Namespace):
     from deepserve.entrypoints.cli import engine_args_from
 
     args = engine_args_from(ns, ns.model)
-    args.skip_tokenizer_init = True  # token-id workloads
+    # Token-id workloads; a grammar needs the tokenizer's vocabulary, though.
+    args.skip_tokenizer_init = not getattr(ns, "structured_output", None)
     return args
 
 
@@ -55,6 +59,11 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     else:
         workload = workloads.w1(ns.num_seqs, ns.max_input_len, ns.max_output_len)
     args = _engine_args(ns)
+    if ns.structured_output:
+        if args.create_engine_config().model.tokenizer is None:
+            raise SystemExit("--structured-output needs a tokenizer: give --tokenizer PATH (the model's own, so "
+                             "the masks cover its real vocabulary)")
+        workload = workloads.with_json_schema(workload)
     result = throughput.run_throughput(args, workload, PROCESS_START)
     throughput.print_result(result)
     if ns.baseline == "hf":

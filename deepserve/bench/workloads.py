@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from deepserve.sampling_params import SamplingParams
+from deepserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 W1_PROMPT_TOKENS = 142_827
 W1_OUTPUT_TOKENS = 133_966
@@ -16,6 +16,7 @@ class Workload:
     name: str
     prompts: list[list[int]]
     params: list[SamplingParams]
+    exact_output: bool = True  # every request makes exactly max_tokens tokens (ignore_eos, no grammar)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -48,3 +49,29 @@ def fixed(input_len: int, output_len: int, num_requests: int, seed: int = 0) -> 
 
 
 W4_GRID = [(128, 128, 3000), (1000, 1000, 1000), (2048, 128, 1000), (128, 2048, 500)]
+
+
+# A schema no request completes early on its own: an open-ended array of records (strings, numbers and
+# nested arrays exercise the lexer and the parser), so masks are computed at every step of every request.
+BENCH_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 64},
+                       "score": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["id", "name", "score", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+
+def with_json_schema(workload: Workload) -> Workload:
+    """The same prompts and lengths with BENCH_SCHEMA on every request (issue 19's cost target: W1 with a
+    schema on every request within 10 % of W1). A request may still end early where the grammar completes
+    (the closing bracket), so its tokens are counted, not assumed."""
+    params = []
+    for p in workload.params:
+        q = p.clone()
+        q.structured_outputs = StructuredOutputsParams(json=BENCH_SCHEMA)
+        params.append(q)
+    return Workload(f"{workload.name}+json", workload.prompts, params, exact_output=False)

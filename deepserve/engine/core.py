@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.grammar import GrammarCompiler, fill_bitmasks
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
 from deepserve.sampling_params import SamplingParams
@@ -112,6 +114,11 @@ class EngineCore:
                     config.cache.kv_cache_dtype)
         self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
+        self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
+        # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
+        self._compiling: list[tuple[Request, Future]] = []
+        self._compile_pool: ThreadPoolExecutor | None = None
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
 
     @classmethod
@@ -135,20 +142,71 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.arrival_time, wait_for,
         )
+        so = req.sampling_params.structured_outputs
+        if so is not None:
+            compiler = self._grammar_compiler()
+            request.grammar = compiler.cached(so)
+            if request.grammar is None:
+                if self._compile_pool is None:
+                    self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="deepserve-grammar")
+                self._compiling.append((request, self._compile_pool.submit(compiler.compile, so)))
+                return
         self.scheduler.add_request(request)
 
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar finished compiling to the scheduler; one that failed ends (the front
+        end validated it, so this is unexpected) with an abort output. Waits a little when nothing else
+        could run, instead of spinning."""
+        if not self.scheduler.has_unfinished_requests() and self.inflight is None:
+            wait([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs, still = [], []
+        for request, future in self._compiling:
+            if not future.done():
+                still.append((request, future))
+            elif future.exception() is not None:
+                logger.warning("request %s: its grammar failed to compile: %s", request.request_id,
+                               future.exception())
+                outputs.append(EngineCoreOutput(request.request_id, finish_reason="abort"))
+            else:
+                request.grammar = future.result()
+                self.scheduler.add_request(request)
+        self._compiling = still
+        return outputs
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            from deepserve.loader.tokenizer import load_tokenizer
+
+            if self.config.model.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+            tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.grammars = GrammarCompiler(tokenizer, self.config.model.hf_config.vocab_size)
+        return self.grammars
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._compiling:
+            ids = set(request_ids)
+            self._compiling = [(r, f) for r, f in self._compiling if r.request_id not in ids]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.inflight is not None
+        return self.scheduler.has_unfinished_requests() or self.inflight is not None or bool(self._compiling)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self._admit_compiled() if self._compiling else []
+        return failed + self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         # A request whose sampling reads its earlier tokens (penalties) needs them real, not
         # placeholders (SamplingParams.needs_known_tokens): while there is one, steps run one at a time.
+        # A grammar is such a reader: its mask for step n+1 depends on the token step n samples, so with
+        # a constrained request in the engine the host waits for step n's tokens, advances the matchers
+        # (Request.check_stop) and only then builds the masks and launches n+1. Chosen over launching
+        # ahead with a stale mask (wrong) or per-request waits (one step's tokens arrive together
+        # anyway); unconstrained-only engines keep async scheduling untouched.
         if self.async_scheduling and not self.scheduler.num_needing_known_tokens:
             return self._step_async()
         outputs = self._finish_inflight()
@@ -157,6 +215,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
+        _attach_grammar_bitmask(scheduled, self.grammars)
         result = self.runner.execute(scheduled)
         self.scheduler.update_from_output(scheduled, result.sampled)
         return _outputs(scheduled, result)
@@ -184,6 +243,16 @@ class EngineCore:
         result = self.runner.wait(pending)
         self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
         return _outputs(pending.out, result)
+
+
+def _attach_grammar_bitmask(scheduled: SchedulerOutput, grammars: GrammarCompiler | None) -> None:
+    """The allowed tokens of each sampling row, from its matcher as it stands after every earlier token
+    (steps run one at a time while a grammar is live, EngineCore.step)."""
+    if grammars is None:
+        return
+    rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
+    if any(g is not None for g in rows):
+        scheduled.grammar_bitmask = fill_bitmasks(rows, grammars.bitmask_bytes)
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.core import EngineCore
+from deepserve.engine.grammar import GrammarCompiler
 from deepserve.engine.outputs import RequestOutput
 from deepserve.engine.processors import InputProcessor, OutputProcessor
 from deepserve.engine.scheduler import SchedulerStats
@@ -19,6 +20,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config, tokenizer, eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
+        # One process: the core reuses the front end's compiled grammars (the compile that validated a
+        # request is the one its matcher is copied from).
+        if tokenizer is not None and core.grammars is None:
+            grammars = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
+            core.grammars = self.input_processor.grammars = grammars
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

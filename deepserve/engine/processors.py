@@ -14,6 +14,7 @@ from typing import Any
 from deepserve.config import EngineConfig
 from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.grammar import GrammarCompiler
 from deepserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepserve.engine.token_bytes import TokenBytes
 from deepserve.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class InputProcessor:
         self.vocab_size = config.model.hf_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
+        self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -60,6 +62,8 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.check_grammar(params)
         if self.pipeline_parallel and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported with pipeline_parallel_size > 1 yet")
         for name in ("logprobs", "prompt_logprobs"):
@@ -78,6 +82,16 @@ class InputProcessor:
             raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens}, "
                              f"what is left of max_model_len={self.max_model_len} after the prompt)")
         return params
+
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar here, in the front end, so a bad schema, regex or grammar is
+        refused before it reaches the core (GrammarError, a ValueError naming the problem)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.grammars.compile(params.structured_outputs)
 
 
 def _too_long(num_prompt: int, max_tokens: int, max_model_len: int) -> str:

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepserve.engine.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +34,7 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+logger = logging.getLogger(__name__)
 _serials = itertools.count()
 
 
@@ -68,6 +74,10 @@ class Request:
         # ...] with the actual token first; the runner skips positions already here after a recompute.
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # Structured output: the matcher, advanced by every output token in check_stop. It lives with the
+        # request, not with its KV blocks, so preemption (recompute or swap) keeps it as it is: the
+        # tokens it has seen are still the request's output.
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +112,9 @@ class Request:
         params = self.sampling_params
         index = self.num_output_tokens - 1 if index is None else index
         last, count = self.output_token_ids[index], index + 1
+        if self.grammar is not None and self._grammar_ends(last):
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if count >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
@@ -112,6 +125,18 @@ class Request:
         if not self.is_finished and (count >= max_tokens or self.num_prompt_tokens + count >= max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished
+
+    def _grammar_ends(self, token_id: int) -> bool:
+        """Feed the token to the grammar; True when the output is complete (the grammar admits nothing
+        more) or the grammar refused the token. EOS is left to the eos rule below (the mask allowed it
+        only where the grammar accepts)."""
+        if token_id in self.eos_token_ids:
+            return False
+        if not self.grammar.accept(token_id):
+            logger.warning("request %s: the grammar refused token %d (%s); ending it", self.request_id, token_id,
+                           self.grammar.error)
+            return True
+        return self.grammar.is_finished
 
     # Async scheduling (EngineCore): a step is scheduled before the previous step's tokens reach the
     # host. Each token still on its way is a placeholder, -(row + 1), where row is its row in the
@@ -189,6 +214,10 @@ class SchedulerOutput:
     # from the GPU (stores); swap-ins: resumed requests' blocks, then host prefix hits (loads).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, gpu block)
+    # Structured output (engine/grammar.py): the allowed-token bitmask of each sampling row, in the order
+    # of `scheduled` (rows that sample nothing skipped), ceil(V / 32) little-endian 32-bit words a row;
+    # None when no scheduled request has a grammar, so unconstrained steps carry nothing.
+    grammar_bitmask: bytes | None = None
 
     def is_empty(self) -> bool:
         return not self.scheduled

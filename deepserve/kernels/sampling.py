@@ -24,7 +24,7 @@ TINY = tl.constexpr(1e-20)  # lower bound on the uniform: -log(-log(0)) would be
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, out_ptr, seed, vocab,
-                          BLOCK: tl.constexpr):
+                          mask_ptr, mask_stride, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
     # One program = one row. Each lane keeps its best score and token over the columns it visits;
     # strict > keeps the lowest column within a lane, tl.min the lowest across lanes.
     row = tl.program_id(0)
@@ -37,6 +37,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, o
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:  # structured output: bit v of the row's int32 words says whether token v is allowed
+            words = tl.load(mask_ptr + row.to(tl.int64) * mask_stride + cols // 32, mask=mask, other=0)
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
         u = tl.maximum(tl.rand(seed, row * vocab + cols), TINY)  # int32 offsets: B * V < 2**31
         score = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
         better = mask & (score > best)
@@ -46,11 +49,16 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, o
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_id, vocab), axis=0).to(tl.int64))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seed: int
-                  ) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seed: int,
+                  allowed_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [B, V]: argmax for greedy rows, a draw from softmax(logits / T)
-    for the others. temperature [B] float32 (1.0 on greedy rows), greedy [B] bool. -> [B] int64."""
+    for the others. temperature [B] float32 (1.0 on greedy rows), greedy [B] bool. -> [B] int64.
+    allowed_bitmask [B, ceil(V / 32)] int32 (structured output): only tokens whose bit is set can win;
+    None (every unconstrained step) compiles the kernel without the mask load."""
     batch, vocab = logits.shape
+    if allowed_bitmask is not None and (allowed_bitmask.dtype != torch.int32 or allowed_bitmask.stride(1) != 1
+                                        or allowed_bitmask.shape != (batch, (vocab + 31) // 32)):
+        raise ValueError("allowed_bitmask must be int32 [B, ceil(V / 32)], contiguous along its words")
     if logits.stride(1) != 1:
         raise ValueError("logits must be contiguous along the vocabulary")
     if temperature.shape != (batch,) or temperature.dtype != torch.float32 or not temperature.is_contiguous():
@@ -61,6 +69,10 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         raise ValueError(f"batch x vocab ({batch} x {vocab}) must stay below 2**31 (the generator's offsets)")
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
+        has_mask = allowed_bitmask is not None
+        mask = allowed_bitmask if has_mask else out  # never read without HAS_MASK
         _gumbel_argmax_kernel[(batch,)](logits, logits.stride(0), temperature, greedy, out, seed, vocab,
-                                        BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)), num_warps=8)
+                                        mask, mask.stride(0) if has_mask else 0,
+                                        BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)), HAS_MASK=has_mask,
+                                        num_warps=8)
     return out

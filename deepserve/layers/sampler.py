@@ -1,6 +1,7 @@
 """The sampler: logits [B, V] -> one token per row, plus logprobs when asked.
 
-Order, as in vLLM v1: logprobs from the raw logits; min_tokens masks stop tokens; penalties;
+Order, as in vLLM v1: logprobs from the raw logits; structured output's allowed-token bitmask masks the
+rest; min_tokens masks stop tokens; penalties;
 greedy rows take the argmax; the other rows divide by temperature, then min_p, top_k and top_p
 filter, and a token is drawn by the exponential race argmax(probs / q), q ~ Exp(1).
 
@@ -29,6 +30,7 @@ __all__ = [
     "SamplingMetadata",
     "apply_min_tokens",
     "apply_penalties",
+    "apply_token_bitmask",
     "apply_top_k_top_p",
     "compute_token_logprobs",
 ]
@@ -50,9 +52,10 @@ class Sampler(nn.Module):
         if fused is not None:
             # One Triton pass over the raw logits (kernels/sampling.py) instead of ~8 [B, V] kernels.
             seed = int(torch.randint(2**31 - 1, (1,)))  # torch's CPU generator: a global seed replays
-            sampled = fused(logits, meta.temperature, meta.greedy, seed)
+            sampled = fused(logits, meta.temperature, meta.greedy, seed, meta.allowed_token_bitmask)
         else:
             x = logits.float()  # [B, V]; aliases `logits` when already float32
+            x = apply_token_bitmask(x, meta.allowed_token_bitmask)
             x = apply_min_tokens(x, meta)
             x = apply_penalties(x, meta)
             sampled = _sample(x, meta)  # [B]
@@ -115,6 +118,19 @@ def compute_token_logprobs(
     top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [N, k] each
     ids = torch.cat([target_ids[:, None], top_ids], dim=1)  # [N, k+1]
     return ids, torch.cat([target_logprobs, top_logprobs], dim=1), ranks
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """-inf on every token whose bit is clear in the row's allowed-token bitmask [B, ceil(V / 32)] int32
+    (structured output; also the torch reference of the fused kernel's mask). The one hook structured
+    output has in the sampler: None leaves the logits untouched at no cost."""
+    if bitmask is None:
+        return logits
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [B, W, 32]
+    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()  # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

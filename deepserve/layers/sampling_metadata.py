@@ -42,6 +42,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Top logprobs to return per row (max over rows, clamped to V); None: no row wants logprobs.
     max_num_logprobs: int | None = None
+    # Structured output: bit v of row b's words set = token v allowed (engine/grammar.py); rows without a
+    # grammar are all ones. None when no row has a grammar: nothing allocated, nothing launched.
+    allowed_token_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
 
     @classmethod
     def build(
@@ -54,6 +57,7 @@ class SamplingMetadata:
         device: torch.device,
         request_keys: list[int] | None = None,
         history: PenaltyHistory | None = None,
+        grammar_bitmask: bytes | None = None,
     ) -> SamplingMetadata:
         """`history` (with the rows' `request_keys`, Request.serial) keeps the penalties' token counts on
         the device from step to step (the model runner holds one); without it they are built from scratch."""
@@ -87,6 +91,8 @@ class SamplingMetadata:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(row_seed(p.seed, len(out)))
                 meta.generators[i] = gen
+        if grammar_bitmask is not None:
+            meta.allowed_token_bitmask = bitmask_tensor(grammar_bitmask, len(params), vocab_size, device)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             meta.max_num_logprobs = min(max(wanted), vocab_size)
@@ -180,6 +186,15 @@ class PenaltyHistory:
             self.output_counts[index] = 0.0
         for rid, slot in zip(request_ids, taken, strict=True):
             self.slot_of[rid], self.counted[rid] = slot, 0
+
+
+def bitmask_tensor(data: bytes, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The engine's mask bytes (little-endian 32-bit words, row after row) as int32 [rows, ceil(V / 32)]."""
+    words = (vocab_size + 31) // 32
+    if len(data) != rows * words * 4:
+        raise ValueError(f"grammar bitmask has {len(data)} bytes, expected {rows} rows x {words} words x 4")
+    host = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, words)
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:

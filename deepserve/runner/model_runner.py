@@ -267,6 +267,7 @@ class ModelRunner:
                 self.device,
                 [r.serial for r in pending.requests],
                 self.penalty_history,
+                out.grammar_bitmask,  # structured output: rows in the same order (EngineCore builds it)
             )
             result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
             pending.sampled = result.sampled

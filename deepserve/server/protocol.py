@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, 
 
 from deepserve.sampling_params import SamplingParams
 from deepserve.server.errors import APIError, bad_request
+from deepserve.server.structured import structured_outputs_of
 
 MAX_SEED = 2**64 - 1
 MIN_SEED = -(2**63)
@@ -81,6 +82,14 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Any] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    # Structured output (server/structured.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* names; at most one per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored: bookkeeping fields of OpenAI's API that do not change generation.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -105,7 +114,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     reasoning_effort: str | None = None
@@ -198,6 +206,7 @@ def _check_common(req: _SamplingFields, limits: RequestLimits) -> None:
             raise bad_request(f"each stop sequence must have 1 to {limits.max_stop_chars} characters", "stop")
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad_request("min_tokens must be <= max_tokens", param="min_tokens")
+    structured_outputs_of(req)  # conflicting or malformed structured-output fields: 400 before tokenizing
 
 
 def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
@@ -206,8 +215,6 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         raise bad_request("a chat template cannot be supplied by the request; the model's own is used", param)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if len(req.messages) > limits.max_messages:
@@ -275,6 +282,7 @@ def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> 
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": num_logprobs(req),
+        "structured_outputs": structured_outputs_of(req)[0],
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):

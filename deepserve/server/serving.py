@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deepserve.engine.grammar import GrammarError
 from deepserve.engine.outputs import RequestOutput
 from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
@@ -25,6 +26,7 @@ from deepserve.server.errors import APIError, bad_request
 from deepserve.server.httpio import ClientGone, read_body, unless_disconnected
 from deepserve.server.ratelimit import Admission
 from deepserve.server.state import ServerState
+from deepserve.server.structured import structured_outputs_of
 
 
 @dataclass
@@ -168,6 +170,9 @@ def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | Non
                           f"({st.engine.max_model_len}), got {params.max_tokens}", field)
     try:
         return text, ids, st.engine.prepare(rid, ids, params)
+    except GrammarError as e:  # the schema, regex or grammar does not compile: name the field that sent it
+        origin = structured_outputs_of(req)[1]
+        raise bad_request(f"{origin}: {e}", param=origin) from None
     except ValueError as e:
         if "context length" in str(e):
             raise bad_request(str(e), param="messages" if chat else "prompt",

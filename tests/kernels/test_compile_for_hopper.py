@@ -136,7 +136,9 @@ def test_sampling_kernel_compiles(monkeypatch):
     ks = import_kernels("deepserve.kernels.sampling")
     logits = torch.randn(3, 300, dtype=torch.bfloat16)
     t, g = torch.tensor([1.0, 0.7, 1.0]), torch.tensor([True, False, False])
-    _compile_all(_record(monkeypatch, ks, lambda: ks.gumbel_sample(logits, t, g, seed=3)))
+    mask = torch.full((3, 10), -1, dtype=torch.int32)  # structured output's allowed-token bitmask
+    _compile_all(_record(monkeypatch, ks, lambda: (ks.gumbel_sample(logits, t, g, seed=3),
+                                                   ks.gumbel_sample(logits, t, g, seed=3, allowed_bitmask=mask))))
 
 
 def test_routing_kernel_compiles(monkeypatch):

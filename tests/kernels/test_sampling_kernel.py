@@ -81,3 +81,21 @@ def test_sampler_uses_the_kernel_on_cuda_and_keeps_greedy_rows_exact():
     meta = SamplingMetadata.build(params, [[1]] * 4, [[]] * 4, [frozenset()] * 4, 500, DEVICE)
     out = Sampler()(logits, meta).sampled
     assert torch.equal(out[0::2], logits[0::2].argmax(-1))
+
+
+def test_allowed_bitmask_restricts_greedy_and_random_rows():
+    from deepserve.layers.sampler import apply_token_bitmask
+
+    vocab = 100
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.randint(-(2**31), 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    mask[:, 0] &= ~1  # token 0 forbidden on every row
+    mask = mask.to(DEVICE)
+    allowed = apply_token_bitmask(torch.zeros(4, vocab, device=DEVICE), mask) == 0  # the torch reference
+    t, g = _inputs(4, [1.0, 1.0, 0.8, 1.3], [True, True, False, False])
+    want = apply_token_bitmask(logits, mask).argmax(-1)
+    for seed in range(5):
+        got = ks.gumbel_sample(logits, t, g, seed=seed, allowed_bitmask=mask)
+        assert allowed[torch.arange(4, device=DEVICE), got].all()
+        assert torch.equal(got[:2].cpu(), want[:2].cpu())

@@ -377,3 +377,38 @@ def test_the_fused_sampler_names_what_it_leaves_to_torch():
     assert "every row greedy (argmax is cheaper)" in unfused_reasons(logits, build(greedy, 50))
     mixed = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, seed=3, top_p=0.9)]
     assert {"top_k", "top_p", "seeded rows"} <= set(unfused_reasons(logits, build(mixed, 50)))
+
+
+def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """int32 [B, ceil(V / 32)] words with the bits of `allowed` set, built bit by bit from Python ints."""
+    words = (vocab + 31) // 32
+    rows = []
+    for row in allowed:
+        value = sum(1 << t for t in row)
+        rows.append([((value >> (32 * w)) & 0xFFFFFFFF) - (1 << 32 if (value >> (32 * w + 31)) & 1 else 0)
+                     for w in range(words)])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_token_bitmask_leaves_only_allowed_tokens(device: str = "cpu") -> None:
+    vocab = 70  # three words, the last one partly past the vocabulary
+    allowed = [[3, 31, 32, 69], list(range(vocab)), [0]]
+    logits = torch.randn(3, vocab)
+    meta = build([SamplingParams(temperature=1.0)] * 3, vocab)
+    meta.allowed_token_bitmask = _bitmask(allowed, vocab)
+    for _ in range(20):
+        out = Sampler()(logits, meta).sampled.tolist()
+        assert all(t in row for t, row in zip(out, allowed, strict=True))
+    greedy = build([SamplingParams(temperature=0.0)] * 3, vocab)
+    greedy.allowed_token_bitmask = meta.allowed_token_bitmask
+    expect = [max(row, key=lambda t: logits[i, t].item()) for i, row in enumerate(allowed)]
+    assert Sampler()(logits, greedy).sampled.tolist() == expect
+
+
+def test_no_bitmask_means_no_mask_tensor() -> None:
+    meta = build([SamplingParams(temperature=1.0)] * 2, 50)
+    assert meta.allowed_token_bitmask is None
+    data = _bitmask([[1], [2, 3]], 50).numpy().tobytes()
+    meta = SamplingMetadata.build([SamplingParams()] * 2, [[0]] * 2, [[]] * 2, [frozenset()] * 2, 50, CPU,
+                                  grammar_bitmask=data)
+    assert torch.equal(meta.allowed_token_bitmask, _bitmask([[1], [2, 3]], 50))

@@ -88,3 +88,37 @@ def test_accepts_openai_client_extras():
     assert req.stream_options.include_usage
     content_parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert parse_body(json.dumps({"messages": content_parts}).encode(), ChatCompletionRequest, LIMITS)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}, "json"),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"structured_outputs": {"regex": "a+"}}, "regex"),
+    ({"guided_json": json.dumps(SCHEMA)}, "json"),
+    ({"guided_regex": "a+"}, "regex"),
+    ({"guided_choice": ["x", "y"]}, "choice"),
+    ({"guided_grammar": 'start: "x"'}, "grammar"),
+])
+def test_structured_output_spellings_map_to_one_params(extra, field):
+    for req in (chat(**extra), parse_body(json.dumps({"prompt": "x", **extra}).encode(), CompletionRequest, LIMITS)):
+        so = to_sampling_params(req, None).structured_outputs
+        assert so is not None and so.set_fields() == [field]
+    assert to_sampling_params(chat(response_format={"type": "text"}), None).structured_outputs is None
+
+
+def test_structured_output_errors_name_the_field():
+    def param(**kw):
+        return error_param(json.dumps({"messages": MSGS, **kw}).encode(), ChatCompletionRequest)
+
+    assert param(response_format={"type": "json_schema"}) == "response_format.json_schema"
+    assert param(response_format={"type": "yaml"}) == "response_format.type"
+    assert param(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}) == \
+        "response_format.json_schema.schema"
+    assert param(structured_outputs={"regex": "a", "choice": ["b"]}) == "structured_outputs"
+    assert param(structured_outputs={"json_shema": {}}) == "structured_outputs.json_shema"
+    assert param(guided_choice=[]) == "guided_choice"
+    assert param(guided_regex="a", response_format={"type": "json_object"}) == "guided_regex"
+    assert param(guided_json=5) == "guided_json"

@@ -1,0 +1,209 @@
+"""Structured output through the offline API on the demo model (random weights: only the grammar can make
+the text valid). Outputs are checked with json.loads, the jsonschema package and re.fullmatch, never with
+our own matcher; the engine runs with async scheduling on, preemption, n > 1, stops and max_tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from deepserve import LLM, SamplingParams
+from deepserve.engine.grammar import GrammarError
+from deepserve.sampling_params import StructuredOutputsParams
+
+# Strings bounded by maxLength are where xgrammar 0.2.8 let raw control characters through.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "note": {"type": "string", "minLength": 1, "maxLength": 4},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "note", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
+
+
+def _json(**kwargs) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=SCHEMA, **kwargs)
+
+
+def _texts(llm, prompts, params):
+    return [c.text for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+def test_json_schema_outputs_parse_and_validate_with_raw_sampling(llm):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured_outputs=_json())
+              for s in range(6)]
+    outs = llm.generate(["Write a person:"] * 6, params, use_tqdm=False)
+    for o in outs:
+        (c,) = o.outputs
+        assert c.finish_reason == "stop", c.text
+        value = json.loads(c.text)  # strict: a raw control character inside a string would fail here
+        jsonschema.validate(value, SCHEMA)
+    assert len({o.outputs[0].text for o in outs}) > 1  # really sampled, not one forced string
+
+
+def test_n_greater_than_one_gives_valid_independent_completions(llm):
+    (out,) = llm.generate(["n"], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=300,
+                                                  structured_outputs=_json(disable_any_whitespace=True)),
+                          use_tqdm=False)
+    for c in out.outputs:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert not re.search(r"\s", c.text.replace("\\s", "")) or '"' in c.text  # compact between tokens
+    assert len({c.text for c in out.outputs}) > 1
+
+
+def test_regex_choice_json_object_and_lark(llm):
+    regex = r"[a-z]{2,5}-\d{3}"
+    (r,) = _texts(llm, ["id"], SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                                              structured_outputs=StructuredOutputsParams(regex=regex)))
+    assert re.fullmatch(regex, r), r
+    choices = ["alpha", "beta gamma", "delta"]
+    picks = _texts(llm, ["pick"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                                                      structured_outputs=StructuredOutputsParams(choice=choices))
+                                       for s in range(4)])
+    assert all(p in choices for p in picks), picks
+    lark = 'start: "x=" NUM ";"\nNUM: /[0-9]{1,3}/'
+    (g,) = _texts(llm, ["lark"], SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                                                structured_outputs=StructuredOutputsParams(grammar=lark)))
+    assert re.fullmatch(r"x=[0-9]{1,3};", g), g
+
+
+def test_json_object_means_an_object(llm):
+    # Random weights rarely close an unbounded key, so the grammar itself is asked: "[1]" and "7" are
+    # refused from the first token on, "{}" and a nested object complete it.
+    compiler = llm.llm_engine.input_processor.grammars or _compiler(llm)
+    tok = llm.get_tokenizer()
+    for text, whole in (("[1]", False), ("7", False), ("{}", True), ('{"a": [1, {"b": null}]}', True)):
+        state = compiler.compile(StructuredOutputsParams(json_object=True))
+        ok = all(state.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        assert ok == whole and (not ok or state.matcher.is_accepting()), text
+    (obj,) = _texts(llm, ["obj"], SamplingParams(temperature=1.0, seed=1, max_tokens=30,
+                                                 structured_outputs=StructuredOutputsParams(json_object=True)))
+    assert obj.lstrip().startswith("{")
+
+
+def _compiler(llm):
+    llm.llm_engine.input_processor.check_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(
+        json_object=True)))
+    return llm.llm_engine.input_processor.grammars
+
+
+def test_request_ends_when_the_grammar_completes(llm):
+    # ignore_eos: nothing but the grammar's completion can end it before max_tokens.
+    (o,) = llm.generate(["c"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                                              structured_outputs=StructuredOutputsParams(choice=["done"])),
+                        use_tqdm=False)
+    assert o.outputs[0].text == "done" and o.outputs[0].finish_reason == "stop"
+    assert len(o.outputs[0].token_ids) < 50
+
+
+def test_max_tokens_and_stop_strings_still_apply(llm):
+    (short,) = llm.generate(["m"], SamplingParams(temperature=0, max_tokens=3, structured_outputs=_json()),
+                            use_tqdm=False)
+    assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 3
+    (stopped,) = llm.generate(["s"], SamplingParams(temperature=0, max_tokens=300, stop=['"note"'],
+                                                    structured_outputs=_json(disable_any_whitespace=True)),
+                              use_tqdm=False)
+    c = stopped.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == '"note"' and '"note"' not in c.text
+    assert c.text.startswith('{"name":"')
+
+
+def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(llm):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The cache is cut into blocks", "Scheduling is simple arithmetic"]
+    alone = _texts(llm, prompts, plain)
+    constrained = SamplingParams(temperature=1.0, seed=9, max_tokens=200, structured_outputs=_json())
+    mixed = llm.generate([prompts[0], "json please", prompts[1], "more json"],
+                         [plain, constrained, plain, constrained], use_tqdm=False)
+    assert [mixed[0].outputs[0].text, mixed[2].outputs[0].text] == alone
+    for o in (mixed[1], mixed[3]):
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def test_matcher_survives_preemption():
+    # 12 blocks of 16 tokens for four requests that each want ~100: the scheduler must preempt.
+    small = LLM(device="cpu", num_gpu_blocks_override=12, max_model_len=192, async_scheduling=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=150, min_tokens=0,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)) for s in range(4)]
+    outs = small.generate(["Write a person, please:"] * 4, params, use_tqdm=False)
+    assert small.llm_engine.stats().num_preemptions_total > 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+        else:  # cut by max_tokens: still a valid prefix the grammar accepted (no stray token)
+            assert c.finish_reason == "length"
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+@pytest.mark.parametrize("so, needle", [
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "nonsense"),
+    (StructuredOutputsParams(regex="(ab"), "regex"),
+    (StructuredOutputsParams(grammar="start: missing_rule"), "missing_rule"),
+    (StructuredOutputsParams(json="{not json"), "property name"),
+])
+def test_bad_grammar_is_refused_before_the_engine(llm, so, needle):
+    with pytest.raises(GrammarError, match=needle):
+        llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_async_scheduling_waits_for_tokens_while_a_grammar_is_live(llm):
+    # A constrained row's mask for step n+1 needs step n's token: no step is left in flight while one runs,
+    # and the engine launches ahead again once it is gone.
+    engine = llm.llm_engine
+    engine.add_request("g", "x", SamplingParams(temperature=1.0, seed=1, max_tokens=40,
+                                                structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    engine.add_request("p", "y", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    while "g" in engine.output_processor.states:
+        engine.step()
+        assert engine.core.inflight is None
+    engine.step()
+    assert engine.core.inflight is not None  # only the unconstrained request left: launched ahead
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch):
+    # The core's own compiler (as in the server, where the core runs in another process) with a compile
+    # that takes 3 s: the unconstrained request finishes meanwhile, then the constrained one runs.
+    import time
+
+    from deepserve.engine.grammar import GrammarCompiler
+
+    engine = llm.llm_engine
+    slow = GrammarCompiler(engine.tokenizer, engine.config.model.hf_config.vocab_size)
+    build = slow._build
+    monkeypatch.setattr(slow, "_build", lambda spec: (time.sleep(3.0), build(spec))[1])
+    monkeypatch.setattr(engine.core, "grammars", slow)
+    choice = StructuredOutputsParams(choice=["one", "two"])
+    engine.add_request("slow", "x", SamplingParams(temperature=0, max_tokens=100, structured_outputs=choice))
+    engine.add_request("fast", "y", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].text, bool(engine.core._compiling))
+    assert done["fast"][1], "the fast request waited for the compile"
+    assert done["slow"][0] in ("one", "two")
