@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.ngram_proposer import NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
 from deepserve.sampling_params import SamplingParams
@@ -104,7 +105,8 @@ class EngineCore:
                         "it fits, else it recomputes", config.cache.swap_space, num_host_blocks)
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      num_host_blocks)
-        self.scheduler = Scheduler(config.scheduler, block_manager)
+        self.scheduler = Scheduler(config.scheduler, block_manager, _proposer(config))
+        self._spec_log = SpecDecodeLog() if config.speculative is not None else None
         logger.info("KV cache: %d blocks of %d tokens = %s tokens (kv_cache_dtype %s)", self.num_blocks,
                     config.cache.block_size, f"{self.num_blocks * config.cache.block_size:,}",
                     config.cache.kv_cache_dtype)
@@ -157,6 +159,8 @@ class EngineCore:
             return []
         result = self.runner.execute(scheduled)
         self.scheduler.update_from_output(scheduled, result.sampled)
+        if self._spec_log is not None:
+            self._spec_log.maybe_log(self.scheduler.stats())
         return _outputs(scheduled, result)
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -182,6 +186,43 @@ class EngineCore:
         result = self.runner.wait(pending)
         self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
         return _outputs(pending.out, result)
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    logger.info("speculative decoding: %s, %d draft tokens per step (prompt lookup n = %d..%d)", spec.method,
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def acceptance(stats: SchedulerStats) -> tuple[float, float]:
+    """(draft acceptance rate, mean accepted length = tokens per verify step, the target's own included);
+    vLLM's two speculative-decoding summaries. (0, 0) before any draft."""
+    if not stats.spec_decode_num_drafts_total:
+        return 0.0, 0.0
+    accepted = stats.spec_decode_num_accepted_tokens_total
+    return (accepted / max(1, stats.spec_decode_num_draft_tokens_total),
+            1.0 + accepted / stats.spec_decode_num_drafts_total)
+
+
+class SpecDecodeLog:
+    """The engine's periodic speculative-decoding line: acceptance since start, every `every` seconds."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self.last = time.monotonic()
+
+    def maybe_log(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every or not stats.spec_decode_num_drafts_total:
+            return
+        self.last = now
+        rate, length = acceptance(stats)
+        logger.info("speculative decoding: acceptance rate %.3f, mean accepted length %.2f, %d drafts, "
+                    "%d draft tokens, %d accepted", rate, length, stats.spec_decode_num_drafts_total,
+                    stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total)
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

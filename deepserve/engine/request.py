@@ -174,9 +174,16 @@ class ScheduledRequest:
     # placeholder per sampled token right after.
     num_sampled: int = field(init=False)
     output_indices: list[int] = field(default_factory=list)  # async scheduling: the placeholders' output indices
+    # Speculative decoding: draft tokens that follow the request's last known token. The step computes
+    # that token and the drafts (num_new_tokens = 1 + len), and samples at each of those positions:
+    # the drafts the target agrees with are kept, then one token of its own (RunnerOutput.sampled
+    # holds 1 .. len + 1 tokens). The drafts are not in request.token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_sampled = int(self.start + self.num_new_tokens == self.request.num_tokens)
+        if self.spec_token_ids:
+            self.num_sampled = len(self.spec_token_ids) + 1
 
 
 @dataclass
@@ -187,6 +194,9 @@ class SchedulerOutput:
     # first (a swap-in's fresh GPU block may be one a swap-out is still to read).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, gpu block)
+    # Speculative decoding: draft tokens in the step (sum of len(spec_token_ids)); 0: no verify rows,
+    # the runner samples one token per request as usual.
+    num_draft_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not self.scheduled

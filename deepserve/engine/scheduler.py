@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.ngram_proposer import NgramProposer
 from deepserve.engine.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 
 
@@ -30,12 +31,22 @@ class SchedulerStats:
     prefix_cache_hits_total: int
     num_swapped_out_blocks_total: int = 0  # KV blocks copied to the host tier (--swap-space)
     num_swapped_in_blocks_total: int = 0  # and back
+    # Speculative decoding (vLLM's names): verify steps of one request, the draft tokens they checked,
+    # and how many of those the target accepted.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 proposer: NgramProposer | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.proposer = proposer  # speculative decoding's drafts; None: one token per request and step
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -81,12 +92,43 @@ class Scheduler:
                 continue
             reserve = len(self.running) - i - 1  # one token for each running request behind this one
             num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - reserve))
+            if self.proposer is not None and request.num_tokens - request.num_computed_tokens == 1:
+                sched = self._schedule_with_drafts(request, max(1, budget - reserve) - 1)
+                if sched is not None:
+                    out.scheduled.append(sched)
+                    out.num_draft_tokens += len(sched.spec_token_ids)
+                    budget -= sched.num_new_tokens
+                    i += 1
+                    continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request itself was preempted
             out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_with_drafts(self, request: Request, room: int) -> ScheduledRequest | None:
+        """A verify step for a decoding request: its last token and the drafts that follow it, when there
+        are drafts and blocks for them without preempting anyone; else None (a plain decode step).
+        Drafts never run past max_model_len, nor past what max_tokens lets the request still produce."""
+        limit = min(room, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        drafts = self.proposer.propose(request.token_ids, limit)
+        if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts)):
+            return None
+        return ScheduledRequest(request, 1 + len(drafts), request.num_computed_tokens, spec_token_ids=drafts)
+
+    def _verified(self, request: Request, sched: ScheduledRequest, tokens: list[int]) -> None:
+        """Count a verify step's outcome: tokens = the accepted drafts and the target's own next token. The
+        KV of the last known token and the accepted drafts is kept; the rejected drafts' slots are given
+        back (their blocks freed), so the cache and its hashes hold accepted tokens only."""
+        request.num_computed_tokens += len(tokens)
+        self.block_manager.trim(request, request.num_computed_tokens + 1)
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(sched.spec_token_ids)
+        self.num_spec_accepted_tokens += len(tokens) - 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
@@ -193,9 +235,15 @@ class Scheduler:
                 # counted them as computed, and a hash over a placeholder would never match again.
                 for index, token_id in zip(sched.output_indices, tokens, strict=False):
                     request.set_output_token(index, token_id)
+                self.block_manager.cache_full_blocks(request)
+            elif sched.spec_token_ids:  # (never async: EngineArgs turns it off under speculation)
+                self._verified(request, sched, tokens)
+                # Hashes over known tokens only: the accepted drafts join token_ids just below, and
+                # their blocks are hashed by the next step's update.
+                self.block_manager.cache_full_blocks(request, request.num_tokens)
             else:
                 request.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
+                self.block_manager.cache_full_blocks(request)
             if not tokens:
                 continue
             progressed.append(request)
@@ -265,6 +313,9 @@ class Scheduler:
             prefix_cache_hits_total=self.prefix_cache_hits,
             num_swapped_out_blocks_total=self.num_swapped_out_blocks,
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
+            spec_decode_num_drafts_total=self.num_spec_drafts,
+            spec_decode_num_draft_tokens_total=self.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.num_spec_accepted_tokens,
         )
 
 

@@ -42,13 +42,18 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
             slots.append(blocks[start // block_size] * block_size + start % block_size)
         else:
             input_ids.extend(request.token_ids[start:end])
+            if sched.spec_token_ids:  # a verify step: the last known token, then the drafts
+                input_ids.extend(sched.spec_token_ids)
             positions.extend(range(start, end))
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
-        if sched.num_sampled:  # the last new token's logits sample the next token (one per request today)
+        if sched.num_sampled == 1:  # the last new token's logits sample the next token
             sample_rows.append(len(input_ids) - 1)
             sample_indices.append(i)
+        elif sched.num_sampled:  # a verify step: every new position samples (the last token's and each draft's)
+            sample_rows.extend(range(len(input_ids) - sched.num_sampled, len(input_ids)))
+            sample_indices.extend([i] * sched.num_sampled)
     decode_seqs = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
     decode_only = len(decode_seqs) == len(out.scheduled)
     # The decode-row indices exist only for mixed steps; a decode-only step needs none.

@@ -18,6 +18,7 @@ from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
+from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.model_loader import load_model
@@ -50,6 +51,7 @@ class PendingStep:
     requests: list[Request] = field(default_factory=list)  # of the sampling rows
     prompt_logprobs: list = field(default_factory=list)  # ModelRunner._prompt_logprob_tensors
     sampled: torch.Tensor | None = None  # [S] int64 on the device
+    verify: bool = False  # speculative decoding: `sampled` holds each row's chosen token; _host[4] its acceptance
     _host: list[torch.Tensor | None] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
 
@@ -86,6 +88,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype, config.parallel.enable_expert_parallel)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()  # speculative decoding's verify steps
         # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.
         self.penalty_history = PenaltyHistory(self.vocab_size, self.device, config.scheduler.max_num_seqs + 1)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_spec")]
@@ -259,7 +262,9 @@ class ModelRunner:
             inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
         pending = PendingStep(out, inputs.sample_indices)
-        if logits is not None:
+        if logits is not None and out.num_draft_tokens:
+            self._verify(out, inputs, logits, pending)
+        elif logits is not None:
             pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
             meta = SamplingMetadata.build(
                 [r.sampling_params for r in pending.requests],
@@ -282,6 +287,29 @@ class ModelRunner:
             pdist.tp_broadcast_from_first(pending.sampled)
         return pending
 
+    def _verify(self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor, pending: PendingStep) -> None:
+        """Speculative decoding: sample every row of a verify step against its draft (RejectionSampler).
+        Row j of a request sees its output followed by drafts 0 .. j - 1, as the plain sampler would
+        have seen them had they been sampled one step at a time (penalties, min_tokens, seeds)."""
+        requests, outputs, drafts = [], [], []
+        j, previous = 0, -1
+        for i in inputs.sample_indices:
+            sched = out.scheduled[i]
+            j = j + 1 if i == previous else 0
+            previous = i
+            spec = sched.spec_token_ids
+            requests.append(sched.request)
+            outputs.append(sched.request.output_token_ids + spec[:j] if j else sched.request.output_token_ids)
+            drafts.append(spec[j] if j < len(spec) else -1)
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests], outputs,
+            [r.eos_token_ids for r in requests], self.vocab_size, self.device,
+        )
+        draft_ids = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
+        result = self.rejection_sampler(logits, meta, draft_ids)
+        pending.requests, pending.sampled, pending.verify = requests, result.chosen, True
+        pending.to_host([result.chosen, result.logprob_token_ids, result.logprobs, result.ranks, result.accepted])
+
     @torch.inference_mode()
     def wait(self, pending: PendingStep) -> RunnerOutput:
         """The step's tokens on the host (its one device -> host sync, which waits for this step only,
@@ -289,7 +317,9 @@ class ModelRunner:
         out = pending.out
         sampled: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list[LogprobEntry]] = [[] for _ in out.scheduled]
-        if pending.sampled is not None:
+        if pending.verify:
+            _take_verified(pending, sampled, logprobs)
+        elif pending.sampled is not None:
             host = pending.host_values()
             tokens = host[0].tolist()
             for row, i in enumerate(pending.sample_indices):  # one sampling row per sampled token
@@ -347,6 +377,26 @@ def _out_of_memory_message(peak: int, total: int, per_block: int, needed_blocks:
 def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
     return any(s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
                for s in out.scheduled)
+
+
+def _take_verified(pending: PendingStep, sampled: list[list[int]], logprobs: list) -> None:
+    """Each request's tokens of a verify step: its rows' chosen tokens up to and including the first row
+    whose draft was rejected (the last row has none), with their logprob entries when asked."""
+    host = pending.host_values()
+    tokens, accepted = host[0].tolist(), host[4].tolist()
+    wanted = host[2] is not None
+    if wanted:
+        ids, lps, ranks = (t.tolist() for t in host[1:4])
+    done: set[int] = set()
+    for row, (request, i) in enumerate(zip(pending.requests, pending.sample_indices, strict=True)):
+        if i in done:
+            continue
+        sampled[i].append(tokens[row])
+        k = request.sampling_params.logprobs
+        if wanted and k is not None:
+            logprobs[i].append(_entries([ids[row]], [lps[row]], [ranks[row]], k)[0])
+        if not accepted[row]:
+            done.add(i)
 
 
 def _attach_logprobs(host: list[torch.Tensor], requests: list[Request], indices: list[int], logprobs: list) -> None:
