@@ -31,6 +31,11 @@ _ENGINE_TOTALS = {
     "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
     "num_swapped_out_blocks_total": "KV blocks of preempted requests copied to the host tier (--swap-space).",
     "num_swapped_in_blocks_total": "KV blocks copied back from the host tier when their request resumed.",
+    # Speculative decoding (vLLM's names). Acceptance rate = accepted / draft tokens; mean accepted length
+    # (tokens per verify step, the target's own included) = 1 + accepted / drafts.
+    "spec_decode_num_drafts_total": "Speculative decoding: verify steps of one request (drafts checked).",
+    "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens the target accepted.",
 }
 
 
