@@ -65,3 +65,14 @@ def test_energy_meter_sums_the_visible_gpus_by_their_nvml_numbers(monkeypatch):
     counters[3] += 500
     counters[0] += 70_000  # visible, but not one of the engine's two GPUs
     assert meter.stop() == 3.5
+
+
+def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):
+    out = tmp_path / "w2-spec.json"
+    rc = main(["bench", "latency", *TINY_7B, "--input-len", "32", "--output-len", "6", "--iters", "2",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--output-json", str(out)])
+    assert rc == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram", 2)
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= 2 * spec["num_drafts"]
+    assert "acceptance rate" in capsys.readouterr().out
