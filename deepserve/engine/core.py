@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.ngram_proposer import NgramProposer
+from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
 from deepserve.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ class EngineCore:
         if scheduled.is_empty():
             return []
         result = self.runner.execute(scheduled)
-        self.scheduler.update_from_output(scheduled, result.sampled)
+        self.scheduler.update_from_output(scheduled, result.sampled, draft_token_ids=result.draft_token_ids)
         if self._spec_log is not None:
             self._spec_log.maybe_log(self.scheduler.stats())
         return _outputs(scheduled, result)
@@ -188,10 +188,14 @@ class EngineCore:
         return _outputs(pending.out, result)
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
+def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:
         return None
+    if spec.is_mtp:
+        logger.info("speculative decoding: the checkpoint's MTP layer drafts %d tokens per step",
+                    spec.num_speculative_tokens)
+        return ModelDrafts(spec.num_speculative_tokens)
     logger.info("speculative decoding: %s, %d draft tokens per step (prompt lookup n = %d..%d)", spec.method,
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

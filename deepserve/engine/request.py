@@ -68,6 +68,8 @@ class Request:
         # ...] with the actual token first; the runner skips positions already here after a recompute.
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # Speculative decoding with a model draft (MTP): the drafts its last step proposed for the next.
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

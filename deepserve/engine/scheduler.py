@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.ngram_proposer import NgramProposer
+from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 
 
@@ -40,10 +40,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: NgramProposer | ModelDrafts | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.proposer = proposer  # speculative decoding's drafts; None: one token per request and step
+        # KV slots reserved past each step's tokens: a model draft writes its own KV there (0 otherwise).
+        self.lookahead = proposer.lookahead if proposer is not None else 0
         self.num_spec_drafts = 0
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
@@ -100,7 +102,7 @@ class Scheduler:
                     budget -= sched.num_new_tokens
                     i += 1
                     continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not self._allocate_or_preempt(request, num_new + self.lookahead, out):
                 break  # the request itself was preempted
             out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new
@@ -115,8 +117,8 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        drafts = self.proposer.propose(request.token_ids, limit)
-        if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts)):
+        drafts = self.proposer.drafts_for(request, limit)
+        if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts) + self.lookahead):
             return None
         return ScheduledRequest(request, 1 + len(drafts), request.num_computed_tokens, spec_token_ids=drafts)
 
@@ -125,7 +127,7 @@ class Scheduler:
         KV of the last known token and the accepted drafts is kept; the rejected drafts' slots are given
         back (their blocks freed), so the cache and its hashes hold accepted tokens only."""
         request.num_computed_tokens += len(tokens)
-        self.block_manager.trim(request, request.num_computed_tokens + 1)
+        self.block_manager.trim(request, request.num_computed_tokens + 1 + self.lookahead)
         self.num_spec_drafts += 1
         self.num_spec_draft_tokens += len(sched.spec_token_ids)
         self.num_spec_accepted_tokens += len(tokens) - 1
@@ -167,12 +169,12 @@ class Scheduler:
             return 0
         num_new = min(num_new, budget)
         if swapped:
-            copies = self.block_manager.swap_in(request, num_new)
+            copies = self.block_manager.swap_in(request, num_new + self.lookahead)
             if copies is None:
                 return 0
             out.blocks_to_swap_in.extend(copies)
             self.num_swapped_in_blocks += len(copies)
-        elif not self.block_manager.allocate_slots(request, num_new, hits):
+        elif not self.block_manager.allocate_slots(request, num_new + self.lookahead, hits):
             return 0
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
@@ -216,7 +218,7 @@ class Scheduler:
             row += sched.num_sampled
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]],
-                           committed: bool = False) -> list[Request]:
+                           committed: bool = False, draft_token_ids: list[list[int]] | None = None) -> list[Request]:
         """Advance the counters by what the step computed (unless `commit` already did) and take each
         request's sampled tokens in order; the requests that gained tokens. A token that ends its
         request drops the ones after it, and a request that finished or was aborted while the step ran
@@ -247,6 +249,8 @@ class Scheduler:
             if not tokens:
                 continue
             progressed.append(request)
+            if draft_token_ids is not None:  # a model draft's proposals for the request's next step
+                request.draft_token_ids = draft_token_ids[i]
             was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
             kept = self._take_tokens(request, sched, tokens, committed)
             if kept < len(tokens):

@@ -21,10 +21,12 @@ from deepserve.forward_context import forward_context
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.layers.sampling_metadata import PenaltyHistory
+from deepserve.loader.checkpoint import init_dummy_weights, iterate_safetensors
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
 from deepserve.runner.kv_swap import allocate_host_caches, copy_blocks
+from deepserve.runner.mtp_drafter import MtpDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class RunnerOutput:
     sampled: list[list[int]]
     logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # new prompt positions
+    # Speculative decoding with the MTP draft: each request's drafts for its next step (None otherwise).
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -52,6 +56,7 @@ class PendingStep:
     prompt_logprobs: list = field(default_factory=list)  # ModelRunner._prompt_logprob_tensors
     sampled: torch.Tensor | None = None  # [S] int64 on the device
     verify: bool = False  # speculative decoding: `sampled` holds each row's chosen token; _host[4] its acceptance
+    hidden: torch.Tensor | None = None  # the main model's hidden states [T, E], kept for the MTP draft
     _host: list[torch.Tensor | None] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
 
@@ -86,6 +91,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.device, self.dtype, config.parallel.enable_expert_parallel)
+        self.drafter: MtpDrafter | None = None
+        if config.speculative is not None and config.speculative.is_mtp:
+            self.drafter = self._load_mtp(config)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()  # speculative decoding's verify steps
@@ -99,6 +107,34 @@ class ModelRunner:
         self.host_caches: list[torch.Tensor] = []  # the host tier (--swap-space), one per attention layer
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
+
+    def _load_mtp(self, config: EngineConfig) -> MtpDrafter:
+        """Build the model's MTP module (before the KV cache specs are read: its layer gets a cache too)
+        and fill its weights from the checkpoint (model.layers.{num_hidden_layers}.*), or dummy ones."""
+        if not hasattr(self.model, "enable_mtp"):
+            raise ValueError(f"speculative_config.method {config.speculative.method!r} needs a DeepSeek-V3/R1 "
+                             f"checkpoint; {config.model.architecture} has no MTP layer")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                mtp = self.model.enable_mtp()
+        finally:
+            torch.set_default_dtype(previous)
+        if config.model.load_format == "dummy":
+            init_dummy_weights(mtp, config.model.seed)
+        else:
+            loaded = self.model.load_mtp_weights(iterate_safetensors(config.model.model))
+            missing = sorted(set(dict(mtp.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(
+                    f"speculative_config.method {config.speculative.method!r}: the checkpoint has no (or an "
+                    f"incomplete) MTP layer model.layers.{config.model.hf_config.num_hidden_layers}.* although its "
+                    f"config says num_nextn_predict_layers={config.model.hf_config.num_nextn_predict_layers}; "
+                    f"missing {len(missing)} tensor(s), e.g. {missing[:3]}; use method 'ngram'")
+        mtp.eval()
+        return MtpDrafter(self.model, config.speculative.num_speculative_tokens, self.block_size,
+                          config.model.max_model_len, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.block_size * sum(spec.bytes_per_token for spec in self.kv_specs)
@@ -153,7 +189,9 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and, on the GPU, capture the decode CUDA graphs over it."""
         self.allocate_kv_cache(num_blocks)
-        if (self.device.type == "cuda" and not self.config.model.enforce_eager
+        # The MTP draft reads the main model's hidden states, which the decode graphs do not return yet:
+        # with it the runner runs eager.
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.drafter is None
                 and getattr(self.model, "supports_cuda_graphs", True)):
             self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size, self.device)
@@ -262,6 +300,8 @@ class ModelRunner:
             inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
         pending = PendingStep(out, inputs.sample_indices)
+        if self.drafter is not None:
+            pending.hidden = hidden
         if logits is not None and out.num_draft_tokens:
             self._verify(out, inputs, logits, pending)
         elif logits is not None:
@@ -328,7 +368,8 @@ class ModelRunner:
                 _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
         prompt_logprobs = {request_id: _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
                            for request_id, k, ids, lps, ranks in pending.prompt_logprobs}
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        drafts = None if self.drafter is None else self.drafter.propose(out, pending.hidden, sampled)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, drafts)
 
     def _prompt_logprob_tensors(self, out: SchedulerOutput, hidden: torch.Tensor
                                 ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
