@@ -189,12 +189,14 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and, on the GPU, capture the decode CUDA graphs over it."""
         self.allocate_kv_cache(num_blocks)
-        # The MTP draft reads the main model's hidden states, which the decode graphs do not return yet:
-        # with it the runner runs eager.
-        if (self.device.type == "cuda" and not self.config.model.enforce_eager and self.drafter is None
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager
                 and getattr(self.model, "supports_cuda_graphs", True)):
+            # The MTP draft reads the main model's hidden states, and its requests hold KV slots past
+            # max_model_len (2 k at most: a verify step's drafts, then the draft's own chain).
+            lookahead = 0 if self.drafter is None else 2 * self.drafter.k
             self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs,
-                                       self.config.model.max_model_len, self.block_size, self.device)
+                                       self.config.model.max_model_len, self.block_size, self.device,
+                                       keep_hidden=self.drafter is not None, lookahead=lookahead)
             self.graphs.capture()
 
     def determine_num_host_blocks(self) -> int:
@@ -223,9 +225,10 @@ class ModelRunner:
         """(logits of the sampling rows [S, V] or None, hidden states [T, E] or None under a graph)."""
         if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):
             logits = self.graphs.run(inputs)  # [B, V], one row per sequence
+            hidden = self.graphs.hidden() if self.drafter is not None else None  # the MTP draft's input
             if len(inputs.sample_indices) == logits.shape[0]:  # every decode row samples: no gather
-                return logits, None
-            return (logits[inputs.sample_rows] if inputs.sample_indices else None), None
+                return logits, hidden
+            return (logits[inputs.sample_rows] if inputs.sample_indices else None), hidden
         if pdist.get_pp_world_size() > 1:
             return self._forward_stage(inputs), None
         with forward_context(inputs.attn):
