@@ -181,3 +181,16 @@ def test_the_distribution_check_fails_with_a_biased_acceptor(checkpoint, plain_s
     p_values = [chi_square_same_distribution([s[i] for s in plain_samples], [s[i] for s in spec])
                 for i in range(LENGTH)]
     assert min(p_values) < 1e-4, p_values
+
+
+def test_stop_strings_agree_without_speculation(checkpoint):
+    # A stop string inside a verify step's several tokens ends the text where it would one token at a time.
+    path, _ = checkpoint
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    text = generate(llm(path, False), greedy, [SPEC_PROMPTS[2]])[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    want, got = (generate(llm(path, spec), params, [SPEC_PROMPTS[2]])[0].outputs[0] for spec in (False, True))
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, want.finish_reason, want.stop_reason)
+    assert want.finish_reason == "stop" and stop not in want.text
