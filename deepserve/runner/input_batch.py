@@ -66,12 +66,12 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         elif sched.num_sampled:  # a verify step: every new position samples (the last token's and each draft's)
             sample_rows.extend(range(len(input_ids) - sched.num_sampled, len(input_ids)))
             sample_indices.extend([i] * sched.num_sampled)
-    # Attention sequences: the scheduled requests, a verify step's request counting once per row.
-    num_new = np.diff(query_start_loc)  # [B] new tokens per attention sequence
-    decode_seqs = np.flatnonzero(num_new == 1).tolist()
-    decode_only = len(decode_seqs) == len(seq_lens)
+    # Attention sequences: the scheduled requests, a verify step's request counting once per row. Every
+    # sequence has one new token exactly when there are as many tokens as sequences.
+    decode_only = len(input_ids) == len(seq_lens)
+    num_new = None if decode_only else np.diff(query_start_loc)  # [B] new tokens per attention sequence
     # The decode-row indices exist only for mixed steps; a decode-only step needs none.
-    decode_idx = [] if decode_only else decode_seqs
+    decode_idx = [] if decode_only else np.flatnonzero(num_new == 1).tolist()
     decode_tokens = [query_start_loc[i] for i in decode_idx]
     block_rows = [s.request.block_ids for s in out.scheduled] if not out.num_draft_tokens else [
         s.request.block_ids for s in out.scheduled for _ in range(s.num_new_tokens if s.spec_token_ids else 1)]
@@ -96,7 +96,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         decode_only=decode_only,
         decode_seq_idx=None if decode_only else longs[4],
         decode_token_idx=None if decode_only else longs[5],
-        prefill_seqs_cpu=np.flatnonzero(num_new != 1).tolist(),
+        prefill_seqs_cpu=[] if decode_only else np.flatnonzero(num_new != 1).tolist(),
         prefill_fresh=next((g for g, p in zip(groups, plans, strict=True) if p.fresh), None),
         prefill_cached=[g for g, p in zip(groups, plans, strict=True) if not p.fresh],
     )
