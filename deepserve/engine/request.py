@@ -4,7 +4,8 @@ Invariant: token_ids == prompt_token_ids + output_token_ids, and the KV cache ho
 token_ids[:num_computed_tokens]. Each step the scheduler picks how many of the remaining
 num_tokens - num_computed_tokens to compute; once they are all computed, the step samples one
 more token, which makes num_tokens grow by one. Prefill, chunked prefill, prefix-cache hits,
-decode and recompute after preemption are all this one rule.
+decode and recompute after preemption are all this one rule. Under speculative decoding a decoding
+request's step also computes draft tokens (ScheduledRequest.spec_token_ids) and may gain several tokens.
 """
 
 from __future__ import annotations

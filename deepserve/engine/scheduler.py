@@ -8,6 +8,11 @@ running request is preempted: its blocks are freed and it recomputes later from 
 waiting queue — or, with a host tier (--swap-space) that has room, its computed blocks are copied to
 host memory and back when it resumes, its num_computed_tokens kept. Waiting requests are admitted in
 arrival order while budget, sequence slots and blocks last, and never in a step that had to preempt.
+
+Speculative decoding (a proposer given): a decoding request with drafts computes its last token and
+the drafts in one step (ScheduledRequest.spec_token_ids), if the blocks for them come without
+preempting anyone; the step returns the accepted drafts and one token of the target's, and only their
+KV counts as computed (the rejected drafts' blocks are trimmed).
 """
 
 from __future__ import annotations
@@ -239,10 +244,7 @@ class Scheduler:
                     request.set_output_token(index, token_id)
                 self.block_manager.cache_full_blocks(request)
             elif sched.spec_token_ids:  # (never async: EngineArgs turns it off under speculation)
-                self._verified(request, sched, tokens)
-                # Hashes over known tokens only: the accepted drafts join token_ids just below, and
-                # their blocks are hashed by the next step's update.
-                self.block_manager.cache_full_blocks(request, request.num_tokens)
+                self._verified(request, sched, tokens)  # its blocks are hashed once its tokens are taken
             else:
                 request.num_computed_tokens += sched.num_new_tokens
                 self.block_manager.cache_full_blocks(request)
@@ -253,6 +255,9 @@ class Scheduler:
                 request.draft_token_ids = draft_token_ids[i]
             was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
             kept = self._take_tokens(request, sched, tokens, committed)
+            if sched.spec_token_ids:
+                # Hashes of computed blocks over the tokens kept (a stop may have dropped the last ones).
+                self.block_manager.cache_full_blocks(request, request.num_tokens)
             if kept < len(tokens):
                 sampled[i] = tokens[:kept]
             if request.is_finished:

@@ -11,7 +11,9 @@ After each step, once its tokens are on the host, the drafter:
    and the previous draft, their KV written in the `lookahead` slots the scheduler reserved (rewritten
    by step 1 of a later step before anything reads them).
 The drafts go back to the scheduler in RunnerOutput.draft_token_ids; they change only how many tokens a
-step keeps, never which (verification decides).
+step keeps, never which (verification decides). So where the draft's cache is only approximately right,
+only the acceptance rate suffers: a prefix-cache hit shares a block whose last position's draft KV was
+computed with the token that followed it in the request that filled it.
 """
 
 from __future__ import annotations

@@ -97,3 +97,19 @@ def test_drafts_dropped_rather_than_preempting():
     request = decoding(s, [1, 2, 3, 4, 5, 6, 7])
     out = s.schedule()
     assert out.num_draft_tokens == 0 and not out.preempted and out.scheduled[0].request is request
+
+
+def test_acceptance_summaries_and_the_periodic_log(caplog):
+    import logging
+
+    from deepserve.engine.core import SpecDecodeLog, acceptance
+    from deepserve.engine.scheduler import SchedulerStats
+
+    stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, spec_decode_num_drafts_total=4, spec_decode_num_draft_tokens_total=12,
+                           spec_decode_num_accepted_tokens_total=6)
+    assert acceptance(stats) == (0.5, 2.5)  # 6 of 12 drafts; (4 + 6) tokens over 4 verify steps
+    assert acceptance(SchedulerStats(0, 0, 0.0, 0, 0, 0)) == (0.0, 0.0)
+    log = SpecDecodeLog(every=0.0)
+    with caplog.at_level(logging.INFO, logger="deepserve.engine.core"):
+        log.maybe_log(stats)
+    assert "acceptance rate 0.500, mean accepted length 2.50" in caplog.text
