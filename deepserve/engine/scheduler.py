@@ -309,6 +309,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         request.drop_placeholders()
         self.block_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         if self.requests.pop(request.request_id, None) is not None:
             self.num_needing_known_tokens -= request.sampling_params.needs_known_tokens
 

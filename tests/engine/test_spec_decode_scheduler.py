@@ -113,3 +113,15 @@ def test_acceptance_summaries_and_the_periodic_log(caplog):
     with caplog.at_level(logging.INFO, logger="deepserve.engine.core"):
         log.maybe_log(stats)
     assert "acceptance rate 0.500, mean accepted length 2.50" in caplog.text
+
+
+def test_ngram_drafts_from_the_kept_array_follow_the_growing_sequence():
+    proposer = NgramProposer(2, 1, 2)
+    request = Request("r", [1, 2, 3, 1], SamplingParams())
+    assert proposer.drafts_for(request, 2) == [2, 3]
+    for token in [2, 3, 9] + list(range(100, 160)) + [9]:  # grows past the first buffer
+        request.append_output_token(token)
+        assert proposer.drafts_for(request, 2) == proposer.propose(request.token_ids, 2)
+    assert proposer.drafts_for(request, 2) == [100, 101]
+    proposer.forget(request)
+    assert not proposer._arrays
