@@ -145,12 +145,83 @@ class ParallelConfig:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp", "deepseek_mtp")
+MAX_SPECULATIVE_TOKENS = 15
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """speculative_config (vLLM's keys): a draft proposes num_speculative_tokens tokens per request and
+    step, and the target model verifies them in one forward over the k + 1 positions.
+
+    ngram (prompt lookup): the draft is what followed the latest earlier occurrence of the sequence's
+    last n tokens, n from prompt_lookup_max down to prompt_lookup_min. mtp / deepseek_mtp: the
+    checkpoint's multi-token-prediction layer (DeepSeek-V3/R1)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported; use one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not (
+                1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be an integer >= 1, "
+                             f"got {self.prompt_lookup_min!r}")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                             f"({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method in ("mtp", "deepseek_mtp")
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """The config from LLM(speculative_config=...) or --speculative-config: a dict or its JSON text."""
+        if value is None or value == {} or value == "":
+            return None
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config (speculative_config) must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object / dict, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config needs {key!r} (e.g. "
+                                 '{"method": "ngram", "num_speculative_tokens": 4})')
+        return cls(**value)
+
+    def check_model(self, hf_config: Any) -> None:
+        """Refuse a draft the checkpoint cannot run, naming the field."""
+        if self.is_mtp and not getattr(hf_config, "num_nextn_predict_layers", 0):
+            raise ValueError(
+                f"speculative_config.method {self.method!r} needs a checkpoint with an MTP layer, but this one's "
+                f"config has num_nextn_predict_layers={getattr(hf_config, 'num_nextn_predict_layers', None)!r} "
+                "(DeepSeek-V3/R1 ship 1); use method 'ngram' for other models")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         # Refused here, before any process starts, rather than by a layer on some rank.
@@ -204,9 +275,20 @@ class EngineArgs:
     # None: on where it pays, a CUDA device in one process (the host's work then overlaps the GPU's).
     async_scheduling: bool | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # vLLM's speculative_config: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    speculative_config: dict[str, Any] | str | None = None
 
-    def _async_scheduling(self, device: str) -> bool:
+    def _async_scheduling(self, device: str, speculative: bool = False) -> bool:
         one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1
+        if speculative:
+            # How many drafts a step accepts is known only once its tokens are on the host, and the next
+            # step's inputs depend on it; asked for, it is said once in the log.
+            if self.async_scheduling:
+                import logging
+
+                logging.getLogger(__name__).info("async scheduling is off under speculative decoding; the engine "
+                                                 "schedules step by step")
+            return False
         if self.async_scheduling is None:
             # On where it has been measured: one CUDA GPU. Under tensor parallelism it is opt-in.
             return device == "cuda" and one_process
@@ -228,8 +310,16 @@ class EngineArgs:
             raise ValueError("--swap-space (swap_space) is not supported with pipeline_parallel_size > 1 yet; "
                              "use --swap-space 0 (preempted requests then recompute)")
 
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
+        if speculative is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model = self.model or _demo_model_path()
         hf_config = resolve_hf_config(model, self.hf_overrides, self.load_format)
+        if speculative is not None:
+            speculative.check_model(hf_config)
+            if speculative.is_mtp and self.tensor_parallel_size > 1:
+                raise ValueError(f"speculative_config.method {speculative.method!r} is not supported with "
+                                 "tensor_parallel_size > 1 yet; use method 'ngram'")
         device = _resolve_device(self.device)
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         if self.load_format not in ("auto", "dummy", "safetensors"):
@@ -276,11 +366,12 @@ class EngineArgs:
                 max_num_batched_tokens=budget,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=self._async_scheduling(device),
+                async_scheduling=self._async_scheduling(device, speculative is not None),
             ),
             parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes,
                                     self.node_rank, self.master_addr, self.master_port,
                                     self.enable_expert_parallel),
+            speculative=speculative,
         )
 
 

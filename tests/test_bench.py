@@ -80,3 +80,14 @@ def test_bench_throughput_with_a_json_schema_on_every_request(tmp_path):
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["workload"] == "fixed-40-12+json" and 0 < result["num_output_tokens"] <= 36
+
+
+def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):
+    out = tmp_path / "w2-spec.json"
+    rc = main(["bench", "latency", *TINY_7B, "--input-len", "32", "--output-len", "6", "--iters", "2",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--output-json", str(out)])
+    assert rc == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram", 2)
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= 2 * spec["num_drafts"]
+    assert "acceptance rate" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from deepserve.bench.gpu_stats import device_name
+from deepserve.bench.spec_stats import describe, spec_decode_summary
 from deepserve.config import EngineArgs
 from deepserve.sampling_params import SamplingParams
 
@@ -36,21 +37,34 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
     return {"model": engine_args.model, **measure_latency(llm, input_len, output_len, warmups, iters)}
 
 
+def _random_prompt(rng: random.Random, input_len: int, vocab_size: int) -> list[int]:
+    return [rng.randint(0, min(vocab_size, 10001) - 1) for _ in range(input_len)]
+
+
 def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: int = 3,
-                    iters: int = 10, vocab_size: int = 10001) -> dict[str, Any]:
+                    iters: int = 10, vocab_size: int = 10001, prompt_fn=None) -> dict[str, Any]:
     """W2 on an engine with nothing else running: `warmups` requests, then `iters` timed ones; prompt
-    tokens drawn from [0, min(vocab_size, 10001))."""
+    tokens drawn from [0, min(vocab_size, 10001)), or prompt_fn(rng, input_len, vocab_size).
+
+    tpot_ms_median is the median gap between consecutive output tokens; with speculative decoding a
+    step hands out several tokens at once (gaps of 0), so tpot_ms_per_request_median, each request's
+    (last token - first token) / (tokens - 1), is the figure to compare."""
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ttfts, tpots = [], []
+    ttfts, tpots, per_request = [], [], []
+    before = engine.stats()
     for i in range(warmups + iters):
         # A fresh prompt each time: a prefix-cache hit would flatter the TTFT.
-        prompt = [rng.randint(0, min(vocab_size, 10001) - 1) for _ in range(input_len)]
+        prompt = (prompt_fn or _random_prompt)(rng, input_len, vocab_size)
         stamps = _timed_request(engine, prompt, params, f"latency-{i}")
+        if i == warmups - 1:
+            before = engine.stats()
         if i >= warmups:
             ttfts.append(stamps[0])
             tpots.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+            if len(stamps) > 1:
+                per_request.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     tpot_median = statistics.median(tpots)
     bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
     return {
@@ -60,8 +74,10 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
         "ttft_ms_median": 1e3 * statistics.median(ttfts),
         "tpot_ms_median": 1e3 * tpot_median,
         "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
+        "tpot_ms_per_request_median": 1e3 * statistics.median(per_request) if per_request else None,
         "bandwidth_utilization": bytes_per_step / tpot_median / HBM_BYTES_PER_S,
         "async_scheduling": engine.core.async_scheduling,
+        "speculative": spec_decode_summary(engine, before),
     }
 
 
@@ -97,7 +113,7 @@ def print_result(result: dict[str, Any]) -> None:
 
     print(f"TTFT {result['ttft_ms_median']:.1f} ms, TPOT median {result['tpot_ms_median']:.2f} ms, "
           f"p99 {result['tpot_ms_p99']:.2f} ms, bandwidth {100 * result['bandwidth_utilization']:.0f} % "
-          f"({result['device']})")
+          f"({result['device']})" + describe(result.get("speculative")))
     print(json.dumps(result))
 
 

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from deepserve.bench.gpu_stats import EnergyMeter, device_name, peak_memory_gib
+from deepserve.bench.spec_stats import describe, spec_decode_summary
 from deepserve.bench.workloads import Workload
 from deepserve.config import EngineArgs
 from deepserve.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
                  use_tqdm=False)  # the warm-up generate of the definition
     parallel = llm.llm_engine.config.parallel
     meter = EnergyMeter(parallel.tensor_parallel_size * parallel.pipeline_parallel_size // parallel.nnodes)
+    before = llm.llm_engine.stats()
     meter.start()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
@@ -61,6 +63,7 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "enable_expert_parallel": parallel.enable_expert_parallel,
         "async_scheduling": llm.llm_engine.core.async_scheduling,
+        "speculative": spec_decode_summary(llm.llm_engine, before),
     }
 
 
@@ -69,5 +72,6 @@ def print_result(result: dict[str, Any]) -> None:
         f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.1f} total "
         f"tokens/s, {result['output_tokens_per_second']:.1f} output tokens/s "
         f"({result['num_output_tokens']} tokens in {result['elapsed_time']:.2f} s, {result['device']})"
+        + describe(result.get("speculative"))
     )
     print(json.dumps(result))

@@ -200,6 +200,19 @@ class BlockManager:
         self.free_host_blocks.extend(reversed(request.host_block_ids))
         request.host_block_ids = []
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first num_tokens tokens (speculative decoding: the slots
+        of rejected drafts). Such blocks hold no computed token and carry no hash; they go to the front
+        of the free list, as nothing can hit them."""
+        keep = -(-num_tokens // self.block_size)
+        while len(request.block_ids) > keep:
+            block_id = request.block_ids.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                self.free_blocks.move_to_end(block_id, last=False)
+
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the blocks holding the request's computed tokens to host blocks and free its GPU blocks;
         the (gpu block, host block) copies, which must run before those GPU blocks are written again.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.grammar import GrammarCompiler, fill_bitmasks
+from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
 from deepserve.sampling_params import SamplingParams
@@ -108,7 +109,8 @@ class EngineCore:
                         else "")
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      num_host_blocks)
-        self.scheduler = Scheduler(config.scheduler, block_manager)
+        self.scheduler = Scheduler(config.scheduler, block_manager, _proposer(config))
+        self._spec_log = SpecDecodeLog() if config.speculative is not None else None
         logger.info("KV cache: %d blocks of %d tokens = %s tokens (kv_cache_dtype %s)", self.num_blocks,
                     config.cache.block_size, f"{self.num_blocks * config.cache.block_size:,}",
                     config.cache.kv_cache_dtype)
@@ -217,7 +219,9 @@ class EngineCore:
             return []
         _attach_grammar_bitmask(scheduled, self.grammars)
         result = self.runner.execute(scheduled)
-        self.scheduler.update_from_output(scheduled, result.sampled)
+        self.scheduler.update_from_output(scheduled, result.sampled, draft_token_ids=result.draft_token_ids)
+        if self._spec_log is not None:
+            self._spec_log.maybe_log(self.scheduler.stats())
         return _outputs(scheduled, result)
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -253,6 +257,45 @@ def _attach_grammar_bitmask(scheduled: SchedulerOutput, grammars: GrammarCompile
     rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
     if any(g is not None for g in rows):
         scheduled.grammar_bitmask = fill_bitmasks(rows, grammars.bitmask_bytes)
+def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.is_mtp:
+        logger.info("speculative decoding: the checkpoint's MTP layer drafts %d tokens per step",
+                    spec.num_speculative_tokens)
+        return ModelDrafts(spec.num_speculative_tokens)
+    logger.info("speculative decoding: %s, %d draft tokens per step (prompt lookup n = %d..%d)", spec.method,
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def acceptance(stats: SchedulerStats) -> tuple[float, float]:
+    """(draft acceptance rate, mean accepted length = tokens per verify step, the target's own included);
+    vLLM's two speculative-decoding summaries. (0, 0) before any draft."""
+    if not stats.spec_decode_num_drafts_total:
+        return 0.0, 0.0
+    accepted = stats.spec_decode_num_accepted_tokens_total
+    return (accepted / max(1, stats.spec_decode_num_draft_tokens_total),
+            1.0 + accepted / stats.spec_decode_num_drafts_total)
+
+
+class SpecDecodeLog:
+    """The engine's periodic speculative-decoding line: acceptance since start, every `every` seconds."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self.last = time.monotonic()
+
+    def maybe_log(self, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every or not stats.spec_decode_num_drafts_total:
+            return
+        self.last = now
+        rate, length = acceptance(stats)
+        logger.info("speculative decoding: acceptance rate %.3f, mean accepted length %.2f, %d drafts, "
+                    "%d draft tokens, %d accepted", rate, length, stats.spec_decode_num_drafts_total,
+                    stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total)
 
 
 def _outputs(scheduled: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

@@ -4,7 +4,8 @@ Invariant: token_ids == prompt_token_ids + output_token_ids, and the KV cache ho
 token_ids[:num_computed_tokens]. Each step the scheduler picks how many of the remaining
 num_tokens - num_computed_tokens to compute; once they are all computed, the step samples one
 more token, which makes num_tokens grow by one. Prefill, chunked prefill, prefix-cache hits,
-decode and recompute after preemption are all this one rule.
+decode and recompute after preemption are all this one rule. Under speculative decoding a decoding
+request's step also computes draft tokens (ScheduledRequest.spec_token_ids) and may gain several tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class Request:
         # request, not with its KV blocks, so preemption (recompute or swap) keeps it as it is: the
         # tokens it has seen are still the request's output.
         self.grammar: GrammarState | None = None
+        # Speculative decoding with a model draft (MTP): the drafts its last step proposed for the next.
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -199,9 +202,16 @@ class ScheduledRequest:
     # placeholder per sampled token right after.
     num_sampled: int = field(init=False)
     output_indices: list[int] = field(default_factory=list)  # async scheduling: the placeholders' output indices
+    # Speculative decoding: draft tokens that follow the request's last known token. The step computes
+    # that token and the drafts (num_new_tokens = 1 + len), and samples at each of those positions:
+    # the drafts the target agrees with are kept, then one token of its own (RunnerOutput.sampled
+    # holds 1 .. len + 1 tokens). The drafts are not in request.token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_sampled = int(self.start + self.num_new_tokens == self.request.num_tokens)
+        if self.spec_token_ids:
+            self.num_sampled = len(self.spec_token_ids) + 1
 
 
 @dataclass
@@ -218,6 +228,9 @@ class SchedulerOutput:
     # of `scheduled` (rows that sample nothing skipped), ceil(V / 32) little-endian 32-bit words a row;
     # None when no scheduled request has a grammar, so unconstrained steps carry nothing.
     grammar_bitmask: bytes | None = None
+    # Speculative decoding: draft tokens in the step (sum of len(spec_token_ids)); 0: no verify rows,
+    # the runner samples one token per request as usual.
+    num_draft_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not self.scheduled

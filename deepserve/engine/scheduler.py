@@ -10,6 +10,11 @@ host memory and back when it resumes, its num_computed_tokens kept. With prefix 
 prefix blocks are kept on the host and a prefix hit there loads them back (BlockManager). Waiting
 requests are admitted in arrival order while budget, sequence slots and blocks last, and never in a
 step that had to preempt.
+
+Speculative decoding (a proposer given): a decoding request with drafts computes its last token and
+the drafts in one step (ScheduledRequest.spec_token_ids), if the blocks for them come without
+preempting anyone; the step returns the accepted drafts and one token of the target's, and only their
+KV counts as computed (the rejected drafts' blocks are trimmed).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 from deepserve.config import SchedulerConfig
 from deepserve.engine.block_manager import BlockManager
+from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 
 
@@ -34,12 +40,24 @@ class SchedulerStats:
     num_swapped_in_blocks_total: int = 0  # and back
     prefix_cache_host_hits_total: int = 0  # of prefix_cache_hits_total, tokens loaded from the host tier
     prefix_cache_host_stores_total: int = 0  # evicted prefix blocks copied to the host tier
+    # Speculative decoding (vLLM's names): verify steps of one request, the draft tokens they checked,
+    # and how many of those the target accepted.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 proposer: NgramProposer | ModelDrafts | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.proposer = proposer  # speculative decoding's drafts; None: one token per request and step
+        # KV slots reserved past each step's tokens: a model draft writes its own KV there (0 otherwise).
+        self.lookahead = proposer.lookahead if proposer is not None else 0
+        self.num_spec_drafts = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -89,6 +107,9 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        # No drafts in a step with a structured-output request: its grammar mask covers one sampled row
+        # per request (engine/core.py), which verify steps (several rows each) would not match.
+        drafting = self.proposer is not None and all(r.grammar is None for r in self.running)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.reached_length_limit(self.config.max_model_len):
@@ -96,12 +117,43 @@ class Scheduler:
                 continue
             reserve = len(self.running) - i - 1  # one token for each running request behind this one
             num_new = min(request.num_tokens - request.num_computed_tokens, max(1, budget - reserve))
-            if not self._allocate_or_preempt(request, num_new, out):
+            if drafting and request.num_tokens - request.num_computed_tokens == 1:
+                sched = self._schedule_with_drafts(request, max(1, budget - reserve) - 1)
+                if sched is not None:
+                    out.scheduled.append(sched)
+                    out.num_draft_tokens += len(sched.spec_token_ids)
+                    budget -= sched.num_new_tokens
+                    i += 1
+                    continue
+            if not self._allocate_or_preempt(request, num_new + self.lookahead, out):
                 break  # the request itself was preempted
             out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_with_drafts(self, request: Request, room: int) -> ScheduledRequest | None:
+        """A verify step for a decoding request: its last token and the drafts that follow it, when there
+        are drafts and blocks for them without preempting anyone; else None (a plain decode step).
+        Drafts never run past max_model_len, nor past what max_tokens lets the request still produce."""
+        limit = min(room, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        drafts = self.proposer.drafts_for(request, limit)
+        if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts) + self.lookahead):
+            return None
+        return ScheduledRequest(request, 1 + len(drafts), request.num_computed_tokens, spec_token_ids=drafts)
+
+    def _verified(self, request: Request, sched: ScheduledRequest, tokens: list[int]) -> None:
+        """Count a verify step's outcome: tokens = the accepted drafts and the target's own next token. The
+        KV of the last known token and the accepted drafts is kept; the rejected drafts' slots are given
+        back (their blocks freed), so the cache and its hashes hold accepted tokens only."""
+        request.num_computed_tokens += len(tokens)
+        self.block_manager.trim(request, request.num_computed_tokens + 1 + self.lookahead)
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(sched.spec_token_ids)
+        self.num_spec_accepted_tokens += len(tokens) - 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
@@ -142,12 +194,12 @@ class Scheduler:
             return 0
         num_new = min(num_new, budget)
         if swapped:
-            copies = self.block_manager.swap_in(request, num_new)
+            copies = self.block_manager.swap_in(request, num_new + self.lookahead)
             if copies is None:
                 return 0
             out.blocks_to_swap_in.extend(copies)
             self.num_swapped_in_blocks += len(copies)
-        elif not self.block_manager.allocate_slots(request, num_new, hits, host_hits):
+        elif not self.block_manager.allocate_slots(request, num_new + self.lookahead, hits, host_hits):
             return 0
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
@@ -192,7 +244,7 @@ class Scheduler:
             row += sched.num_sampled
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[list[int]],
-                           committed: bool = False) -> list[Request]:
+                           committed: bool = False, draft_token_ids: list[list[int]] | None = None) -> list[Request]:
         """Advance the counters by what the step computed (unless `commit` already did) and take each
         request's sampled tokens in order; the requests that gained tokens. A token that ends its
         request drops the ones after it, and a request that finished or was aborted while the step ran
@@ -211,14 +263,22 @@ class Scheduler:
                 # counted them as computed, and a hash over a placeholder would never match again.
                 for index, token_id in zip(sched.output_indices, tokens, strict=False):
                     request.set_output_token(index, token_id)
+                self.block_manager.cache_full_blocks(request)
+            elif sched.spec_token_ids:  # (never async: EngineArgs turns it off under speculation)
+                self._verified(request, sched, tokens)  # its blocks are hashed once its tokens are taken
             else:
                 request.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
+                self.block_manager.cache_full_blocks(request)
             if not tokens:
                 continue
             progressed.append(request)
+            if draft_token_ids is not None:  # a model draft's proposals for the request's next step
+                request.draft_token_ids = draft_token_ids[i]
             was_waiting = request.status == RequestStatus.WAITING  # (async) preempted while in flight
             kept = self._take_tokens(request, sched, tokens, committed)
+            if sched.spec_token_ids:
+                # Hashes of computed blocks over the tokens kept (a stop may have dropped the last ones).
+                self.block_manager.cache_full_blocks(request, request.num_tokens)
             if kept < len(tokens):
                 sampled[i] = tokens[:kept]
             if request.is_finished:
@@ -270,6 +330,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         request.drop_placeholders()
         self.block_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request)
         if self.requests.pop(request.request_id, None) is not None:
             self.num_needing_known_tokens -= request.sampling_params.needs_known_tokens
 
@@ -285,6 +347,9 @@ class Scheduler:
             num_swapped_in_blocks_total=self.num_swapped_in_blocks,
             prefix_cache_host_hits_total=self.prefix_cache_host_hits,
             prefix_cache_host_stores_total=self.prefix_cache_host_stores,
+            spec_decode_num_drafts_total=self.num_spec_drafts,
+            spec_decode_num_draft_tokens_total=self.num_spec_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.num_spec_accepted_tokens,
         )
 
 

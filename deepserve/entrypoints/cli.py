@@ -65,20 +65,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "parallelism; not with pipeline parallelism)")
     g.add_argument("--hf-overrides", type=_json_object, default={}, metavar="JSON",
                    help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
+    g.add_argument("--speculative-config", type=_json_object_flag("--speculative-config"), default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (n-gram prompt lookup, any model)')
 
 
-def _json_object(text: str | dict) -> dict:
-    if isinstance(text, dict):  # from a --config YAML file, already parsed
-        return text
-    if not isinstance(text, str):
-        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object, got {type(text).__name__}")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
-    return value
+def _json_object_flag(flag: str):
+    """The argparse type of a JSON-object flag; its errors name the flag."""
+
+    def parse(text: str | dict) -> dict:
+        if isinstance(text, dict):  # from a --config YAML file, already parsed
+            return text
+        if not isinstance(text, str):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(text).__name__}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(value).__name__}")
+        return value
+
+    return parse
+
+
+_json_object = _json_object_flag("--hf-overrides")
 
 
 def engine_args_from(ns: argparse.Namespace, model: str | None) -> EngineArgs:
@@ -114,6 +125,7 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
         enforce_eager=ns.enforce_eager, async_scheduling=getattr(ns, "async_scheduling", None),
         skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
         hf_overrides=getattr(ns, "hf_overrides", {}),
+        speculative_config=getattr(ns, "speculative_config", None),
     )
 
 

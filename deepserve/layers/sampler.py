@@ -33,6 +33,7 @@ __all__ = [
     "apply_token_bitmask",
     "apply_top_k_top_p",
     "compute_token_logprobs",
+    "target_probs",
 ]
 
 
@@ -192,14 +193,20 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    probs = target_probs(logits, meta)  # [B, V]
+    return probs.div_(_exponential(probs, meta)).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from: softmax of logits / temperature after min_p, top_k and
+    top_p. logits [B, V] float32, penalties and min_tokens already applied. -> [B, V] float32."""
     logits = logits / meta.temperature[:, None]  # [B, V]
     if meta.min_p is not None:
         probs = logits.softmax(dim=-1)  # [B, V]
         threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     logits = apply_top_k_top_p(logits, meta)
-    probs = logits.softmax(dim=-1)  # [B, V]
-    return probs.div_(_exponential(probs, meta)).argmax(dim=-1)
+    return logits.softmax(dim=-1)  # [B, V]
 
 
 def _exponential(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

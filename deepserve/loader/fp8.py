@@ -90,7 +90,7 @@ def skip_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], num_hidden_laye
             if not said:
                 logger.info(
                     "checkpoint has multi-token-prediction layers (index >= num_hidden_layers = %d, e.g. %s); "
-                    "they are not loaded: MTP speculative decoding is not supported yet",
+                    "the main model skips them (speculative_config method mtp loads them as its draft)",
                     num_hidden_layers, name,
                 )
                 said = True

@@ -16,6 +16,10 @@ Checkpoint names (transformers / DeepSeek's Hugging Face releases) -> ours:
   input_layernorm, post_attention_layernorm, mlp                  -> attn_norm, ffn_norm, ffn
   {gate_proj, up_proj, down_proj}                                 -> w1 and w3 (merged as w13), w2
   model.embed_tokens, model.norm, lm_head                         -> embed, norm, head
+  model.layers.{N}.{enorm, hnorm, eh_proj, shared_head.norm}      -> mtp.{enorm, hnorm, eh_proj, head_norm}
+  model.layers.{N}.<decoder layer>                                 -> mtp.block.<as above>
+  (N = num_hidden_layers: DeepSeek-V3's multi-token-prediction module, loaded only for speculative decoding;
+  its embed_tokens and shared_head.head are the main model's, shared as the V3 report's §2.2 says.)
 """
 
 from __future__ import annotations
@@ -116,6 +120,33 @@ class DecoderLayer(nn.Module):
         return self.ffn(x), residual
 
 
+class MultiTokenPredictor(nn.Module):
+    """DeepSeek-V3's MTP module (V3 technical report §2.2), run as a speculative-decoding draft.
+
+    At position p it takes the main model's final hidden state h_p and the embedding of the token at
+    p + 1, and predicts the token at p + 2:
+        x = eh_proj([enorm(Emb(t_{p+1})); hnorm(h_p)])  (embedding first, the checkpoint's column order)
+        h'_p = block(x) + its residual, logits = head(head_norm(h'_p))
+    with its own decoder layer (and its own KV cache over the same positions), the main model's
+    embedding and head. Chained, h'_p stands in for h_{p+1} at the next depth."""
+
+    def __init__(self, config: Any, rotary: RotaryEmbedding, routing: RoutingConfig | None,
+                 quant: Fp8Config | None) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, False)
+        self.block = DecoderLayer(config, config.num_hidden_layers, rotary, routing, quant)
+        self.head_norm = RMSNorm(hidden, config.rms_norm_eps)  # shared_head.norm
+
+    def forward(self, embedded: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # embedded, hidden: [T, E] -> [T, E]
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [T, 2E] -> [T, E]
+        x, residual = self.block(positions, x, None)
+        return x + residual
+
+
 class DeepseekV2ForCausalLM(nn.Module):
     # On CUDA, decode steps run the Triton latent-decode and fused-MoE kernels: no host syncs, so the
     # runner captures them in CUDA graphs like the dense models.
@@ -146,6 +177,51 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.head = ParallelLMHead(config.vocab_size, config.hidden_size) if self.last else PPMissingLayer()
         if config.tie_word_embeddings and self.first and self.last:
             self.head.weight = self.embed.weight
+        self._mtp_parts = (rotary, routing, quant)
+        self.mtp: MultiTokenPredictor | None = None  # built by enable_mtp (speculative decoding only)
+
+    def enable_mtp(self) -> MultiTokenPredictor:
+        """Build the MTP module (on the current default device and dtype); its weights are loaded by
+        load_mtp_weights or drawn as dummy ones by the caller."""
+        if not getattr(self.config, "num_nextn_predict_layers", 0):
+            raise ValueError("speculative_config.method mtp needs a checkpoint whose config has "
+                             "num_nextn_predict_layers >= 1")
+        self.mtp = MultiTokenPredictor(self.config, *self._mtp_parts)
+        return self.mtp
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP module at T positions: input_ids [T] the tokens one ahead, hidden [T, E] the main
+        model's (or, chained, the module's own) -> [T, E]. Inside a forward context, like forward."""
+        return self.mtp(self.embed(input_ids), positions, hidden)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(self.mtp.head_norm(hidden))  # [N, E] -> [N, V]
+
+    def load_mtp_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The MTP module's tensors (model.layers.{num_hidden_layers}.*) into self.mtp; the names loaded
+        (relative to the module). Its embed_tokens and shared_head.head copies are skipped: shared."""
+        prefix = f"model.layers.{self.config.num_hidden_layers}."
+        own = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "head_norm."}
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.startswith(prefix):
+                    continue
+                rest = name[len(prefix):]
+                if rest.startswith(("embed_tokens.", "shared_head.head.")):
+                    continue
+                mapped = next((new + rest[len(old):] for old, new in own.items() if rest.startswith(old)), None)
+                yield (mapped if mapped is not None else "model.layers.0." + rest), tensor
+
+        params = dict(self.mtp.named_parameters())
+
+        def target(name: str) -> tuple[str, Any]:
+            if not name.startswith("model.layers.0."):
+                return name, None
+            mapped, shard_id = param_name(name)
+            return "block." + mapped.removeprefix("layers.0."), shard_id
+
+        return _load_into(params, renamed(), target, fp8_block_size(self.config), type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -174,29 +250,37 @@ class DeepseekV2ForCausalLM(nn.Module):
             weights = ((("lm_head.weight" if n == "model.embed_tokens.weight" else n), t) for n, t in weights)
         weights = stage_weights(weights, self.start_layer, self.end_layer, {
             "model.embed_tokens.": self.first, "model.norm.": self.last, "lm_head.": self.last})
-        params = dict(self.named_parameters())
-        block = fp8_block_size(self.config)
-        if block is not None:
-            # Weights whose parameter is FP8 (it has a scale beside it) load as shipped; the others
-            # (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast by their loader.
-            weights = dequantize_fp8_weights(weights, block, keep=lambda n: param_name(n)[0] + SCALE_SUFFIX in params)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (tied and not split_head and name == "lm_head.weight"):
-                continue
-            target, shard_id = param_name(name.removesuffix(SCALE_SUFFIX))
-            if name.endswith(SCALE_SUFFIX):
-                target += SCALE_SUFFIX
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            with torch.no_grad():
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
+        if tied and not split_head:
+            weights = ((n, t) for n, t in weights if n != "lm_head.weight")
+        params = {n: p for n, p in self.named_parameters() if not n.startswith("mtp.")}
+        return _load_into(params, weights, param_name, fp8_block_size(self.config), type(self).__name__)
+
+
+def _load_into(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]], target_of,
+               block: Any, owner: str) -> set[str]:
+    """Each checkpoint tensor into params[target_of(name)] through its weight_loader; the names loaded.
+    With FP8 block scales (`block`), weights whose parameter is FP8 (it has a scale beside it) load as
+    shipped; the others (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast
+    by their loader."""
+    if block is not None:
+        weights = dequantize_fp8_weights(weights, block, keep=lambda n: target_of(n)[0] + SCALE_SUFFIX in params)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        target, shard_id = target_of(name.removesuffix(SCALE_SUFFIX))
+        if name.endswith(SCALE_SUFFIX):
+            target += SCALE_SUFFIX
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {owner}")
+        with torch.no_grad():
+            if shard_id is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        loaded.add(target)
+    return loaded
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

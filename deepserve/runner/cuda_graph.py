@@ -28,12 +28,15 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_batch: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, keep_hidden: bool = False, lookahead: int = 0) -> None:
+        """keep_hidden: also keep the hidden states [B, E] (the MTP draft reads them, `hidden`); lookahead:
+        KV slots a request may hold past max_model_len (the MTP draft's), which widen the block tables."""
         self.model = model
         self.sizes = capture_sizes(max_batch)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        max_blocks = -(-max_model_len // block_size)
+        self.keep_hidden = keep_hidden
+        max_blocks = -(-(max_model_len + lookahead) // block_size)
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
@@ -41,6 +44,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.hiddens: dict[int, torch.Tensor] = {}  # with keep_hidden
+        self._last: tuple[int, int] = (0, 0)  # (graph size, rows) of the last replay
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -69,6 +74,8 @@ class DecodeGraphs:
         )
         with forward_context(meta):
             hidden = self.model(self.input_ids[:b], self.positions[:b])
+        if self.keep_hidden:
+            self.hiddens[b] = hidden  # [b, E]
         return self.model.compute_logits(hidden)  # [b, V]
 
     def release(self) -> None:
@@ -80,6 +87,7 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.logits.clear()
+        self.hiddens.clear()
         torch.cuda.synchronize()
 
     def can_run(self, inputs: StepInputs) -> bool:
@@ -99,4 +107,10 @@ class DecodeGraphs:
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].zero_()
         self.graphs[b].replay()
+        self._last = (b, n)
         return self.logits[b][:n]
+
+    def hidden(self) -> torch.Tensor:
+        """The last replay's hidden states [B, E] (keep_hidden only); overwritten by the next replay."""
+        b, n = self._last
+        return self.hiddens[b][:n]

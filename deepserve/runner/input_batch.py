@@ -40,22 +40,43 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
             input_ids.append(token)
             positions.append(start)
             slots.append(blocks[start // block_size] * block_size + start % block_size)
+        elif sched.spec_token_ids:
+            # A verify step: the last known token, then the drafts, each its own one-token attention
+            # sequence over the request's blocks, seeing the cache up to its own position. Several
+            # query tokens per request then run as decode rows (the paged-decode kernels, the decode
+            # CUDA graphs); the keys of the step's earlier rows are stored before any row attends.
+            input_ids.append(request.token_ids[start])
+            input_ids.extend(sched.spec_token_ids)
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(blocks[p // block_size] * block_size + p % block_size)
+                query_start_loc.append(len(query_start_loc))
+                seq_lens.append(p + 1)
+            query_start_loc.pop()  # the request's last row is closed below, as every sequence's is
+            seq_lens.pop()
         else:
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
-        if sched.num_sampled:  # the last new token's logits sample the next token (one per request today)
+        if sched.num_sampled == 1:  # the last new token's logits sample the next token
             sample_rows.append(len(input_ids) - 1)
             sample_indices.append(i)
-    decode_seqs = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
-    decode_only = len(decode_seqs) == len(out.scheduled)
+        elif sched.num_sampled:  # a verify step: every new position samples (the last token's and each draft's)
+            sample_rows.extend(range(len(input_ids) - sched.num_sampled, len(input_ids)))
+            sample_indices.extend([i] * sched.num_sampled)
+    # Attention sequences: the scheduled requests, a verify step's request counting once per row. Every
+    # sequence has one new token exactly when there are as many tokens as sequences.
+    decode_only = len(input_ids) == len(seq_lens)
+    num_new = None if decode_only else np.diff(query_start_loc)  # [B] new tokens per attention sequence
     # The decode-row indices exist only for mixed steps; a decode-only step needs none.
-    decode_idx = [] if decode_only else decode_seqs
+    decode_idx = [] if decode_only else np.flatnonzero(num_new == 1).tolist()
     decode_tokens = [query_start_loc[i] for i in decode_idx]
-    block_tables = _block_table([s.request.block_ids for s in out.scheduled])  # [B, max_blocks]
-    plans = [] if decode_only else _plan_prefill_groups(out, query_start_loc, block_tables, block_size)
+    block_rows = [s.request.block_ids for s in out.scheduled] if not out.num_draft_tokens else [
+        s.request.block_ids for s in out.scheduled for _ in range(s.num_new_tokens if s.spec_token_ids else 1)]
+    block_tables = _block_table(block_rows)  # [B, max_blocks]
+    plans = [] if decode_only else _plan_prefill_groups(num_new, seq_lens, query_start_loc, block_tables, block_size)
     # Two host -> device copies per step: one of every int64 vector, one of every int32 one.
     group_longs = [part for plan in plans for part in (plan.row_ids, plan.kv_slots)]
     group_ints = [part for plan in plans for part in (plan.cu_q, plan.cu_k)]
@@ -75,7 +96,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         decode_only=decode_only,
         decode_seq_idx=None if decode_only else longs[4],
         decode_token_idx=None if decode_only else longs[5],
-        prefill_seqs_cpu=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1],
+        prefill_seqs_cpu=[] if decode_only else np.flatnonzero(num_new != 1).tolist(),
         prefill_fresh=next((g for g, p in zip(groups, plans, strict=True) if p.fresh), None),
         prefill_cached=[g for g, p in zip(groups, plans, strict=True) if not p.fresh],
     )
@@ -107,19 +128,20 @@ class _GroupPlan:
 MAX_GATHERED_KEYS = 8192
 
 
-def _plan_prefill_groups(out: SchedulerOutput, query_start_loc: list[int], block_tables: np.ndarray,
-                         block_size: int) -> list[_GroupPlan]:
+def _plan_prefill_groups(num_new: np.ndarray, seq_lens: list[int], query_start_loc: list[int],
+                         block_tables: np.ndarray, block_size: int) -> list[_GroupPlan]:
     """The step's sequences with several new tokens, split into fresh prompts (start 0), one ragged
     batch, and chunks over a cached prefix, ragged batches of at most MAX_GATHERED_KEYS history keys."""
-    fresh = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start == 0]
-    cached = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens != 1 and s.start > 0]
+    starts = np.asarray(seq_lens) - num_new  # [B] tokens computed before this step
+    fresh = np.flatnonzero((num_new != 1) & (starts == 0)).tolist()
+    cached = np.flatnonzero((num_new != 1) & (starts > 0)).tolist()
     plans = []
-    parts = [(True, fresh)] + [(False, seqs) for seqs in _bounded(cached, out, MAX_GATHERED_KEYS)]
+    parts = [(True, fresh)] + [(False, seqs) for seqs in _bounded(cached, seq_lens, MAX_GATHERED_KEYS)]
     for is_fresh, seqs in parts:
         if not seqs:
             continue
         new = [query_start_loc[b + 1] - query_start_loc[b] for b in seqs]
-        lens = [out.scheduled[b].start + n for b, n in zip(seqs, new, strict=True)]
+        lens = [seq_lens[b] for b in seqs]
         rows = _rows(query_start_loc, seqs)
         plans.append(_GroupPlan(
             fresh=is_fresh, seqs=seqs, rows=rows if isinstance(rows, slice) else None,
@@ -129,12 +151,12 @@ def _plan_prefill_groups(out: SchedulerOutput, query_start_loc: list[int], block
     return plans
 
 
-def _bounded(seqs: list[int], out: SchedulerOutput, limit: int) -> list[list[int]]:
+def _bounded(seqs: list[int], seq_lens: list[int], limit: int) -> list[list[int]]:
     """seqs in order, cut into runs whose histories (start + new tokens) add up to at most limit each."""
     runs: list[list[int]] = []
     total = limit + 1
     for b in seqs:
-        length = out.scheduled[b].start + out.scheduled[b].num_new_tokens
+        length = seq_lens[b]
         if total + length > limit:
             runs.append([])
             total = 0

@@ -18,12 +18,15 @@ from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
+from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
 from deepserve.layers.sampling_metadata import PenaltyHistory
+from deepserve.loader.checkpoint import init_dummy_weights, iterate_safetensors
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
 from deepserve.runner.kv_swap import HostTier
+from deepserve.runner.mtp_drafter import MtpDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ class RunnerOutput:
     sampled: list[list[int]]
     logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[LogprobEntry]] = field(default_factory=dict)  # new prompt positions
+    # Speculative decoding with the MTP draft: each request's drafts for its next step (None otherwise).
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -50,6 +55,8 @@ class PendingStep:
     requests: list[Request] = field(default_factory=list)  # of the sampling rows
     prompt_logprobs: list = field(default_factory=list)  # ModelRunner._prompt_logprob_tensors
     sampled: torch.Tensor | None = None  # [S] int64 on the device
+    verify: bool = False  # speculative decoding: `sampled` holds each row's chosen token; _host[4] its acceptance
+    hidden: torch.Tensor | None = None  # the main model's hidden states [T, E], kept for the MTP draft
     _host: list[torch.Tensor | None] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
 
@@ -84,8 +91,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.device, self.dtype, config.parallel.enable_expert_parallel)
+        self.drafter: MtpDrafter | None = None
+        if config.speculative is not None and config.speculative.is_mtp:
+            self.drafter = self._load_mtp(config)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()  # speculative decoding's verify steps
         # Penalties' token counts, kept between steps; a step samples at most max_num_seqs rows.
         self.penalty_history = PenaltyHistory(self.vocab_size, self.device, config.scheduler.max_num_seqs + 1)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache_spec")]
@@ -96,6 +107,34 @@ class ModelRunner:
         self.host_tier: HostTier | None = None  # the host tier (--swap-space > 0)
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
+
+    def _load_mtp(self, config: EngineConfig) -> MtpDrafter:
+        """Build the model's MTP module (before the KV cache specs are read: its layer gets a cache too)
+        and fill its weights from the checkpoint (model.layers.{num_hidden_layers}.*), or dummy ones."""
+        if not hasattr(self.model, "enable_mtp"):
+            raise ValueError(f"speculative_config.method {config.speculative.method!r} needs a DeepSeek-V3/R1 "
+                             f"checkpoint; {config.model.architecture} has no MTP layer")
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                mtp = self.model.enable_mtp()
+        finally:
+            torch.set_default_dtype(previous)
+        if config.model.load_format == "dummy":
+            init_dummy_weights(mtp, config.model.seed)
+        else:
+            loaded = self.model.load_mtp_weights(iterate_safetensors(config.model.model))
+            missing = sorted(set(dict(mtp.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(
+                    f"speculative_config.method {config.speculative.method!r}: the checkpoint has no (or an "
+                    f"incomplete) MTP layer model.layers.{config.model.hf_config.num_hidden_layers}.* although its "
+                    f"config says num_nextn_predict_layers={config.model.hf_config.num_nextn_predict_layers}; "
+                    f"missing {len(missing)} tensor(s), e.g. {missing[:3]}; use method 'ngram'")
+        mtp.eval()
+        return MtpDrafter(self.model, config.speculative.num_speculative_tokens, self.block_size,
+                          config.model.max_model_len, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.block_size * sum(spec.bytes_per_token for spec in self.kv_specs)
@@ -152,8 +191,12 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         if (self.device.type == "cuda" and not self.config.model.enforce_eager
                 and getattr(self.model, "supports_cuda_graphs", True)):
+            # The MTP draft reads the main model's hidden states, and its requests hold KV slots past
+            # max_model_len (2 k at most: a verify step's drafts, then the draft's own chain).
+            lookahead = 0 if self.drafter is None else 2 * self.drafter.k
             self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs,
-                                       self.config.model.max_model_len, self.block_size, self.device)
+                                       self.config.model.max_model_len, self.block_size, self.device,
+                                       keep_hidden=self.drafter is not None, lookahead=lookahead)
             self.graphs.capture()
 
     def determine_num_host_blocks(self) -> int:
@@ -179,9 +222,10 @@ class ModelRunner:
         """(logits of the sampling rows [S, V] or None, hidden states [T, E] or None under a graph)."""
         if self.graphs is not None and self.graphs.can_run(inputs) and not _wants_prompt_logprobs(out):
             logits = self.graphs.run(inputs)  # [B, V], one row per sequence
+            hidden = self.graphs.hidden() if self.drafter is not None else None  # the MTP draft's input
             if len(inputs.sample_indices) == logits.shape[0]:  # every decode row samples: no gather
-                return logits, None
-            return (logits[inputs.sample_rows] if inputs.sample_indices else None), None
+                return logits, hidden
+            return (logits[inputs.sample_rows] if inputs.sample_indices else None), hidden
         if pdist.get_pp_world_size() > 1:
             return self._forward_stage(inputs), None
         with forward_context(inputs.attn):
@@ -256,7 +300,11 @@ class ModelRunner:
             inputs.input_ids = fill_placeholders(inputs.input_ids, previous.sampled)
         logits, hidden = self._forward(out, inputs)
         pending = PendingStep(out, inputs.sample_indices)
-        if logits is not None:
+        if self.drafter is not None:
+            pending.hidden = hidden
+        if logits is not None and out.num_draft_tokens:
+            self._verify(out, inputs, logits, pending)
+        elif logits is not None:
             pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
             meta = SamplingMetadata.build(
                 [r.sampling_params for r in pending.requests],
@@ -280,6 +328,29 @@ class ModelRunner:
             pdist.tp_broadcast_from_first(pending.sampled)
         return pending
 
+    def _verify(self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor, pending: PendingStep) -> None:
+        """Speculative decoding: sample every row of a verify step against its draft (RejectionSampler).
+        Row j of a request sees its output followed by drafts 0 .. j - 1, as the plain sampler would
+        have seen them had they been sampled one step at a time (penalties, min_tokens, seeds)."""
+        requests, outputs, drafts = [], [], []
+        j, previous = 0, -1
+        for i in inputs.sample_indices:
+            sched = out.scheduled[i]
+            j = j + 1 if i == previous else 0
+            previous = i
+            spec = sched.spec_token_ids
+            requests.append(sched.request)
+            outputs.append(sched.request.output_token_ids + spec[:j] if j else sched.request.output_token_ids)
+            drafts.append(spec[j] if j < len(spec) else -1)
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests], outputs,
+            [r.eos_token_ids for r in requests], self.vocab_size, self.device,
+        )
+        draft_ids = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
+        result = self.rejection_sampler(logits, meta, draft_ids)
+        pending.requests, pending.sampled, pending.verify = requests, result.chosen, True
+        pending.to_host([result.chosen, result.logprob_token_ids, result.logprobs, result.ranks, result.accepted])
+
     @torch.inference_mode()
     def wait(self, pending: PendingStep) -> RunnerOutput:
         """The step's tokens on the host (its one device -> host sync, which waits for this step only,
@@ -287,7 +358,9 @@ class ModelRunner:
         out = pending.out
         sampled: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list[LogprobEntry]] = [[] for _ in out.scheduled]
-        if pending.sampled is not None:
+        if pending.verify:
+            _take_verified(pending, sampled, logprobs)
+        elif pending.sampled is not None:
             host = pending.host_values()
             tokens = host[0].tolist()
             for row, i in enumerate(pending.sample_indices):  # one sampling row per sampled token
@@ -296,7 +369,8 @@ class ModelRunner:
                 _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
         prompt_logprobs = {request_id: _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
                            for request_id, k, ids, lps, ranks in pending.prompt_logprobs}
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        drafts = None if self.drafter is None else self.drafter.propose(out, pending.hidden, sampled)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, drafts)
 
     def _prompt_logprob_tensors(self, out: SchedulerOutput, hidden: torch.Tensor
                                 ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -345,6 +419,26 @@ def _out_of_memory_message(peak: int, total: int, per_block: int, needed_blocks:
 def _wants_prompt_logprobs(out: SchedulerOutput) -> bool:
     return any(s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
                for s in out.scheduled)
+
+
+def _take_verified(pending: PendingStep, sampled: list[list[int]], logprobs: list) -> None:
+    """Each request's tokens of a verify step: its rows' chosen tokens up to and including the first row
+    whose draft was rejected (the last row has none), with their logprob entries when asked."""
+    host = pending.host_values()
+    tokens, accepted = host[0].tolist(), host[4].tolist()
+    wanted = host[2] is not None
+    if wanted:
+        ids, lps, ranks = (t.tolist() for t in host[1:4])
+    done: set[int] = set()
+    for row, (request, i) in enumerate(zip(pending.requests, pending.sample_indices, strict=True)):
+        if i in done:
+            continue
+        sampled[i].append(tokens[row])
+        k = request.sampling_params.logprobs
+        if wanted and k is not None:
+            logprobs[i].append(_entries([ids[row]], [lps[row]], [ranks[row]], k)[0])
+        if not accepted[row]:
+            done.add(i)
 
 
 def _attach_logprobs(host: list[torch.Tensor], requests: list[Request], indices: list[int], logprobs: list) -> None:

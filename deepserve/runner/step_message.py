@@ -72,6 +72,8 @@ def _describe(sched: ScheduledRequest) -> dict[str, Any]:
         "tokens": r.token_ids[start : start + sched.num_new_tokens], "blocks": r.block_ids,
         "num_tokens": r.num_tokens, "num_prompt": r.num_prompt_tokens,
     }
+    if sched.spec_token_ids:  # a verify step's drafts (the worker's forward reads them as inputs)
+        d["spec"] = sched.spec_token_ids
     k = r.sampling_params.prompt_logprobs
     if k is not None:
         # The worker must compute the same prompt-logprob rows (their logits are all-gathered).
@@ -117,6 +119,8 @@ def rebuild_step(msg: dict[str, Any]) -> SchedulerOutput:
             d["id"], TokenWindow(d["start"], d["tokens"]), d["blocks"], d["num_tokens"], d["num_prompt"],
             WorkerParams(d.get("prompt_logprobs")), d.get("prompt", []), [None] * d.get("prompt_done", 0),
         )
-        scheduled.append(ScheduledRequest(request, d["n"], d["start"]))  # type: ignore[arg-type]
+        scheduled.append(ScheduledRequest(request, d["n"], d["start"],  # type: ignore[arg-type]
+                                          spec_token_ids=d.get("spec", [])))
     return SchedulerOutput(scheduled, blocks_to_swap_out=[tuple(p) for p in msg.get("swap_out", [])],
-                           blocks_to_swap_in=[tuple(p) for p in msg.get("swap_in", [])])
+                           blocks_to_swap_in=[tuple(p) for p in msg.get("swap_in", [])],
+                           num_draft_tokens=sum(len(s.spec_token_ids) for s in scheduled))

@@ -33,6 +33,11 @@ _ENGINE_TOTALS = {
     "num_swapped_in_blocks_total": "KV blocks copied back from the host tier when their request resumed.",
     "prefix_cache_host_hits_total": "Prompt tokens found in the host tier's prefix blocks and loaded back.",
     "prefix_cache_host_stores_total": "Prefix blocks evicted from the GPU and kept in the host tier.",
+    # Speculative decoding (vLLM's names). Acceptance rate = accepted / draft tokens; mean accepted length
+    # (tokens per verify step, the target's own included) = 1 + accepted / drafts.
+    "spec_decode_num_drafts_total": "Speculative decoding: verify steps of one request (drafts checked).",
+    "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens the target accepted.",
 }
 
 

@@ -207,3 +207,21 @@ def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch
                 done[out.request_id] = (out.outputs[0].text, bool(engine.core._compiling))
     assert done["fast"][1], "the fast request waited for the compile"
     assert done["slow"][0] in ("one", "two")
+
+
+def test_structured_output_beside_speculative_decoding():
+    # A step with a constrained request drafts nothing (the grammar mask covers one row per request), so
+    # its output stays valid while unconstrained neighbours keep their greedy tokens.
+    spec = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    plain = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["the the the the the the", "a b a b a b a b"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    params = [greedy, greedy, SamplingParams(temperature=1.0, seed=3, max_tokens=300, structured_outputs=_json())]
+    outs = spec.generate([*prompts, "Write a person:"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    jsonschema.validate(json.loads(outs[2].outputs[0].text), SCHEMA)
+    alone = spec.generate(prompts, greedy, use_tqdm=False)  # and speculation still drafts on its own
+    assert [o.outputs[0].token_ids for o in alone] == want
+    assert spec.llm_engine.stats().spec_decode_num_drafts_total > 0

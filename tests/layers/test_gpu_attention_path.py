@@ -192,12 +192,27 @@ def test_chunks_over_a_cache_are_batched_under_a_key_budget(checkpoint, gpu_path
 
 
 def test_cached_chunks_are_cut_into_runs_under_the_budget():
-    from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
     from deepserve.runner.input_batch import _bounded
 
-    def chunk(history: int) -> ScheduledRequest:
-        return ScheduledRequest(Request("r", [1] * history, SamplingParams()), 2, history - 2)
+    histories = [5, 6, 20, 3, 4]  # each sequence's seq_len: its history, this step's tokens included
+    assert _bounded([0, 1, 2, 3, 4], histories, 12) == [[0, 1], [2], [3, 4]]
+    assert _bounded([], histories, 12) == []
 
-    out = SchedulerOutput([chunk(5), chunk(6), chunk(20), chunk(3), chunk(4)])
-    assert _bounded([0, 1, 2, 3, 4], out, 12) == [[0, 1], [2], [3, 4]]
-    assert _bounded([], out, 12) == []
+
+@pytest.mark.parametrize("on_gpu_path", [False, True], ids=["reference-path", "gpu-path"])
+def test_verify_steps_match_transformers(checkpoint, gpu_path, monkeypatch, on_gpu_path):
+    """N-gram speculative decoding: a verify step's rows (the last token and its drafts) run as one-token
+    decode rows, on the GPU path through the Triton paged-decode kernels; greedy output still equals
+    transformers' (on the reference path too, with the GPU path switched off)."""
+    if not on_gpu_path:
+        monkeypatch.undo()
+    path, hf_model = checkpoint
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks_override=64, speculative_config=spec)
+    prompts = PROMPTS + [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    wants = unguarded(gpu_path, lambda: [hf_greedy(hf_model, ids, 8) for ids in prompts])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for want, out in zip(wants, outputs, strict=True):
+        assert_same_greedy(out.outputs[0].token_ids, *want)
+    assert llm.llm_engine.stats().spec_decode_num_draft_tokens_total > 0

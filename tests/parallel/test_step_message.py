@@ -54,3 +54,27 @@ def test_step_command_round_trips():
     assert ours.sample_indices == theirs.sample_indices == [1]
     assert [s.num_sampled for s in rebuilt.scheduled] == [0, 1]
     assert rebuilt.scheduled[0].request.sampling_params.prompt_logprobs == 2
+
+
+def test_verify_step_round_trips():
+    from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
+    from deepserve.runner.input_batch import prepare_inputs
+    from deepserve.runner.step_message import describe_step, rebuild_step
+    from deepserve.sampling_params import SamplingParams
+
+    verifying = Request("v", [5, 6, 7, 5, 6], SamplingParams())
+    verifying.append_output_token(7)
+    verifying.block_ids = [2, 4]
+    decoding = Request("d", [1, 2], SamplingParams())
+    decoding.append_output_token(3)
+    decoding.block_ids = [0]
+    out = SchedulerOutput([ScheduledRequest(verifying, 3, 5, spec_token_ids=[5, 6]), ScheduledRequest(decoding, 1, 2)],
+                          num_draft_tokens=2)
+    rebuilt = rebuild_step(_round_trip(describe_step(out)))
+    assert rebuilt.num_draft_tokens == 2 and rebuilt.scheduled[0].spec_token_ids == [5, 6]
+    ours, theirs = (prepare_inputs(o, 4, torch.device("cpu")) for o in (out, rebuilt))
+    for field in ("input_ids", "positions", "sample_rows"):
+        assert torch.equal(getattr(ours, field), getattr(theirs, field))
+    assert ours.input_ids.tolist() == [7, 5, 6, 3]
+    assert ours.attn.seq_lens_cpu == theirs.attn.seq_lens_cpu == [6, 7, 8, 3]  # one decode row per position
+    assert ours.attn.decode_only and ours.sample_indices == [0, 0, 0, 1]
