@@ -33,10 +33,11 @@ from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowP
 from deepserve.layers.mla import MLAAttention
 from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
-from deepserve.layers.quantization import Fp8Config, fp8_config
+from deepserve.layers.quantization import QuantConfig, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
-from deepserve.loader.checkpoint import stage_weights
+from deepserve.loader.checkpoint import param_for, stage_weights
 from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from deepserve.loader.int4 import checkpoint_method, dequantize_int4_weights, int4_config, split_name
 
 # The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
 # not config.rms_norm_eps.
@@ -48,7 +49,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, quant: Fp8Config | None = None) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, quant: QuantConfig | None = None) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads // get_tp_world_size()
@@ -94,7 +95,7 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, routing: RoutingConfig | None,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = MultiHeadLatentAttention(config, rotary, quant)
@@ -180,6 +181,10 @@ class DeepseekV2ForCausalLM(nn.Module):
             # Weights whose parameter is FP8 (it has a scale beside it) load as shipped; the others
             # (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast by their loader.
             weights = dequantize_fp8_weights(weights, block, keep=lambda n: param_name(n)[0] + SCALE_SUFFIX in params)
+        method = checkpoint_method(self.config)
+        if method in ("awq", "gptq"):  # int4 layers take their tensors as shipped; wkv_b's are dequantized
+            weights = dequantize_int4_weights(weights, int4_config(self.config, method),
+                                              keep=lambda m: param_name(m + ".qweight")[0] in params)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and not split_head and name == "lm_head.weight"):
@@ -187,7 +192,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             target, shard_id = param_name(name.removesuffix(SCALE_SUFFIX))
             if name.endswith(SCALE_SUFFIX):
                 target += SCALE_SUFFIX
-            param = params.get(target)
+            param = param_for(self, params, target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             with torch.no_grad():
@@ -238,6 +243,11 @@ _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj":
 
 def param_name(checkpoint_name: str) -> tuple[str, Any]:
     """Checkpoint tensor name -> (our parameter name, shard id for its weight_loader or None)."""
+    module, kind = split_name(checkpoint_name)
+    if kind is not None:  # an int4 tensor: named like the weight, with its kind (layers/int4.py)
+        target, shard_id = param_name(module + ".weight")
+        ours = target.removesuffix(".weight") + f".{kind}" if target.endswith(".weight") else f"{target}_{kind}"
+        return ours, shard_id
     name = checkpoint_name
     for old, new in _RENAMES:
         name = name.replace(old, new)
