@@ -194,3 +194,27 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
             torch.randn(200, 328)))
 
     _compile_all(_record(monkeypatch, fp8, run))
+
+
+def test_int4_gemm_kernels_compile(monkeypatch):
+    int4 = import_kernels("deepserve.kernels.int4")
+    from deepserve.kernels.int4_ref import pack_rows
+
+    n, k = 192, 256
+    qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
+    scales, zeros = torch.rand(n, 2, dtype=torch.float16), torch.full((n, 2), 8.0, dtype=torch.float16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+
+    def run():
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
+        # split sum), mid, prefill; then act order, 8-bit codes, and an odd K (masked K steps) with a bias.
+        for m, nn, kk in ((1, 4096, 4096), (200, 4096, 4096), (8192, 4096, 4096)):
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=int4.default_config(m, nn, kk))
+        g_idx = (torch.randperm(k) // 128).to(torch.int32)
+        int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias)
+        int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128)
+        odd = pack_rows(torch.randint(0, 16, (n, 200)), 4)
+        int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias)
+
+    _compile_all(_record(monkeypatch, int4, run))
