@@ -71,7 +71,7 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     pack = 32 // bits
     _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
     _require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}")
-    (m, k), n = x.shape, qweight.shape[0]
+    k, n = x.shape[1], qweight.shape[0]
     _require(qweight.dtype == torch.int32 and qweight.is_contiguous() and tuple(qweight.shape) == (n, k // pack)
              and k % pack == 0, f"qweight must be contiguous int32 [N, K/{pack}], got {tuple(qweight.shape)} for K {k}")
     _require(scales.dtype == zeros.dtype == torch.float16 and scales.shape == zeros.shape and scales.shape[0] == n

@@ -87,7 +87,8 @@ def test_default_configs_choose_split_k_for_decode():
 
 
 def test_wrong_zero_point_is_caught():
-    qweight, scales, zeros, _ = (t.to(DEVICE) if t is not None else None for t in random_weights(16, 64, 4, 32, False, 0))
+    qweight, scales, zeros, _ = random_weights(16, 64, 4, 32, False, 0)
+    qweight, scales, zeros = qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
     x = torch.randn(3, 64).to(DEVICE)
     want = int4_ref.w4a16_linear_ref(x, qweight, scales, zeros, 4, 32)
     shifted = zeros.clone()
