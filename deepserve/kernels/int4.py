@@ -27,6 +27,7 @@ import triton.language as tl
 from deepserve import envs
 from deepserve.kernels.fp8 import _num_sms, _store_tile, _sum_splits, split_count
 from deepserve.kernels.fused_moe import _tile_ids
+from deepserve.kernels.int4_tile import dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -143,8 +144,9 @@ def _w4a16_gemm_kernel(
     for t in range(first, last):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         a = _load_a(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :], offs_k, K, EVEN_K)
-        w = _dequantized_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n.to(tl.int64), offs_k, t, K, stride_qn, stride_sn,
-                              BITS, GROUP, HAS_G_IDX, BLOCK_K, EVEN_K)
+        n64 = offs_n.to(tl.int64)
+        w = dequantize_tile(q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn, g_ptr,
+                            offs_k, t * BLOCK_K, K, BITS, GROUP, HAS_G_IDX, BLOCK_K, EVEN_K)
         w = w.to(a_ptr.dtype.element_ty)  # the weight as a model on the dequantized weights holds it
         if DOT_UPCAST:  # the interpreter multiplies half types poorly; the values are the same
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
@@ -158,28 +160,3 @@ def _load_a(ptrs, offs_k, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(offs_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _dequantized_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, offs_k, t, K, stride_qn, stride_sn, BITS: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weight tile [BLOCK_K, BLOCK_N] (w^T) in fp32: codes of inputs offs_k for outputs offs_n."""
-    PACK: tl.constexpr = 32 // BITS
-    q_ptrs = q_ptr + offs_n[None, :] * stride_qn + (offs_k // PACK)[:, None]
-    if EVEN_K:
-        packed = tl.load(q_ptrs)
-    else:
-        packed = tl.load(q_ptrs, mask=(offs_k < K)[:, None], other=0)
-    codes = (packed >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)  # [BLOCK_K, BLOCK_N]
-    ONE_GROUP_PER_TILE: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
-    if ONE_GROUP_PER_TILE:  # one scale and zero per output column for the whole tile
-        sz = offs_n * stride_sn + (t * BLOCK_K) // GROUP
-        s = tl.load(s_ptr + sz).to(tl.float32)[None, :]
-        z = tl.load(z_ptr + sz).to(tl.float32)[None, :]
-    else:
-        k_in = offs_k % K  # in bounds; the codes of inputs past K are 0 and meet zero activations
-        g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
-        sz = offs_n[None, :] * stride_sn + g[:, None]
-        s = tl.load(s_ptr + sz).to(tl.float32)
-        z = tl.load(z_ptr + sz).to(tl.float32)
-    return (codes.to(tl.float32) - z) * s

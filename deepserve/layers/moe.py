@@ -406,15 +406,27 @@ class RoutedExperts(nn.Module):
     def forward_fused(self, fused: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (not all-reduced) through `fused` (kernels.fused_moe's signature)."""
-        # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
-        scales = {} if self.w13_scale_inv is None else dict(
-            w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv, block=self.block)
+        # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout (int4: their codes)
+        w13, w2, scales = self._fused_operands()
         if not self.expert_parallel:
-            return fused(x, self.w13, self.w2, weights, ids, **scales)
+            return fused(x, w13, w2, weights, ids, **scales)
         # Other ranks' assignments get the id num_local, which the kernel skips: no host sync (CUDA
         # graphs, and eager ranks queue ahead of the GPU) and no expert computes them.
         local, mine = self.local_ids(ids)
-        return fused(x, self.w13, self.w2, weights, torch.where(mine, local, self.num_local), skips=True, **scales)
+        return fused(x, w13, w2, weights, torch.where(mine, local, self.num_local), skips=True, **scales)
+
+    def _fused_operands(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, keyword arguments) for kernels.fused_moe.fused_moe."""
+        if self.int4 is not None:
+            from deepserve.kernels.fused_moe import Int4Experts
+
+            int4 = Int4Experts(self.int4.bits, self.w13_scales, self.w13_qzeros, self.w2_scales, self.w2_qzeros,
+                               self.group13, self.group2, getattr(self, "w13_g_idx", None),
+                               getattr(self, "w2_g_idx", None))
+            return self.w13_qweight, self.w2_qweight, dict(int4=int4)
+        scales = {} if self.w13_scale_inv is None else dict(
+            w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv, block=self.block)
+        return self.w13, self.w2, scales
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""

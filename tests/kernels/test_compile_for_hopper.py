@@ -218,3 +218,30 @@ def test_int4_gemm_kernels_compile(monkeypatch):
         int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias)
 
     _compile_all(_record(monkeypatch, int4, run))
+
+
+def test_fused_moe_int4_kernels_compile(monkeypatch):
+    fm = import_kernels("deepserve.kernels.fused_moe")
+    from deepserve.kernels.int4_ref import pack_rows
+
+    e, h, inter = 8, 256, 128
+    w13, w2 = pack_rows(torch.randint(0, 16, (e, 2 * inter, h)), 4), pack_rows(torch.randint(0, 16, (e, h, inter)), 4)
+
+    def operands(rows: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # small scales: silu's exp stays in range in the interpreter run
+        scales = (torch.rand(e, rows, groups) * 1e-3).half()
+        return scales, torch.full((e, rows, groups), 8.0, dtype=torch.float16)
+
+    int4 = fm.Int4Experts(4, *operands(2 * inter, 2), *operands(h, 1), 128, 128)
+    act_order = fm.Int4Experts(4, *operands(2 * inter, 2), *operands(h, 1), 128, 128,
+                               (torch.arange(h) // 128).repeat(e, 1).to(torch.int32),
+                               torch.zeros(e, inter, dtype=torch.int32))
+    x, ids, weights = torch.randn(5, h, dtype=torch.bfloat16), torch.randint(0, e, (5, 2)), torch.rand(5, 2)
+
+    def run():
+        for tokens in (1, 4096):  # decode and prefill tiles
+            cfg = fm.default_config(tokens, 2, e, torch.bfloat16)
+            fm.fused_moe(x, w13, w2, weights, ids, cfg, int4=int4)
+        fm.fused_moe(x, w13, w2, weights, ids, int4=act_order)
+
+    _compile_all(_record(monkeypatch, fm, run))
