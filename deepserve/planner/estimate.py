@@ -23,7 +23,7 @@ GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside 
 
 FORMULAS = {
     "weights": "parameters and buffers of this rank's layers × their bytes (engine classes on the meta device; "
-               "FP8 weights 1 byte plus float32 scales)",
+               "FP8 weights 1 byte plus float32 scales; int4 0.5 byte plus fp16 scales and zeros per group)",
     "kv_bytes_per_token": "Σ over this stage's layers of their KV-cache spec's elements per token × KV dtype bytes: "
                           "MLA = kv_lora_rank + qk_rope_head_dim (latent, replicated on every TP rank); "
                           "MHA/GQA = 2 × kv_heads/TP (at least 1) × head_dim",
