@@ -101,3 +101,15 @@ def test_wrong_zero_point_is_caught():
 @pytest.mark.parametrize("m", [1, 16, 100, 1024])
 def test_gpu_shapes_with_default_configs(m):
     check(m, 4096, 4096, 4, 128, torch.bfloat16, config=None)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run is the gate's (bench/gate.py int4)")
+def test_bench_check_script_runs_on_tiny_shapes():
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "bench/check_int4.py", "--smoke"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "ALL CORRECT" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
