@@ -205,6 +205,7 @@ class RoutedExperts(nn.Module):
             self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
         self.inter = intermediate_size // self.inter_ranks
         self.quant = quant
+        self.dtype = torch.get_default_dtype()  # the model dtype, for unquantize
         self.int4 = quant if isinstance(quant, Int4Config) else None
         self.block = quant.weight_block if isinstance(quant, Fp8Config) else None
         self.w13_scale_inv = self.w2_scale_inv = None
@@ -239,6 +240,23 @@ class RoutedExperts(nn.Module):
             for kind, param in params.items():
                 param.weight_loader = loader
                 setattr(self, f"{prefix}_{kind}", param)
+
+    def unquantize(self) -> None:
+        """The checkpoint ships the routed experts unquantized (modules_to_not_convert): plain w13 / w2 in
+        the model dtype replace the int4 storage before they load."""
+        if self.int4 is None:
+            return
+        hidden, device = self.w2_qweight.shape[1], self.w2_qweight.device
+        for prefix in ("w13", "w2"):
+            for kind in ("qweight", "scales", "qzeros", "g_idx"):
+                if hasattr(self, f"{prefix}_{kind}"):
+                    delattr(self, f"{prefix}_{kind}")
+        self.int4 = self.quant = None
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=self.dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=self.dtype, device=device),
+                               requires_grad=False)
+        self.w13.weight_loader, self.w2.weight_loader = self._load_w13, self._load_w2
 
     def _int4_kind(self, param: nn.Parameter, prefix: str) -> str | None:
         if self.int4 is None:

@@ -185,20 +185,22 @@ def load_named_weights(
 
 
 def param_for(model: nn.Module, params: dict[str, nn.Parameter], target: str) -> nn.Parameter | None:
-    """params[target]; or, for `<module>.weight` of a module built int4 that the checkpoint ships
-    unquantized (modules_to_not_convert), that module's new plain weight (LinearBase.unquantize)."""
+    """params[target]; or, for a plain parameter (`<module>.weight`, experts' `w13` / `w2`) of a module built
+    int4 that the checkpoint ships unquantized (modules_to_not_convert), that module's new plain parameter
+    (its `unquantize`)."""
     param = params.get(target)
-    if param is not None or not target.endswith(".weight"):
+    if param is not None or "." not in target:
         return param
+    module_name, attr = target.rsplit(".", 1)
     try:
-        module = model.get_submodule(target.removesuffix(".weight"))
+        module = model.get_submodule(module_name)
     except AttributeError:
         return None
     if getattr(module, "int4", None) is None or not hasattr(module, "unquantize"):
         return None
     module.unquantize()
-    params[target] = module.weight
-    return module.weight
+    params.update({f"{module_name}.{n}": p for n, p in module.named_parameters()})
+    return params.get(target)
 
 
 def stacked_name(name: str, stacked_params: dict[str, tuple[str, object]]) -> tuple[str, object]:

@@ -166,3 +166,36 @@ def test_dummy_int4_weights_on_a_preset_config():
     init_dummy_weights(layer, seed=0)
     w = int4_ref.dequantize(layer.qweight, layer.scales, layer.qzeros, 4, 128)
     assert w.abs().max() <= 0.01 * (1 + 1e-3) and w.std() > 0.004
+
+
+def test_deepseek_experts_only_build_loads_the_rest_unquantized(tmp_path, tokenizer):
+    # GPTQ builds that quantize only the routed experts ship attention, shared experts and the dense
+    # layer unquantized (modules_to_not_convert / ignore lists): those layers drop their int4 storage.
+    from tests.loader.test_fp8 import prompt_logits
+    from tests.models.test_deepseek import PROMPTS as DS_PROMPTS
+
+    hf_model = make_hf_model(*DEEPSEEK["v3"])
+    path, ref = int4_checkpoint(tmp_path, hf_model, tokenizer, "gptq-act-order",
+                                skip=("self_attn", "shared_experts", "layers.0.mlp"))
+    runner = make_runner(path)
+    params = dict(runner.model.named_parameters())
+    assert params["layers.1.ffn.experts.w13_qweight"].dtype == torch.int32
+    assert params["layers.0.attn.wo.weight"].dtype == torch.float32 and "layers.0.attn.wo.qweight" not in params
+    assert params["layers.0.attn.mla.wkv_b.weight"].dtype == torch.float32
+    assert params["layers.1.ffn.shared_experts.w13.weight"].dtype == torch.float32
+    assert params["layers.0.ffn.w2.weight"].dtype == torch.float32
+    torch.testing.assert_close(torch.cat(prompt_logits(runner)), hf_logits(ref, DS_PROMPTS), atol=2e-5, rtol=1e-4)
+
+
+def test_routed_experts_shipped_unquantized_load_in_the_model_dtype(tmp_path, tokenizer):
+    from tests.loader.test_fp8 import prompt_logits
+    from tests.models.test_deepseek import PROMPTS as DS_PROMPTS
+
+    hf_model = make_hf_model(*DEEPSEEK["v3"])
+    path, ref = int4_checkpoint(tmp_path, hf_model, tokenizer, "awq", skip=(".experts.",))
+    runner = make_runner(path)
+    params = dict(runner.model.named_parameters())
+    assert params["layers.1.ffn.experts.w13"].dtype == torch.float32
+    assert "layers.1.ffn.experts.w13_qweight" not in params
+    assert params["layers.1.ffn.shared_experts.w13.qweight"].dtype == torch.int32
+    torch.testing.assert_close(torch.cat(prompt_logits(runner)), hf_logits(ref, DS_PROMPTS), atol=2e-5, rtol=1e-4)
