@@ -151,21 +151,26 @@ def test_deepseek_int4_generates_through_llm(tmp_path, tokenizer):
         assert_same_greedy(out.outputs[0].token_ids, want, want_logits)
 
 
-def test_dummy_int4_weights_on_a_preset_config():
-    # --load-format dummy --quantization awq: int4 storage from the config alone, weights in [-0.01, 0.01].
+def test_dummy_int4_weights_on_a_preset_config(tmp_path, tokenizer):
+    # --load-format dummy --quantization awq: int4 storage from the config alone (any model, no
+    # quantization_config needed), weights in [-0.01, 0.01]; a tiny DeepSeek generates with them.
     from deepserve.kernels import int4_ref
-
-    args = EngineArgs(model="deepseek-v2-lite", load_format="dummy", quantization="awq", device="cpu")
-    cfg = args.create_engine_config()
-    assert cfg.model.quantization == "awq"
     from deepserve.layers.linear import ReplicatedLinear
     from deepserve.layers.quantization import Int4Config
     from deepserve.loader.checkpoint import init_dummy_weights
 
+    cfg = EngineArgs(model="deepseek-v2-lite", load_format="dummy", quantization="awq", device="cpu")
+    assert cfg.create_engine_config().model.quantization == "awq"
     layer = ReplicatedLinear(256, 64, quant=Int4Config("awq", 4, 128, False, False))
     init_dummy_weights(layer, seed=0)
     w = int4_ref.dequantize(layer.qweight, layer.scales, layer.qzeros, 4, 128)
     assert w.abs().max() <= 0.01 * (1 + 1e-3) and w.std() > 0.004
+    path = save_checkpoint(make_hf_model(*DEEPSEEK["v3"]), tokenizer, str(tmp_path / "v3"))
+    llm = LLM(model=path, dtype="float32", device="cpu", load_format="dummy", quantization="awq")
+    params = dict(llm.llm_engine.core.runner.model.named_parameters())
+    assert params["layers.1.ffn.experts.w2_qweight"].dtype == torch.int32
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_deepseek_experts_only_build_loads_the_rest_unquantized(tmp_path, tokenizer):
