@@ -6,10 +6,10 @@ kernels/fused_moe.py), in one run on one H200.
    codes, per-group scales of different magnitudes; 4-bit groups of 128, act order, 8-bit.
 2. The fused MoE's int4 path against fused_moe_int4_ref on V2-Lite's experts (64 x 2048 x 1408, top 6) at
    T = 1, 8, 64, 512, 4096.
-3. Speed at M = 1, 8, 16, 64, 256, 1024, 8192 on LLM-7B's four projections: the int4 GEMM against bf16
-   F.linear (cuBLAS), median of triton.testing.do_bench with L2 flushed (weights from HBM, as in decode),
-   and the int4 weight stream's GB/s; the fused MoE int4 against bf16 at T = 1, 8, 64; one CUDA graph
-   capture of the GEMM (no host sync).
+3. Speed at M = 1, 8, 16, 64, 256, 1024, 8192 on LLM-7B's projections: the int4 GEMM (and with the other
+   way of unpacking the words, kernels/int4_tile.py) against bf16 F.linear (cuBLAS), median of
+   triton.testing.do_bench with L2 flushed (weights from HBM, as in decode), and the int4 weight stream's
+   GB/s; the fused MoE int4 against bf16 at T = 1, 8, 64; one CUDA graph capture of the GEMM (no host sync).
 
 Tables come last; JSON to --json; exit code 1 on any wrong result. About 90 s on the H200.
     python bench/check_int4.py --json OUT.json     # the H200 run
@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import bench_env
@@ -161,14 +162,18 @@ def run_gemm_speed(shapes: dict, ms: tuple, device) -> list[dict]:
                 rows.append(row | dict(skipped=True))
                 continue
             x = torch.randn(m, k, device=device, dtype=DTYPE)
-            row |= dict(config=str(int4.default_config(m, n, k)),
+            cfg = int4.default_config(m, n, k)
+            gather = replace(cfg, reshape_unpack=not cfg.reshape_unpack)  # the other unpacking (int4_tile.py)
+            row |= dict(config=str(cfg),
                         int4_us=time_us(functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128)),
+                        other_unpack_us=time_us(functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128,
+                                                                  config=gather)),
                         bf16_us=time_us(functools.partial(torch.nn.functional.linear, x, w)))
             # bytes the int4 GEMM must read: codes, scales and zeros (x and the output are small at decode)
             row["int4_gbs"] = (qw.numel() * 4 + 2 * s.numel() * 2) / row["int4_us"] / 1e3
             rows.append(row)
-            print(f"{name:>12} M={m:<5} int4 {row['int4_us']:8.1f} us  bf16 {row['bf16_us']:8.1f} us  "
-                  f"{row['int4_gbs']:6.0f} GB/s  ({row['config']})", flush=True)
+            print(f"{name:>12} M={m:<5} int4 {row['int4_us']:8.1f} us  other unpacking {row['other_unpack_us']:8.1f} us"
+                  f"  bf16 {row['bf16_us']:8.1f} us  {row['int4_gbs']:6.0f} GB/s  ({row['config']})", flush=True)
     return rows
 
 
@@ -216,10 +221,11 @@ def print_tables(report: dict) -> bool:
         print("FAILED", _check_line(r))
     print(f"CUDA graph capture: {report['graph']}")
     print("\n==== W4A16 GEMM against bf16 cuBLAS (us, median, L2 flushed) ====")
-    print(f"{'shape':>12} {'M':>5} {'int4':>8} {'bf16':>8} {'bf16/int4':>9} {'int4 GB/s':>9}")
+    print(f"unpacking: default reshape={int4.RESHAPE_UNPACK}; 'other' times the other way (kernels/int4_tile.py)")
+    print(f"{'shape':>12} {'M':>5} {'int4':>8} {'other':>8} {'bf16':>8} {'bf16/int4':>9} {'int4 GB/s':>9}")
     for r in report["gemm_speed"]:
         if "int4_us" in r:
-            print(f"{r['shape']:>12} {r['m']:>5} {r['int4_us']:8.1f} {r['bf16_us']:8.1f} "
+            print(f"{r['shape']:>12} {r['m']:>5} {r['int4_us']:8.1f} {r['other_unpack_us']:8.1f} {r['bf16_us']:8.1f} "
                   f"{r['bf16_us'] / r['int4_us']:9.2f} {r['int4_gbs']:9.0f}")
     print("\n==== fused MoE, V2-Lite experts: int4 against bf16 (us) ====")
     for r in report["moe_speed"]:

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels import fp8_ref, int4_ref
+from deepserve.kernels import fp8_ref, int4_ref, int4_tile
 from deepserve.kernels.int4_tile import dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
@@ -60,6 +60,8 @@ INTERPRET = envs.TRITON_INTERPRET
 # fp8_ref's quantization constants, as constexprs a kernel may read (a plain Python global it may not).
 FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
+# How int4 codes leave their words in the expert GEMMs (kernels/int4_tile.py).
+RESHAPE_UNPACK = tl.constexpr(int4_tile.RESHAPE_UNPACK)
 
 
 @dataclass(frozen=True)
@@ -342,11 +344,11 @@ def _expert_tile_int4(a_rows, b_cols, row_ok, up_offset, s_cols, z_cols, up_s_of
         k_ok = offs_k < K - k
         a = _load_a(a_rows[:, None] + (k + offs_k)[None, :], row_ok, k_ok, EVEN_K)  # [BLOCK_M, BLOCK_K]
         w = dequantize_tile(b_cols, s_cols, z_cols, g_row, k + offs_k, k, K, BITS, GROUP_Q, HAS_G_IDX, BLOCK_K,
-                            EVEN_K)
+                            BLOCK_N, EVEN_K, RESHAPE_UNPACK)
         acc = _mma(a, w.to(a.dtype), acc, DOT_PRECISION, DOT_UPCAST)
         if GATED:
             w = dequantize_tile(b_cols + up_offset, s_cols + up_s_offset, z_cols + up_s_offset, g_row, k + offs_k,
-                                k, K, BITS, GROUP_Q, HAS_G_IDX, BLOCK_K, EVEN_K)
+                                k, K, BITS, GROUP_Q, HAS_G_IDX, BLOCK_K, BLOCK_N, EVEN_K, RESHAPE_UNPACK)
             acc_up = _mma(a, w.to(a.dtype), acc_up, DOT_PRECISION, DOT_UPCAST)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up

@@ -27,7 +27,7 @@ import triton.language as tl
 from deepserve import envs
 from deepserve.kernels.fp8 import _num_sms, _store_tile, _sum_splits, split_count
 from deepserve.kernels.fused_moe import _tile_ids
-from deepserve.kernels.int4_tile import dequantize_tile
+from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -43,6 +43,7 @@ class Int4GemmConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    reshape_unpack: bool = RESHAPE_UNPACK  # how codes leave their words (kernels/int4_tile.py)
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4GemmConfig:
@@ -104,7 +105,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x, qweight, scales, zeros, out if g_idx is None else g_idx, c, out if bias is None else bias,
         m, n, k, cfg.split_k, x.stride(0), qweight.stride(0), scales.stride(0), n,
         BITS=bits, GROUP=group, HAS_G_IDX=g_idx is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, PARTIAL=partial,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, RESHAPE=cfg.reshape_unpack,
+        PARTIAL=partial,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=x.dtype != torch.float32 and INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -128,7 +130,8 @@ def _w4a16_gemm_kernel(
     M, N, K, split_k, stride_am, stride_qn, stride_sn, stride_cm,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    RESHAPE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # c = a [M, K] @ w [N, K]^T with w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or k // GROUP.
     # Program (tile, split) sums split's share of the K tiles; rows and columns past M and N wrap around
@@ -146,7 +149,7 @@ def _w4a16_gemm_kernel(
         a = _load_a(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :], offs_k, K, EVEN_K)
         n64 = offs_n.to(tl.int64)
         w = dequantize_tile(q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn, g_ptr,
-                            offs_k, t * BLOCK_K, K, BITS, GROUP, HAS_G_IDX, BLOCK_K, EVEN_K)
+                            offs_k, t * BLOCK_K, K, BITS, GROUP, HAS_G_IDX, BLOCK_K, BLOCK_N, EVEN_K, RESHAPE)
         w = w.to(a_ptr.dtype.element_ty)  # the weight as a model on the dequantized weights holds it
         if DOT_UPCAST:  # the interpreter multiplies half types poorly; the values are the same
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)

@@ -197,6 +197,8 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
 
 
 def test_int4_gemm_kernels_compile(monkeypatch):
+    from dataclasses import replace
+
     int4 = import_kernels("deepserve.kernels.int4")
     from deepserve.kernels.int4_ref import pack_rows
 
@@ -210,7 +212,9 @@ def test_int4_gemm_kernels_compile(monkeypatch):
         # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
         # split sum), mid, prefill; then act order, 8-bit codes, and an odd K (masked K steps) with a bias.
         for m, nn, kk in ((1, 4096, 4096), (200, 4096, 4096), (8192, 4096, 4096)):
-            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=int4.default_config(m, nn, kk))
+            cfg = int4.default_config(m, nn, kk)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=replace(cfg, reshape_unpack=False))
         g_idx = (torch.randperm(k) // 128).to(torch.int32)
         int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias)
         int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128)

@@ -57,23 +57,27 @@ def check(m: int, n: int, k: int, bits: int, group: int, dtype: torch.dtype, act
     assert rel_err(got, want) < TOLERANCE[dtype], rel_err(got, want)
 
 
+@pytest.mark.parametrize("reshape", [True, False])
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 32)])
-def test_matches_the_reference(m, bits, group):
-    check(m, 40, 96, bits, group, torch.float32)
+def test_matches_the_reference(m, bits, group, reshape):
+    # both ways of unpacking the words (kernels/int4_tile.py)
+    check(m, 40, 96, bits, group, torch.float32, config=GC(16, 32, 32, 2, 4, 2, reshape_unpack=reshape))
 
 
 def test_half_precision_activations_with_bias():
     check(7, 24, 64, 4, 32, torch.float16, bias=True)
 
 
-def test_act_order_gathers_each_inputs_group():
-    check(3, 24, 64, 4, 16, torch.float32, act_order=True)
+@pytest.mark.parametrize("reshape", [True, False])
+def test_act_order_gathers_each_inputs_group(reshape):
+    check(3, 24, 64, 4, 16, torch.float32, act_order=True, config=GC(16, 32, 32, 2, 4, 2, reshape_unpack=reshape))
 
 
-def test_odd_k_and_groups_across_k_steps():
+@pytest.mark.parametrize("reshape", [True, False])
+def test_odd_k_and_groups_across_k_steps(reshape):
     # K 72: the last K step is partial (masked); groups of 8 are narrower than a K step (per-input gather)
-    check(4, 16, 72, 4, 8, torch.float32)
+    check(4, 16, 72, 4, 8, torch.float32, config=GC(16, 32, 32, 2, 4, 2, reshape_unpack=reshape))
 
 
 def test_split_k_sums_the_partials_with_bias():
