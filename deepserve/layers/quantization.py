@@ -57,7 +57,8 @@ class Int4Config:
     group_size: int
     desc_act: bool  # GPTQ act order: each input's group is g_idx[k], not k // group_size
     zero_offset: bool  # GPTQ's v1 convention: the stored zero point is one less than the real one
-    modules_to_not_convert: tuple[str, ...] = ()
+    # No module list: which modules are int4 is what the checkpoint ships (loader/int4.py), so
+    # modules_to_not_convert, GPTQ's "-:" rules and experts-only builds all follow from the tensors.
 
     def group_for(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size

@@ -63,13 +63,12 @@ def int4_config(hf_config: Any, method: str) -> Int4Config:
         _refuse("bits", bits, "4 (awq)" if method == "awq" else "4, 8 (gptq)")
     if group != -1 and (group <= 0 or group % int4_ref.pack_factor(bits)):
         _refuse("group_size", group, "a positive multiple of 32 / bits, or -1 (GPTQ: one group per row)")
-    skip = tuple(quant.get("modules_to_not_convert") or ())
     if method == "awq":
-        return _awq_config(quant, bits, group, skip)
-    return _gptq_config(quant, bits, group, skip)
+        return _awq_config(quant, bits, group)
+    return _gptq_config(quant, bits, group)
 
 
-def _awq_config(quant: dict, bits: int, group: int, skip: tuple[str, ...]) -> Int4Config:
+def _awq_config(quant: dict, bits: int, group: int) -> Int4Config:
     if group == -1:
         _refuse("group_size", group, "a positive group size (awq)")
     version = str(quant.get("version", "gemm")).lower()
@@ -77,11 +76,10 @@ def _awq_config(quant: dict, bits: int, group: int, skip: tuple[str, ...]) -> In
         _refuse("version", quant.get("version"), "gemm (AutoAWQ's GEMM export)")
     if not quant.get("zero_point", True):
         _refuse("zero_point", quant.get("zero_point"), "true (awq with zero points)")
-    return Int4Config(method="awq", bits=4, group_size=group, desc_act=False, zero_offset=False,
-                      modules_to_not_convert=skip)
+    return Int4Config(method="awq", bits=4, group_size=group, desc_act=False, zero_offset=False)
 
 
-def _gptq_config(quant: dict, bits: int, group: int, skip: tuple[str, ...]) -> Int4Config:
+def _gptq_config(quant: dict, bits: int, group: int) -> Int4Config:
     fmt = str(quant.get("checkpoint_format") or "gptq").lower()
     if fmt not in GPTQ_FORMATS or quant.get("is_marlin_format"):
         _refuse("checkpoint_format", quant.get("checkpoint_format"), ", ".join(GPTQ_FORMATS))
@@ -89,7 +87,7 @@ def _gptq_config(quant: dict, bits: int, group: int, skip: tuple[str, ...]) -> I
     if any(not str(rule).startswith("-:") for rule in dynamic):  # "-:" rules only skip modules
         _refuse("dynamic", dynamic, "rules that skip modules (-:regex); per-module bits or group sizes are not")
     return Int4Config(method="gptq", bits=bits, group_size=group, desc_act=bool(quant.get("desc_act", False)),
-                      zero_offset=fmt == "gptq", modules_to_not_convert=skip)
+                      zero_offset=fmt == "gptq")
 
 
 def _narrow(t: torch.Tensor, dim: int, span: tuple[int, int] | None, unit: int, what: str) -> torch.Tensor:
