@@ -125,3 +125,14 @@ def test_quantization_follows_the_checkpoint_and_a_mismatch_is_refused():
     assert int4_config(LlamaConfig(), "awq") == Int4Config("awq", 4, 128, False, zero_offset=False)
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         resolve_quantization(_config(quant_method="bitsandbytes"), None, "cpu")
+
+
+def test_gptq_v2_stores_the_zero_point_as_is():
+    g_idx, codes, scales, zeros = _random_layer(16, 64, 4, 16, False)
+    packed = gptq_tensors(codes, scales, zeros, 4, g_idx, v1=False)
+    quant = dict(quant_method="gptq", bits=4, group_size=16, checkpoint_format="gptq_v2")
+    cfg = int4_config(_config(**quant), "gptq")
+    assert not cfg.zero_offset
+    ours = {kind: checkpoint_slice(kind, t, cfg) for kind, t in packed.items()}
+    got = int4_ref.dequantize(ours["qweight"], ours["scales"], ours["qzeros"], 4, 16)
+    torch.testing.assert_close(got, dequantize(codes, scales, zeros, g_idx), rtol=0, atol=0)
