@@ -7,6 +7,8 @@ last accepted figures (bench/baseline.json). Every change on the hot path runs i
                                                 #   (gate.sh fp8; a second device call)
     python bench/gate.py kv --out DIR           # the KV-cache suite: FP8 decode kernels, W1 with an FP8 cache,
                                                 #   a long-context point bf16 / FP8 / FP8 + host tier (gate.sh kv)
+    python bench/gate.py int4 --out DIR         # the int4 suite: W4A16 kernel and engine checks, LLM-7B AWQ
+                                                #   and V2-Lite with int4 weights (gate.sh int4)
     python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
     python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
     python bench/gate.py all --smoke --out DIR  # CPU: the demo model, tiny workloads (tests the plumbing)
@@ -80,6 +82,14 @@ FIGURES = [
     Figure("long-7b-bf16/w1", "4k/1k DeepSeek-LLM-7B, bf16 KV", "out tok/s", True),
     Figure("long-7b-fp8kv/w1", "4k/1k DeepSeek-LLM-7B, FP8 KV", "out tok/s", True),
     Figure("long-7b-fp8kv-swap/w1", "4k/1k DeepSeek-LLM-7B, FP8 KV + 32 GiB host", "out tok/s", True),
+    # int4 suite (AWQ / GPTQ issue): DeepSeek-LLM-7B AWQ W1 >= 0.8x bf16 W1 (baseline 5,711 out tok/s) and
+    # W2 TPOT <= 1.6 ms (weights ~3.9 GB: the floor is ~0.85 ms); V2-Lite with int4 weights TPOT <= 1.6 ms.
+    Figure("deepseek-llm-7b-awq/w1", "INT4 W1 DeepSeek-LLM-7B (-q awq)", "out tok/s", True, 4_569),
+    Figure("deepseek-llm-7b-awq/tpot", "INT4 W2 TPOT DeepSeek-LLM-7B (-q awq)", "ms", False, 1.6),
+    Figure("deepseek-llm-7b-awq/ttft", "INT4 W2 TTFT DeepSeek-LLM-7B (-q awq)", "ms", False),
+    Figure("deepseek-v2-lite-awq/w1", "INT4 W1 DeepSeek-V2-Lite (-q awq)", "out tok/s", True),
+    Figure("deepseek-v2-lite-awq/tpot", "INT4 W2 TPOT DeepSeek-V2-Lite (-q awq)", "ms", False, 1.6),
+    Figure("deepseek-v2-lite-awq/ttft", "INT4 W2 TTFT DeepSeek-V2-Lite (-q awq)", "ms", False),
 ]
 
 
@@ -134,6 +144,17 @@ FP8_CHECKS = [
      90),
     ("FP8 engine on GPU = CPU reference", [sys.executable, "bench/check_fp8_engine.py"], 120),
 ]
+# Dummy int4 weights in the real shapes (--load-format dummy --quantization awq: groups of 128): every
+# linear layer int4 (LLM-7B), attention, dense MLP and experts int4 (V2-Lite).
+INT4_RUNS = [
+    ModelRun("deepseek-llm-7b-awq", "deepseek-llm-7b", w2=True, timeout_s=140, quantization="awq"),
+    ModelRun("deepseek-v2-lite-awq", "deepseek-v2-lite", w2=True, timeout_s=140, quantization="awq"),
+]
+INT4_CHECKS = [
+    ("W4A16 GEMM and fused MoE = torch reference",
+     [sys.executable, "bench/check_int4.py", "--json", "{out}/int4-kernels.json"], 150),
+    ("int4 engine on GPU = CPU reference", [sys.executable, "bench/check_int4_engine.py"], 120),
+]
 KV_CHECKS = [
     ("paged decode over an FP8 cache = torch reference",
      [sys.executable, "bench/check_kernels.py", "--kv-dtype", "fp8", "--no-variants"], 120),
@@ -141,8 +162,9 @@ KV_CHECKS = [
      [sys.executable, "bench/check_kernels.py", "--no-variants"], 120),
 ]
 # Two device calls: "kv" (kernels and W1/W2 with an FP8 cache) and "kv-long" (the long-context point).
-SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS)}
-ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS
+SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS),
+          "int4": (INT4_CHECKS, INT4_RUNS)}
+ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS
 
 
 def run_model(run: ModelRun, smoke: bool) -> dict:

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 SUITE=all
-case "$1" in all|fp8|kv|kv-long) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8: the FP8 suite (bench/gate.py)
+case "$1" in all|fp8|kv|kv-long|int4) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8 | int4 | kv ...: that suite (bench/gate.py)
 python3 bench/gate.py "$SUITE" --out /tmp/gate "$@"
 rc=$?
 cp /tmp/gate/gate.json /tmp/gate/baseline-candidate.json "$OUT"/ 2>/dev/null

@@ -26,7 +26,7 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     device: str = "cpu"  # resolved: "cpu" | "cuda"
     enforce_eager: bool = False  # True: no CUDA graphs
-    # "fp8" or None, resolved from --quantization and the checkpoint (layers/quantization.py)
+    # "fp8", "awq", "gptq" or None, resolved from --quantization and the checkpoint (layers/quantization.py)
     quantization: str | None = None
     decryption_key_file: str | None = None  # key of a checkpoint encrypted at rest (loader/encryption.py)
 
@@ -261,7 +261,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     load_format: str = "auto"
     # None: follow the checkpoint (FP8 checkpoints are served in FP8); "fp8": also quantize an unquantized
-    # checkpoint at load (per-channel weights, per-token activations); "none": dequantize an FP8 checkpoint.
+    # checkpoint at load (per-channel weights, per-token activations); "awq" / "gptq": int4 weights (the
+    # checkpoint's method; with dummy weights any model); "none": dequantize a quantized checkpoint.
     quantization: str | None = None
     # A checkpoint encrypted at rest (deepserve encrypt-model): the file with its key, 64 hex characters.
     # Every rank reads it (each node needs it at this path); weights are decrypted in memory only.
@@ -335,7 +336,7 @@ class EngineArgs:
             load_format=self.load_format,
             device=device,
             enforce_eager=self.tensor_parallel_size > 1 if self.enforce_eager is None else self.enforce_eager,
-            quantization=_resolve_quantization(hf_config, self.quantization, device),
+            quantization=_resolve_quantization(hf_config, self.quantization, device, self.load_format == "dummy"),
             decryption_key_file=self.decryption_key_file,
         )
         if self.enforce_eager is False and self.tensor_parallel_size > 1:
@@ -375,7 +376,7 @@ class EngineArgs:
         )
 
 
-def _resolve_quantization(hf_config: Any, requested: str | None, device: str) -> str | None:
+def _resolve_quantization(hf_config: Any, requested: str | None, device: str, dummy: bool = False) -> str | None:
     from deepserve.layers.quantization import resolve_quantization
 
     capability, name = None, ""
@@ -383,7 +384,7 @@ def _resolve_quantization(hf_config: Any, requested: str | None, device: str) ->
         import torch
 
         capability, name = torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)
-    return resolve_quantization(hf_config, requested, device, capability, name)
+    return resolve_quantization(hf_config, requested, device, capability, name, without_checkpoint=dummy)
 
 
 def _resolve_device(device: str) -> str:

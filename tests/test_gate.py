@@ -82,3 +82,16 @@ def test_a_suite_is_judged_on_its_own_runs_only():
     assert not gate.compare(lost, BASE)[1]  # the bf16 suite still fails on its lost figures
     assert {r.name for r in gate.ALL_RUNS} == {
         f.key.split("/")[0] for f in gate.FIGURES}
+
+
+def test_the_int4_suite_judges_the_issue_targets():
+    # LLM-7B AWQ TPOT 1.7 ms misses the 1.6 ms target (reported, not a regression: no baseline yet);
+    # V2-Lite's 1.5 ms meets it. The suite runs the int4 kernel and engine checks first.
+    assert gate.SUITES["int4"][1] == gate.INT4_RUNS and all(r.quantization == "awq" for r in gate.INT4_RUNS)
+    assert [cmd[1] for _, cmd, _ in gate.INT4_CHECKS] == ["bench/check_int4.py", "bench/check_int4_engine.py"]
+    result = {"runs": [r.name for r in gate.INT4_RUNS], "checks": {},
+              "figures": {"deepseek-llm-7b-awq/tpot": 1.7, "deepseek-v2-lite-awq/tpot": 1.5}}
+    lines, ok = gate.compare(result, BASE)
+    assert ok and not any(line.startswith("W1 R1-Distill") for line in lines)
+    assert any(line.startswith("INT4 W2 TPOT DeepSeek-LLM-7B") and line.endswith("new") for line in lines)
+    assert any(line.startswith("INT4 W2 TPOT DeepSeek-V2-Lite") and line.endswith("new target met") for line in lines)

@@ -50,10 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decryption-key-file", default=d.decryption_key_file, metavar="PATH",
                    help="key of a checkpoint encrypted with deepserve encrypt-model (64 hex characters); its "
                         "weights are decrypted in memory while loading")
-    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
-                   help="weight quantization (default: the checkpoint's; DeepSeek-V3/R1's FP8 is served as shipped): "
-                        "fp8 also quantizes an unquantized checkpoint at load (per-channel weights, per-token "
-                        "activations); none dequantizes an FP8 checkpoint to --dtype")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "awq", "gptq", "none"],
+                   help="weight quantization (default: the checkpoint's; DeepSeek-V3/R1's FP8 is served as shipped, "
+                        "AWQ / GPTQ int4 checkpoints as int4): fp8 also quantizes an unquantized checkpoint at load "
+                        "(per-channel weights, per-token activations); awq / gptq must match the checkpoint's "
+                        "quant_method (with --load-format dummy: random int4 weights for any model); none "
+                        "dequantizes a quantized checkpoint to --dtype")
     g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run without decode CUDA graphs (default: graphs on one GPU, eager under tensor "

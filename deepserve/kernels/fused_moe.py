@@ -52,13 +52,16 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels import fp8_ref
+from deepserve.kernels import fp8_ref, int4_ref, int4_tile
+from deepserve.kernels.int4_tile import dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
 # fp8_ref's quantization constants, as constexprs a kernel may read (a plain Python global it may not).
 FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
+# How int4 codes leave their words in the expert GEMMs (kernels/int4_tile.py).
+RESHAPE_UNPACK = tl.constexpr(int4_tile.RESHAPE_UNPACK)
 
 
 @dataclass(frozen=True)
@@ -236,13 +239,14 @@ def _moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, siz
 @triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def _fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    a_scale_ptr, b_scale_ptr, c_scale_ptr,
+    a_scale_ptr, b_scale_ptr, c_scale_ptr, b_zero_ptr, g_idx_ptr,
     num_valid, rows_per_a, num_m_blocks, stride_am, stride_be, stride_bn, stride_cm,
-    stride_asm, stride_bse, stride_bsn, stride_csm,
+    stride_asm, stride_bse, stride_bsn, stride_csm, stride_ge,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, QUANTIZE_A: tl.constexpr, QUANTIZE_C: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROUND_C: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr,
+    INT4: tl.constexpr, BITS: tl.constexpr, GROUP_Q: tl.constexpr, HAS_G_IDX: tl.constexpr,
 ):
     # c[r] = f(a[r // rows_per_a] @ b[e].T) for the block's valid assignments r, e its expert.
     # Gate-up: a = x [T, H], rows_per_a = K, b = w13 [E, 2N, H], f = silu(gate) * up over b's row halves.
@@ -253,6 +257,8 @@ def _fused_moe_gemm_kernel(
     # cdiv(K, GROUP_K)], or QUANTIZE_A: a in x's dtype, quantized here tile by tile. QUANTIZE_C: c is fp8
     # and gets its group scales in c_scale [c rows, cdiv(N, BLOCK_N)] (BLOCK_N is the next GEMM's group).
     # ROUND_C: x's dtype, which c's values are rounded to (before their quantization under QUANTIZE_C).
+    # INT4 (W4A16, int4_ref's layout): b holds packed codes [E, rows, K / (32 / BITS)], b_scale and b_zero
+    # [E, rows, groups] fp16 (GROUP_Q inputs a group), g_idx [E, K] under act order (HAS_G_IDX).
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the real total: the worst-case grid's spare blocks
         return
@@ -264,7 +270,12 @@ def _fused_moe_gemm_kernel(
     # Columns wrap modulo N so every weight load is in bounds; the store masks the wrapped ones.
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64) * stride_bn  # [BLOCK_N] pointers
-    if FP8:
+    if INT4:
+        sz = expert * stride_bse + offs_n.to(tl.int64) * stride_bsn  # [BLOCK_N] offsets of each row's groups
+        acc = _expert_tile_int4(a_rows, b_cols, row_ok, N * stride_bn, b_scale_ptr + sz, b_zero_ptr + sz,
+                                N * stride_bsn, g_idx_ptr + expert * stride_ge, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GATED, BITS, GROUP_Q, HAS_G_IDX, DOT_PRECISION, DOT_UPCAST)
+    elif FP8:
         b_scales = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn  # [BLOCK_N] pointers
         acc = _expert_tile_fp8(a_rows, b_cols, row_ok, N * stride_bn, a_scale_ptr + a_index * stride_asm,
                                b_scales, (N + GROUP_N - 1) // GROUP_N * stride_bsn, K, BLOCK_M, BLOCK_N,
@@ -313,6 +324,32 @@ def _expert_tile(a_rows, b_cols, row_ok, up_offset, K: tl.constexpr, BLOCK_M: tl
         acc = _mma(a, _load_b(b_ptrs, k_ok, EVEN_K), acc, DOT_PRECISION, DOT_UPCAST)
         if GATED:
             acc_up = _mma(a, _load_b(b_ptrs + up_offset, k_ok, EVEN_K), acc_up, DOT_PRECISION, DOT_UPCAST)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    return acc
+
+
+@triton.jit
+def _expert_tile_int4(a_rows, b_cols, row_ok, up_offset, s_cols, z_cols, up_s_offset, g_row, K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                      BITS: tl.constexpr, GROUP_Q: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    # _expert_tile with int4 b: each weight tile dequantized in registers (int4_tile.py) and rounded to
+    # a's dtype before the dot; the up rows' codes lie up_offset further on, their scales up_s_offset.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    for k in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k
+        a = _load_a(a_rows[:, None] + (k + offs_k)[None, :], row_ok, k_ok, EVEN_K)  # [BLOCK_M, BLOCK_K]
+        w = dequantize_tile(b_cols, s_cols, z_cols, g_row, k + offs_k, k, K, BITS, GROUP_Q, HAS_G_IDX, BLOCK_K,
+                            BLOCK_N, EVEN_K, RESHAPE_UNPACK)
+        acc = _mma(a, w.to(a.dtype), acc, DOT_PRECISION, DOT_UPCAST)
+        if GATED:
+            w = dequantize_tile(b_cols + up_offset, s_cols + up_s_offset, z_cols + up_s_offset, g_row, k + offs_k,
+                                k, K, BITS, GROUP_Q, HAS_G_IDX, BLOCK_K, BLOCK_N, EVEN_K, RESHAPE_UNPACK)
+            acc_up = _mma(a, w.to(a.dtype), acc_up, DOT_PRECISION, DOT_UPCAST)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     return acc
@@ -446,14 +483,15 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> None:
+                  topk_ids: torch.Tensor, pack: int = 1) -> None:
+    # pack > 1: int4 / int8 experts, each int32 of w13 / w2 holding `pack` inputs
     _require(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]")
     (t, h), (e, two_i, _) = x.shape, w13.shape
-    _require(w13.shape[2] == h and two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2),
+    _require(w13.shape[2] * pack == h and two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2 // pack),
              f"weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x {tuple(x.shape)}")
     _require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}")
-    _require(w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8_ref.FP8),
-             "x, w13 and w2 must share one dtype (or w13 and w2 be float8_e4m3fn)")
+    _require(w13.dtype == w2.dtype and w13.dtype in (x.dtype, fp8_ref.FP8, torch.int32),
+             "x, w13 and w2 must share one dtype (or w13 and w2 be float8_e4m3fn, or int32 int4 codes)")
     _require(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1,
              "the last dimension of x, w13 and w2 must be contiguous")
     _require(topk_ids.dim() == 2 and topk_ids.shape[0] == t and topk_weights.shape == topk_ids.shape,
@@ -508,6 +546,48 @@ class _Fp8Operands:
     round_to: torch.dtype | None = None  # the dtype c's values are rounded to (x's): before QUANTIZE_C
 
 
+@dataclass(frozen=True)
+class Int4Experts:
+    """What int4 / int8 experts add to fused_moe (kernels/int4_ref.py's layout; w13 and w2 are then the
+    int32 codes [E, 2I, H/pack] and [E, H, I/pack]): fp16 scales and zero points per row and group,
+    the groups' widths, and g_idx under act order."""
+
+    bits: int
+    w13_scales: torch.Tensor  # [E, 2I, groups of H]
+    w13_zeros: torch.Tensor
+    w2_scales: torch.Tensor  # [E, H, groups of I]
+    w2_zeros: torch.Tensor
+    group13: int
+    group2: int
+    w13_g_idx: torch.Tensor | None = None  # [E, H] int32
+    w2_g_idx: torch.Tensor | None = None  # [E, I] int32
+
+    def operands(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        return (getattr(self, f"{which}_scales"), getattr(self, f"{which}_zeros"), getattr(self, f"{which}_g_idx"),
+                getattr(self, f"group{which[1:]}"))
+
+
+def _check_int4(w13: torch.Tensor, w2: torch.Tensor, int4: Int4Experts | None) -> None:
+    _require(int4 is not None, "int32 (int4 / int8) weights need int4=Int4Experts(...)")
+    for which, w in (("w13", w13), ("w2", w2)):
+        scales, zeros, g_idx, _ = int4.operands(which)
+        _require(scales.dtype == zeros.dtype == torch.float16 and scales.shape == zeros.shape
+                 and scales.shape[:2] == w.shape[:2] and scales.is_contiguous() and zeros.is_contiguous(),
+                 f"{which} scales and zeros must be contiguous fp16 [E, rows, groups]")
+        k = w.shape[2] * (32 // int4.bits)
+        _require(g_idx is None or (g_idx.dtype == torch.int32 and tuple(g_idx.shape) == (w.shape[0], k)
+                                   and g_idx.is_contiguous()), f"{which} g_idx must be contiguous int32 [E, K]")
+
+
+def _int4_arguments(int4: Int4Experts | None, which: str, unused: torch.Tensor) -> tuple[list, int, dict]:
+    """-> (scale, zero, g_idx pointers; the g_idx stride; constexprs) of a launch."""
+    if int4 is None:
+        return [unused, unused, unused], 0, dict(INT4=False, BITS=4, GROUP_Q=1, HAS_G_IDX=False)
+    scales, zeros, g_idx, group = int4.operands(which)
+    return ([scales, zeros, unused if g_idx is None else g_idx], 0 if g_idx is None else g_idx.stride(0),
+            dict(INT4=True, BITS=int4.bits, GROUP_Q=group, HAS_G_IDX=g_idx is not None))
+
+
 _ROUND_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "", None: ""}
 
 
@@ -527,19 +607,24 @@ def _fp8_arguments(fp8: _Fp8Operands | None, unused: torch.Tensor) -> tuple[list
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
             align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows_per_a: int, gated: bool,
-            cfg: MoEConfig, fp8: _Fp8Operands | None = None) -> None:
-    # c [N_assign, n] gets the block products; n = b's rows (halved when gated), k = b's columns.
+            cfg: MoEConfig, fp8: _Fp8Operands | None = None, int4: Int4Experts | None = None,
+            which: str = "w13") -> None:
+    # c [N_assign, n] gets the block products; n = b's rows (halved when gated), k = a's columns.
     sorted_ids, expert_ids, num_padded = align
-    n, k = c.shape[1], b.shape[2]
+    n, k = c.shape[1], a.shape[1]
     num_m_blocks = expert_ids.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     scale_ptrs, scale_strides, fp8_options = _fp8_arguments(fp8, topk_weights)
+    int4_ptrs, stride_ge, int4_options = _int4_arguments(int4, which, topk_weights)
+    if int4 is not None:  # the int4 scales take the weight-scale slot (pointer and strides)
+        scale_ptrs[1] = int4_ptrs[0]
+        scale_strides[1:3] = [int4_ptrs[0].stride(0), int4_ptrs[0].stride(1)]
     _fused_moe_gemm_kernel[grid](
-        a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, *scale_ptrs,
+        a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, *scale_ptrs, *int4_ptrs[1:],
         c.shape[0], rows_per_a, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0), *scale_strides,
-        N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        stride_ge, N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         GATED=gated, MUL_WEIGHT=not gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_dot_options(a.dtype), **fp8_options,
+        **_dot_options(a.dtype), **fp8_options, **int4_options,
     )
 
 
@@ -567,13 +652,19 @@ def _workspace(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoEConfig | None = None, skips: bool = False, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+              block: tuple[int, int] = (128, 128), int4: Int4Experts | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights [T, K] float32,
     topk_ids [T, K] -> [T, H] in x's dtype: the routed experts' weighted sum (module docstring).
     skips: topk_ids may hold E, an assignment to leave out (expert parallelism: another rank's expert).
     FP8 weights (float8_e4m3fn w13 and w2) come with w13_scale [E, 2 ceil(I/bn), ceil(H/bk)] and w2_scale
     [E, ceil(H/bn), ceil(I/bk)] for block = (bn, bk): W8A8, fused_moe_fp8_ref's numerics.
+    Int4 weights (int32 codes w13 [E, 2I, H/pack], w2 [E, H, I/pack]) come with int4=Int4Experts: W4A16,
+    fused_moe_int4_ref's numerics.
     fp32 accumulation; no host sync (CUDA-graph safe); deterministic."""
+    if w13.dtype == torch.int32:
+        _check_int4(w13, w2, int4)
+        _check_inputs(x, w13, w2, topk_weights, topk_ids, pack=32 // int4.bits)
+        return _int4_experts(x, w13, w2, topk_weights, topk_ids, config, skips, int4)
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     fp8 = w13.dtype == fp8_ref.FP8
     if fp8:
@@ -596,6 +687,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y = _output(t * k, h, x, skips)
         _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg)
     return y.view(t, k, h).sum(dim=1) if k > 1 else y  # fixed-order sum over the K slots
+
+
+def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, config: MoEConfig | None, skips: bool, int4: Int4Experts) -> torch.Tensor:
+    """Both GEMMs with int4 weights dequantized in registers (the bf16 path's tiles and workspaces)."""
+    (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    if t == 0:
+        return x.new_empty(0, h)
+    cfg = config or default_config(t, k, e, x.dtype)
+    _require(cfg.block_k % (32 // int4.bits) == 0, f"block_k {cfg.block_k} must hold whole int32 words")
+    align = moe_align(topk_ids, e, cfg.block_m)
+    act = _workspace(t * k, two_i // 2, x)  # [N, I]
+    _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg, int4=int4, which="w13")
+    y = _output(t * k, h, x, skips)
+    _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg, int4=int4, which="w2")
+    return y.view(t, k, h).sum(dim=1) if k > 1 else y
 
 
 def _output(rows: int, cols: int, x: torch.Tensor, skips: bool) -> torch.Tensor:
@@ -662,3 +769,15 @@ def fused_moe_fp8_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tenso
         w2e = fp8_ref.dequantize_weight_block(w2[e], w2_scale[e], block)  # [H, I]
         out.index_add_(0, rows, (act @ w2e.T) * topk_weights[rows, slots, None])  # [n, H]
     return out.to(x.dtype)
+
+
+def fused_moe_int4_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, int4: Int4Experts) -> torch.Tensor:
+    """What fused_moe must equal with int4 weights: each expert's weights dequantized (int4_ref) and rounded
+    to x's dtype, then fused_moe_ref."""
+    def weights(which: str, codes: torch.Tensor) -> torch.Tensor:
+        scales, zeros, g_idx, group = int4.operands(which)
+        return torch.stack([int4_ref.dequantize(codes[e], scales[e], zeros[e], int4.bits, group,
+                                                None if g_idx is None else g_idx[e]) for e in range(codes.shape[0])])
+
+    return fused_moe_ref(x, weights("w13", w13).to(x.dtype), weights("w2", w2).to(x.dtype), topk_weights, topk_ids)

@@ -12,6 +12,11 @@ inside a block is refused); a merged projection keeps each member's scale rows a
 not whole blocks still load as shipped (and then multiply one member at a time). With a per-channel
 config the weight loads in the model dtype and `quantize_loaded_weights` turns it into fp8 plus
 `weight_scale` [out]. The matmul is the Triton/`_scaled_mm` kernel on CUDA, the torch reference elsewhere.
+
+Int4 (W4A16, AWQ / GPTQ checkpoints): `qweight`, `scales`, `qzeros` (and `g_idx` under act order) in
+layers/int4.py's layout instead of `weight`; rows are output features as for `weight`, so column
+parallelism and merged members slice rows the same way; row parallelism slices the inputs in whole
+groups (every group stays on every rank where a group spans the shards).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
-from deepserve.kernels import fp8_ref
-from deepserve.layers.quantization import Fp8Config
+from deepserve.kernels import fp8_ref, int4_ref
+from deepserve.layers.int4 import int4_linear, int4_parameters, keeps_all_groups
+from deepserve.layers.quantization import Fp8Config, Int4Config, QuantConfig
 
 
 def _divide(n: int, world: int, what: str) -> int:
@@ -71,16 +77,24 @@ class LinearBase(nn.Module):
 
     Subclasses say how a checkpoint tensor maps onto this rank's rows (`_copy_rows`) or columns."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, quant: Fp8Config | None,
-                 member_rows: list[int] | None = None) -> None:
+    INT4_PARAMS = ("qweight", "scales", "qzeros", "g_idx")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
+                 member_rows: list[int] | None = None, in_shards: int = 1) -> None:
         super().__init__()
         self.quant = quant
-        self.block = quant.weight_block if quant is not None else None
+        self.int4 = quant if isinstance(quant, Int4Config) else None
+        self.block = quant.weight_block if isinstance(quant, Fp8Config) else None
+        self.dtype = torch.get_default_dtype()  # the model dtype, for unquantize
         # Output rows per member of a merged projection (one member otherwise), for the scale layout.
         self.member_rows = member_rows or [out_features]
-        dtype = fp8_ref.FP8 if self.block else None
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = self.qweight = self.scales = self.qzeros = self.g_idx = None
+        if self.int4 is not None:
+            self._make_int4(in_features, out_features, in_shards)
+        else:
+            dtype = fp8_ref.FP8 if self.block else None
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         self.weight_scale_inv = None  # block-scaled FP8
         self.weight_scale = None  # per-channel FP8, made by quantize_loaded_weights
         # Members that are not whole blocks share no scale row: they multiply one at a time.
@@ -97,7 +111,55 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
+    def _make_int4(self, in_features: int, out_features: int, in_shards: int) -> None:
+        full_in = in_features * in_shards
+        # All groups on every rank where a group spans the shards; else this rank's whole groups.
+        self.int4_all_groups = keeps_all_groups(self.int4, full_in, in_shards)
+        self.int4_group = self.int4.group_for(full_in)
+        groups = self.int4.num_groups(full_in) if self.int4_all_groups else fp8_ref.cdiv(in_features, self.int4_group)
+        self._g_idx_members: set[int] = set()
+        for name, param in int4_parameters(self.int4, (), out_features, in_features, groups).items():
+            param.weight_loader = self.weight_loader
+            setattr(self, name, param)
+
+    def _is_int4(self, param: nn.Parameter) -> bool:
+        return self.int4 is not None and any(param is getattr(self, n) for n in self.INT4_PARAMS)
+
+    def _load_int4(self, param: nn.Parameter, loaded: torch.Tensor, rows: tuple[int, int] | None = None,
+                   cols: tuple[int, int] | None = None, member: int = 0) -> None:
+        """A checkpoint int4 tensor's output rows `rows` x inputs `cols` into `member`'s rows (layers/int4.py)."""
+        from deepserve.loader.int4 import checkpoint_slice
+
+        kind = next(n for n in self.INT4_PARAMS if param is getattr(self, n))
+        ours = checkpoint_slice(kind, loaded, self.int4, rows, cols, whole_groups=not self.int4_all_groups)
+        if kind == "g_idx":  # one per input, shared by the members: they must agree
+            if self._g_idx_members and not torch.equal(param.data.cpu(), ours):
+                raise ValueError(f"{type(self).__name__}: the merged projections' g_idx differ (act order); "
+                                 "this layout needs one input order per merged layer")
+            self._g_idx_members.add(member)
+            default_weight_loader(param, ours)
+            return
+        dst = sum(self.member_rows[:member])
+        default_weight_loader(param.data.narrow(0, dst, ours.shape[0]), ours)
+
+    def unquantize(self) -> None:
+        """The checkpoint ships this module unquantized (modules_to_not_convert): a plain weight in the model
+        dtype replaces the int4 storage before it loads."""
+        if self.int4 is None:
+            return
+        out_features, in_features = self.qweight.shape[0], self.qweight.shape[1] * int4_ref.pack_factor(self.int4.bits)
+        device = self.qweight.device
+        for name in self.INT4_PARAMS:
+            setattr(self, name, None)
+        self.int4 = self.quant = None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype, device=device),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int4 is not None:
+            return int4_linear(x, self.qweight, self.scales, self.qzeros, self.int4.bits, self.int4_group,
+                               self.g_idx, bias)
         if self.weight_scale_inv is not None:
             if not self.split_members:
                 return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
@@ -118,7 +180,7 @@ class LinearBase(nn.Module):
 
     def quantize_loaded_weights(self) -> None:
         """Per-channel FP8 after loading (quantize_after_loading); nothing for other configs."""
-        if self.quant is None or not self.quant.quantize_at_load or self.weight_scale is not None:
+        if not isinstance(self.quant, Fp8Config) or not self.quant.quantize_at_load or self.weight_scale is not None:
             return
         w_q, scale = fp8_ref.quantize_weight_per_channel(self.weight.data)
         self.weight = nn.Parameter(w_q, requires_grad=False)
@@ -130,6 +192,9 @@ class LinearBase(nn.Module):
     def _copy_rows(self, param: nn.Parameter, loaded: torch.Tensor, src: int, size: int, member: int = 0) -> None:
         """Copy rows [src, src + size) of a checkpoint tensor (weight, bias or block scale) into `member`'s
         rows of `param` (a scale's rows in block units)."""
+        if self._is_int4(param):
+            self._load_int4(param, loaded, rows=(src, size), member=member)
+            return
         dst = sum(self.member_rows[:member])
         if self._is_scale(param):
             bn = self.block[0]
@@ -142,11 +207,14 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Config | None = None
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: QuantConfig | None = None
                  ) -> None:
         super().__init__(in_features, out_features, bias, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self._is_int4(param):
+            self._load_int4(param, loaded)
+            return
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +224,7 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Splits the output features across ranks; the output stays sharded (no collective)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: Fp8Config | None = None,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: QuantConfig | None = None,
                  member_sizes: list[int] | None = None) -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.out_per_rank = _divide(out_features, self.tp_size, "output features")
@@ -176,7 +244,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank holds its slice of every member, members side by side."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias, quant, member_sizes=output_sizes)
         self.member_sizes = self.member_rows
 
@@ -195,7 +263,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     when there are fewer kv heads than ranks)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         tp = get_tp_world_size()
         self.num_kv_heads_per_rank = max(1, num_kv_heads // tp)
         kv_total = self.num_kv_heads_per_rank * tp * head_dim
@@ -214,19 +282,22 @@ class RowParallelLinear(LinearBase):
     sums first and reduces them all at once (bias not allowed then: it must be added once, after)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         if bias and not reduce_results:
             raise ValueError("a RowParallelLinear with a bias must reduce its results")
         self.reduce_results = reduce_results
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
-        super().__init__(self.in_per_rank, out_features, bias, quant)
+        super().__init__(self.in_per_rank, out_features, bias, quant, in_shards=self.tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param is self.bias:  # the whole bias on every rank: added once, after the sum
             default_weight_loader(param, loaded)
             return
         start, size = self.tp_rank * self.in_per_rank, self.in_per_rank
+        if self._is_int4(param):
+            self._load_int4(param, loaded, cols=(start, size))
+            return
         if self._is_scale(param):
             start, size = _whole_blocks(start, size, self.block[1], f"{type(self).__name__} input columns")
         default_weight_loader(param, loaded.narrow(1, start, size))

@@ -34,8 +34,9 @@ from deepserve import envs
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 from deepserve.kernels import fp8_ref
 from deepserve.layers.activation import SiluAndMul
+from deepserve.layers.int4 import int4_linear, int4_parameters, keeps_all_groups
 from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
-from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config
+from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, Int4Config, QuantConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -154,7 +155,7 @@ class MLP(nn.Module):
     """SwiGLU FFN of the dense layers and the shared experts: w2(silu(w1 x) * w3 x), w1 and w3 merged."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, reduce_results: bool = True,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.w13 = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, quant=quant)
         self.w2 = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results, quant=quant)
@@ -175,10 +176,14 @@ class RoutedExperts(nn.Module):
     FP8 (block-scaled, as DeepSeek-V3 ships its experts): w13 and w2 are float8_e4m3fn with float32
     w13_scale_inv [X, 2 ceil(I/bn), ceil(E/bk)] (the w1 member's scale rows, then w3's) and w2_scale_inv
     [X, ceil(E/bn), ceil(I/bk)]; a tensor-parallel shard of I must start on a block boundary. A per-channel
-    config (`--quantization fp8`) loads the model dtype and quantize_loaded_weights makes 128 x 128 blocks."""
+    config (`--quantization fp8`) loads the model dtype and quantize_loaded_weights makes 128 x 128 blocks.
+
+    Int4 (AWQ / GPTQ experts): w13_qweight [X, 2I, E/pack], w13_scales / w13_qzeros [X, 2I, groups of E],
+    w2_qweight [X, E, I/pack], w2_scales / w2_qzeros [X, E, groups of I] (and w13_g_idx [X, E], w2_g_idx
+    [X, I] under act order) in layers/int4.py's layout; a tensor-parallel shard of I keeps whole groups."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: bool = False,
-                 tp_rank: int | None = None, tp_size: int | None = None, quant: Fp8Config | None = None) -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, quant: QuantConfig | None = None) -> None:
         super().__init__()
         # tp_rank / tp_size: this rank's place, by default the tensor-parallel group's (explicit for tests)
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
@@ -200,14 +205,19 @@ class RoutedExperts(nn.Module):
             self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
         self.inter = intermediate_size // self.inter_ranks
         self.quant = quant
-        self.block = quant.weight_block if quant is not None else None
+        self.dtype = torch.get_default_dtype()  # the model dtype, for unquantize
+        self.int4 = quant if isinstance(quant, Int4Config) else None
+        self.block = quant.weight_block if isinstance(quant, Fp8Config) else None
+        self.w13_scale_inv = self.w2_scale_inv = None
+        if self.int4 is not None:
+            self._make_int4(hidden_size, intermediate_size)
+            return
         dtype = fp8_ref.FP8 if self.block else None
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size, dtype=dtype),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
-        self.w13_scale_inv = self.w2_scale_inv = None
         if self.block:
             bn, bk = self.block
             shape13 = (self.num_local, 2 * fp8_ref.cdiv(self.inter, bn), fp8_ref.cdiv(hidden_size, bk))
@@ -216,6 +226,43 @@ class RoutedExperts(nn.Module):
             self.w2_scale_inv = nn.Parameter(torch.empty(shape2, dtype=torch.float32), requires_grad=False)
             self.w13_scale_inv.weight_loader = self._load_w13
             self.w2_scale_inv.weight_loader = self._load_w2
+
+    def _make_int4(self, hidden_size: int, intermediate_size: int) -> None:
+        cfg = self.int4
+        self.w2_all_groups = keeps_all_groups(cfg, intermediate_size, self.inter_ranks)
+        self.group13, self.group2 = cfg.group_for(hidden_size), cfg.group_for(intermediate_size)
+        groups2 = cfg.num_groups(intermediate_size) if self.w2_all_groups else fp8_ref.cdiv(self.inter, self.group2)
+        for prefix, params, loader in (
+            ("w13", int4_parameters(cfg, (self.num_local,), 2 * self.inter, hidden_size,
+                                    cfg.num_groups(hidden_size)), self._load_w13),
+            ("w2", int4_parameters(cfg, (self.num_local,), hidden_size, self.inter, groups2), self._load_w2),
+        ):
+            for kind, param in params.items():
+                param.weight_loader = loader
+                setattr(self, f"{prefix}_{kind}", param)
+
+    def unquantize(self) -> None:
+        """The checkpoint ships the routed experts unquantized (modules_to_not_convert): plain w13 / w2 in
+        the model dtype replace the int4 storage before they load."""
+        if self.int4 is None:
+            return
+        hidden, device = self.w2_qweight.shape[1], self.w2_qweight.device
+        for prefix in ("w13", "w2"):
+            for kind in ("qweight", "scales", "qzeros", "g_idx"):
+                if hasattr(self, f"{prefix}_{kind}"):
+                    delattr(self, f"{prefix}_{kind}")
+        self.int4 = self.quant = None
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden, dtype=self.dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter, dtype=self.dtype, device=device),
+                               requires_grad=False)
+        self.w13.weight_loader, self.w2.weight_loader = self._load_w13, self._load_w2
+
+    def _int4_kind(self, param: nn.Parameter, prefix: str) -> str | None:
+        if self.int4 is None:
+            return None
+        kinds = ("qweight", "scales", "qzeros", "g_idx")
+        return next((k for k in kinds if param is getattr(self, f"{prefix}_{k}", None)), None)
 
     def _local(self, expert: int) -> int | None:
         """The local index of global expert `expert`, None when another rank holds it."""
@@ -237,6 +284,10 @@ class RoutedExperts(nn.Module):
         # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E] (or its block scales); None:
         # transformers' fused [X, 2I, E]
         is_scale = param is self.w13_scale_inv
+        kind = self._int4_kind(param, "w13")
+        if kind is not None:
+            self._load_int4_w13(param, loaded, kind, shard_id)
+            return
         if shard_id is None:
             if is_scale:
                 raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
@@ -257,6 +308,10 @@ class RoutedExperts(nn.Module):
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         # shard_id: expert with loaded [E, I] (or its block scales); None: transformers' fused [X, E, I]
         is_scale = param is self.w2_scale_inv
+        kind = self._int4_kind(param, "w2")
+        if kind is not None:
+            self._load_int4_w2(param, loaded, kind, shard_id)
+            return
         if shard_id is None:
             if is_scale:
                 raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
@@ -269,10 +324,36 @@ class RoutedExperts(nn.Module):
             start, size = self._inter_shard(self.block[1] if is_scale else None)
             default_weight_loader(param.data[local], loaded.narrow(1, start, size))
 
+    def _load_int4_w13(self, param: nn.Parameter, loaded: torch.Tensor, kind: str,
+                       shard_id: tuple[int, int] | None) -> None:
+        from deepserve.loader.int4 import checkpoint_slice
+
+        if shard_id is None:
+            raise ValueError(f"{self.int4.method} experts load per expert (experts.<e>.gate_proj.qweight ...)")
+        expert, member = shard_id
+        local = self._local(expert)
+        if local is None:  # another rank's expert is never read
+            return
+        start, size = self.inter_rank * self.inter, self.inter
+        ours = checkpoint_slice(kind, loaded, self.int4, rows=(start, size))
+        target = param.data[local] if kind == "g_idx" else param.data[local].narrow(0, member * size, size)
+        default_weight_loader(target, ours)
+
+    def _load_int4_w2(self, param: nn.Parameter, loaded: torch.Tensor, kind: str, shard_id: int | None) -> None:
+        from deepserve.loader.int4 import checkpoint_slice
+
+        if shard_id is None:
+            raise ValueError(f"{self.int4.method} experts load per expert (experts.<e>.down_proj.qweight ...)")
+        local = self._local(shard_id)
+        if local is not None:
+            cols = (self.inter_rank * self.inter, self.inter)
+            default_weight_loader(param.data[local], checkpoint_slice(kind, loaded, self.int4, cols=cols,
+                                                                      whole_groups=not self.w2_all_groups))
+
     def quantize_loaded_weights(self) -> None:
         """`--quantization fp8` on an unquantized checkpoint: each expert's w1, w3 and w2 into 128 x 128
         FP8 blocks (the fused kernel's format); nothing for other configs."""
-        if self.quant is None or not self.quant.quantize_at_load or self.w13_scale_inv is not None:
+        if not isinstance(self.quant, Fp8Config) or not self.quant.quantize_at_load or self.w13_scale_inv is not None:
             return
         block = PER_CHANNEL_EXPERT_BLOCK
         w13, scale13, w2, scale2 = [], [], [], []
@@ -291,6 +372,8 @@ class RoutedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert e (the global id without expert parallelism)."""
+        if self.int4 is not None:
+            return self._expert_int4(e, x)
         if self.w13_scale_inv is not None:
             return self._expert_fp8(e, x)
         h = F.silu(F.linear(x, self.w13[e, : self.inter])) * F.linear(x, self.w13[e, self.inter :])  # [n, I]
@@ -306,6 +389,20 @@ class RoutedExperts(nn.Module):
         up = fp8_ref.block_fp8_linear_ref(x32, self.w13[e, self.inter :], scale13[rows:], block)
         h = (F.silu(gate) * up).to(x.dtype)  # [n, I]
         return fp8_ref.block_fp8_linear_ref(h, self.w2[e], self.w2_scale_inv[e], block)  # [n, E]
+
+    def int4_weights(self, prefix: str, e: int) -> tuple[torch.Tensor, ...]:
+        """Expert e's (qweight, scales, qzeros, g_idx or None) of w13 or w2."""
+        return tuple(getattr(self, f"{prefix}_{k}")[e] if getattr(self, f"{prefix}_{k}", None) is not None else None
+                     for k in ("qweight", "scales", "qzeros", "g_idx"))
+
+    def _expert_int4(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e with int4 weights (W4A16): each weight dequantized and rounded to x's dtype, as the
+        model on the dequantized weights computes it."""
+        qw, scales, zeros, g_idx = self.int4_weights("w13", e)
+        bits = self.int4.bits
+        gate_up = int4_linear(x, qw, scales, zeros, bits, self.group13, g_idx)  # [n, 2I]
+        h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [n, I]
+        return int4_linear(h, *self.int4_weights("w2", e)[:3], bits, self.group2, self.int4_weights("w2", e)[3])
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global expert ids [T, K] -> (local ids [T, K], mine [T, K] bool); local ids of others' are garbage."""
@@ -327,15 +424,27 @@ class RoutedExperts(nn.Module):
     def forward_fused(self, fused: Callable[..., torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (not all-reduced) through `fused` (kernels.fused_moe's signature)."""
-        # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout
-        scales = {} if self.w13_scale_inv is None else dict(
-            w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv, block=self.block)
+        # w13 [X, 2I, E] (w1 rows, then w3) and w2 [X, E, I]: the kernel's layout (int4: their codes)
+        w13, w2, scales = self._fused_operands()
         if not self.expert_parallel:
-            return fused(x, self.w13, self.w2, weights, ids, **scales)
+            return fused(x, w13, w2, weights, ids, **scales)
         # Other ranks' assignments get the id num_local, which the kernel skips: no host sync (CUDA
         # graphs, and eager ranks queue ahead of the GPU) and no expert computes them.
         local, mine = self.local_ids(ids)
-        return fused(x, self.w13, self.w2, weights, torch.where(mine, local, self.num_local), skips=True, **scales)
+        return fused(x, w13, w2, weights, torch.where(mine, local, self.num_local), skips=True, **scales)
+
+    def _fused_operands(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, keyword arguments) for kernels.fused_moe.fused_moe."""
+        if self.int4 is not None:
+            from deepserve.kernels.fused_moe import Int4Experts
+
+            int4 = Int4Experts(self.int4.bits, self.w13_scales, self.w13_qzeros, self.w2_scales, self.w2_qzeros,
+                               self.group13, self.group2, getattr(self, "w13_g_idx", None),
+                               getattr(self, "w2_g_idx", None))
+            return self.w13_qweight, self.w2_qweight, dict(int4=int4)
+        scales = {} if self.w13_scale_inv is None else dict(
+            w13_scale=self.w13_scale_inv, w2_scale=self.w2_scale_inv, block=self.block)
+        return self.w13, self.w2, scales
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert: one sort, then one matmul pair per expert that has tokens."""
@@ -399,7 +508,7 @@ def _fused_router(cfg: RoutingConfig) -> Callable[..., tuple[torch.Tensor, torch
 
 class DeepseekMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.gate = MoEGate(hidden_size, cfg)  # the router stays float32 whatever the checkpoint
         self.experts = RoutedExperts(cfg.num_experts, hidden_size, intermediate_size, cfg.expert_parallel,

@@ -1,4 +1,5 @@
-"""Which weights are FP8 and in what format: one small config every quantizable layer receives.
+"""Which weights are quantized and in what format: one small config every quantizable layer receives
+(Fp8Config or Int4Config).
 
 `--quantization` (vLLM's name) and the checkpoint's quantization_config decide it together
 (`resolve_quantization`); the model classes turn the result into an `Fp8Config` (`fp8_config`):
@@ -8,8 +9,16 @@
                 `quantize_after_loading` turns each quantizable linear into fp8 with one scale per output
                 channel, and the routed experts into 128 x 128 blocks (the fused MoE kernel's format).
 Activations are quantized per token on the fly in both (kernels/fp8_ref.py has the numerics).
+Int4 (W4A16, `awq` / `gptq`): the checkpoint ships int4 (GPTQ also int8) weights with group scales and
+zero points (loader/int4.py reads both formats into one layout, kernels/int4_ref.py has the numerics);
+activations stay in the model dtype. Auto-detected from quantization_config.quant_method; an explicit
+--quantization must name the same method. Every linear layer the checkpoint quantizes is held int4:
+Llama / Qwen2 attention and MLP projections, DeepSeek's attention projections, dense MLPs, shared and
+routed experts. Modules a checkpoint ships unquantized (modules_to_not_convert; GPTQ "-:" dynamic rules)
+load in the model dtype.
 Layers that stay in the model dtype whatever the checkpoint says: embeddings, lm_head, the MoE router,
-norms, and MLA's wkv_b (its halves are folded into the queries and outputs, never a plain GEMM).
+norms, and MLA's wkv_b (its halves are folded into the queries and outputs, never a plain GEMM; a
+quantized one is dequantized at load).
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("fp8",)
+SUPPORTED = ("fp8", "awq", "gptq")
+INT4_METHODS = ("awq", "gptq")
 MIN_FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 PER_CHANNEL_EXPERT_BLOCK = (128, 128)
 
@@ -37,6 +47,29 @@ class Fp8Config:
         return self.weight_block is None
 
 
+@dataclass(frozen=True)
+class Int4Config:
+    """A weight-only integer format (kernels/int4_ref.py): `bits`-bit codes, one scale and zero point per
+    output row and group of group_size inputs (-1: one group per row)."""
+
+    method: str  # "awq" or "gptq": the checkpoint's packing
+    bits: int
+    group_size: int
+    desc_act: bool  # GPTQ act order: each input's group is g_idx[k], not k // group_size
+    zero_offset: bool  # GPTQ's v1 convention: the stored zero point is one less than the real one
+    # No module list: which modules are int4 is what the checkpoint ships (loader/int4.py), so
+    # modules_to_not_convert, GPTQ's "-:" rules and experts-only builds all follow from the tensors.
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def num_groups(self, in_features: int) -> int:
+        return -(-in_features // self.group_for(in_features))
+
+
+QuantConfig = Fp8Config | Int4Config
+
+
 def checkpoint_block(hf_config: Any) -> tuple[int, int] | None:
     """The checkpoint's FP8 weight block, None for an unquantized checkpoint; an unsupported
     quant_method is refused naming the supported ones."""
@@ -46,13 +79,21 @@ def checkpoint_block(hf_config: Any) -> tuple[int, int] | None:
 
 
 def resolve_quantization(hf_config: Any, requested: str | None, device: str = "cuda",
-                         capability: tuple[int, int] | None = None, gpu_name: str = "") -> str | None:
-    """The engine's quantization: "fp8" or None (the model dtype; an FP8 checkpoint is then dequantized
-    at load). `capability` is the GPU's compute capability (None: not known, assumed able)."""
+                         capability: tuple[int, int] | None = None, gpu_name: str = "",
+                         without_checkpoint: bool = False) -> str | None:
+    """The engine's quantization: "fp8", "awq", "gptq" or None (the model dtype; a quantized checkpoint
+    is then dequantized at load). `capability` is the GPU's compute capability (None: not known, assumed
+    able). without_checkpoint: no weights are read (dummy weights, the planner), so --quantization awq /
+    gptq describes the int4 build of the model whatever its config says."""
     if requested not in (None, "", "none", *SUPPORTED):
         raise ValueError(f"quantization {requested!r} is not supported; supported: {', '.join(SUPPORTED)} "
                          "(--quantization), or leave it unset to follow the checkpoint's quantization_config")
     requested = requested or None  # "" (a config file's empty value) follows the checkpoint, like unset
+    from deepserve.loader.int4 import checkpoint_method
+
+    method = checkpoint_method(hf_config)
+    if requested in INT4_METHODS or method in INT4_METHODS:
+        return _resolve_int4(method, requested, without_checkpoint)
     block = checkpoint_block(hf_config)
     wanted = "fp8" if requested == "fp8" or (requested is None and block is not None) else None
     if wanted is None and block is not None:  # --quantization none on an FP8 checkpoint
@@ -68,10 +109,27 @@ def resolve_quantization(hf_config: Any, requested: str | None, device: str = "c
     return wanted
 
 
-def fp8_config(hf_config: Any, quantization: str | None) -> Fp8Config | None:
-    """The layers' FP8 format for an engine quantization resolved by resolve_quantization."""
+def _resolve_int4(method: str | None, requested: str | None, without_checkpoint: bool) -> str | None:
+    if requested == "none":
+        logger.info("quantization none: the %s checkpoint is dequantized to the model dtype at load", method)
+        return None
+    if requested is None or requested == method or (without_checkpoint and requested in INT4_METHODS):
+        return requested or method
+    have = f"quant_method {method!r}" if method else "no quantization_config (an unquantized checkpoint)"
+    raise ValueError(f"--quantization {requested} does not match the checkpoint: its config.json has {have}; "
+                     "leave --quantization unset to follow the checkpoint"
+                     + (f", or pass {method}" if method in INT4_METHODS else ""))
+
+
+def fp8_config(hf_config: Any, quantization: str | None) -> QuantConfig | None:
+    """The layers' format for an engine quantization resolved by resolve_quantization: Fp8Config for
+    "fp8", Int4Config for "awq" / "gptq" (the checkpoint's fields, validated), None otherwise."""
     if quantization is None:
         return None
+    if quantization in INT4_METHODS:
+        from deepserve.loader.int4 import int4_config
+
+        return int4_config(hf_config, quantization)
     return Fp8Config(weight_block=checkpoint_block(hf_config))
 
 

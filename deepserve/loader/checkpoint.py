@@ -189,7 +189,7 @@ def load_named_weights(
         if name.endswith(skip_suffixes):
             continue
         target, shard_id = stacked_name(name, stacked_params)
-        param = params.get(target)
+        param = param_for(model, params, target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = param.weight_loader
@@ -197,6 +197,25 @@ def load_named_weights(
             loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
         loaded.add(target)
     return loaded
+
+
+def param_for(model: nn.Module, params: dict[str, nn.Parameter], target: str) -> nn.Parameter | None:
+    """params[target]; or, for a plain parameter (`<module>.weight`, experts' `w13` / `w2`) of a module built
+    int4 that the checkpoint ships unquantized (modules_to_not_convert), that module's new plain parameter
+    (its `unquantize`)."""
+    param = params.get(target)
+    if param is not None or "." not in target:
+        return param
+    module_name, attr = target.rsplit(".", 1)
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    if getattr(module, "int4", None) is None or not hasattr(module, "unquantize"):
+        return None
+    module.unquantize()
+    params.update({f"{module_name}.{n}": p for n, p in module.named_parameters()})
+    return params.get(target)
 
 
 def stacked_name(name: str, stacked_params: dict[str, tuple[str, object]]) -> tuple[str, object]:
@@ -229,7 +248,9 @@ def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None
                 param.fill_(1.0)
                 continue
             gen = generators.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-            if name.endswith(FP8_SCALE_SUFFIXES):  # FP8 block scales: fp8 values in ±448 times this
+            if hasattr(param, "quant_bits"):  # int4 storage (layers/int4.py)
+                _dummy_int4(name, param, scale, gen)
+            elif name.endswith(FP8_SCALE_SUFFIXES):  # FP8 block scales: fp8 values in ±448 times this
                 param.fill_(scale / FP8_MAX)  # = uniform(-scale, scale) weights like the unquantized ones
             elif param.dtype == torch.float8_e4m3fn:
                 param.copy_(torch.empty(param.shape, device=param.device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
@@ -237,3 +258,18 @@ def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None
                 param.uniform_(-scale, scale, generator=gen)
             else:  # fp8 and integer storage: fill through a wider type
                 param.copy_(torch.empty(param.shape, device=param.device).uniform_(-scale, scale, generator=gen))
+
+
+def _dummy_int4(name: str, param: torch.Tensor, scale: float, gen: torch.Generator) -> None:
+    """Random codes, zero points at mid-range and scales that put the weights in [-scale, scale], like the
+    unquantized dummies; every input in group 0 (g_idx)."""
+    mid = 2 ** (param.quant_bits - 1)
+    if name.endswith("qweight"):
+        param.copy_(torch.randint(-(2**31), 2**31, param.shape, generator=gen, device=param.device,
+                                  dtype=torch.int64).to(torch.int32))
+    elif name.endswith("scales"):
+        param.fill_(scale / mid)
+    elif name.endswith("qzeros"):
+        param.fill_(mid)
+    else:
+        param.zero_()

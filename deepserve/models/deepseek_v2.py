@@ -37,10 +37,11 @@ from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowP
 from deepserve.layers.mla import MLAAttention
 from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
-from deepserve.layers.quantization import Fp8Config, fp8_config
+from deepserve.layers.quantization import QuantConfig, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
-from deepserve.loader.checkpoint import stage_weights
+from deepserve.loader.checkpoint import param_for, stage_weights
 from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
+from deepserve.loader.int4 import checkpoint_method, dequantize_int4_weights, int4_config, split_name
 
 # The low-rank norms use RMSNorm's default eps in both transformers and DeepSeek's reference,
 # not config.rms_norm_eps.
@@ -52,7 +53,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, quant: Fp8Config | None = None) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, quant: QuantConfig | None = None) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads // get_tp_world_size()
@@ -98,7 +99,7 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, routing: RoutingConfig | None,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = MultiHeadLatentAttention(config, rotary, quant)
@@ -131,7 +132,7 @@ class MultiTokenPredictor(nn.Module):
     embedding and head. Chained, h'_p stands in for h_{p+1} at the next depth."""
 
     def __init__(self, config: Any, rotary: RotaryEmbedding, routing: RoutingConfig | None,
-                 quant: Fp8Config | None) -> None:
+                 quant: QuantConfig | None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -221,7 +222,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             mapped, shard_id = param_name(name)
             return "block." + mapped.removeprefix("layers.0."), shard_id
 
-        return _load_into(params, renamed(), target, fp8_block_size(self.config), type(self).__name__)
+        return _load_into(self.mtp, params, renamed(), target, self.config, type(self).__name__)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -253,17 +254,23 @@ class DeepseekV2ForCausalLM(nn.Module):
         if tied and not split_head:
             weights = ((n, t) for n, t in weights if n != "lm_head.weight")
         params = {n: p for n, p in self.named_parameters() if not n.startswith("mtp.")}
-        return _load_into(params, weights, param_name, fp8_block_size(self.config), type(self).__name__)
+        return _load_into(self, params, weights, param_name, self.config, type(self).__name__)
 
 
-def _load_into(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]], target_of,
-               block: Any, owner: str) -> set[str]:
+def _load_into(model: nn.Module, params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
+               target_of, config: Any, owner: str) -> set[str]:
     """Each checkpoint tensor into params[target_of(name)] through its weight_loader; the names loaded.
-    With FP8 block scales (`block`), weights whose parameter is FP8 (it has a scale beside it) load as
-    shipped; the others (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast
-    by their loader."""
+    With FP8 block scales, weights whose parameter is FP8 (it has a scale beside it) load as shipped; the
+    others (wkv_b, or all of them without FP8 kernels) are dequantized to float32 and cast by their loader.
+    AWQ / GPTQ: int4 layers take their tensors as shipped; wkv_b's are dequantized. A module built int4
+    that the checkpoint ships unquantized gets a plain parameter (loader/checkpoint.param_for)."""
+    block = fp8_block_size(config)
     if block is not None:
         weights = dequantize_fp8_weights(weights, block, keep=lambda n: target_of(n)[0] + SCALE_SUFFIX in params)
+    method = checkpoint_method(config)
+    if method in ("awq", "gptq"):
+        weights = dequantize_int4_weights(weights, int4_config(config, method),
+                                          keep=lambda m: target_of(m + ".qweight")[0] in params)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq"):
@@ -271,7 +278,7 @@ def _load_into(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, tor
         target, shard_id = target_of(name.removesuffix(SCALE_SUFFIX))
         if name.endswith(SCALE_SUFFIX):
             target += SCALE_SUFFIX
-        param = params.get(target)
+        param = param_for(model, params, target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {owner}")
         with torch.no_grad():
@@ -322,6 +329,11 @@ _FUSED_EXPERTS = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj":
 
 def param_name(checkpoint_name: str) -> tuple[str, Any]:
     """Checkpoint tensor name -> (our parameter name, shard id for its weight_loader or None)."""
+    module, kind = split_name(checkpoint_name)
+    if kind is not None:  # an int4 tensor: named like the weight, with its kind (layers/int4.py)
+        target, shard_id = param_name(module + ".weight")
+        ours = target.removesuffix(".weight") + f".{kind}" if target.endswith(".weight") else f"{target}_{kind}"
+        return ours, shard_id
     name = checkpoint_name
     for old, new in _RENAMES:
         name = name.replace(old, new)

@@ -19,13 +19,13 @@ from deepserve.layers.attention import Attention
 from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from deepserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from deepserve.layers.norm import RMSNorm
-from deepserve.layers.quantization import Fp8Config, fp8_config
+from deepserve.layers.quantization import QuantConfig, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, quant=quant)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant=quant)
@@ -37,7 +37,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, rotary_emb: RotaryEmbedding,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         tp = get_tp_world_size()
         hidden = config.hidden_size
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, biases: tuple[bool, bool], rotary_emb: RotaryEmbedding,
-                 quant: Fp8Config | None = None) -> None:
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, *biases, rotary_emb, quant)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False),
@@ -86,7 +86,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, biases: tuple[bool, bool], quant: Fp8Config | None = None) -> None:
+    def __init__(self, config: Any, biases: tuple[bool, bool], quant: QuantConfig | None = None) -> None:
         super().__init__()
         # Under pipeline parallelism this stage builds only layers [start, end), the first stage the
         # embedding and the last the final norm; the others are parameterless placeholders.
@@ -151,6 +151,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, E] -> [N, V]
 
+    def _int4_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """An AWQ / GPTQ checkpoint: int4 tensors of int4 layers pass as shipped, the others (every layer
+        under --quantization none) are dequantized (loader/int4.py)."""
+        from deepserve.loader.checkpoint import stacked_name
+        from deepserve.loader.int4 import checkpoint_method, dequantize_int4_weights, int4_config
+
+        method = checkpoint_method(self.config)
+        if method not in ("awq", "gptq"):
+            return weights
+        params = dict(self.named_parameters())
+        return dequantize_int4_weights(weights, int4_config(self.config, method),
+                                       keep=lambda m: stacked_name(m + ".qweight", self.stacked_params)[0] in params)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from deepserve.loader.checkpoint import load_named_weights, stacked_name, stage_weights
         from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size
@@ -167,4 +180,5 @@ class LlamaForCausalLM(nn.Module):
             params = dict(self.named_parameters())
             weights = dequantize_fp8_weights(
                 weights, block, keep=lambda n: stacked_name(n, self.stacked_params)[0] + SCALE_SUFFIX in params)
+        weights = self._int4_weights(weights)
         return load_named_weights(self, weights, self.stacked_params, skip)

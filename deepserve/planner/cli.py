@@ -23,8 +23,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="plan without the CUDA-graph reserve")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "none"],
-                   help="as deepserve serve's (default: the checkpoint's; FP8 checkpoints stay FP8)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8", "awq", "gptq", "none"],
+                   help="as deepserve serve's (default: the checkpoint's; FP8 checkpoints stay FP8); awq / gptq "
+                        "plan the model's int4 build (4-bit weights, fp16 scales and zeros per group of 128)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 

@@ -23,7 +23,7 @@ GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside 
 
 FORMULAS = {
     "weights": "parameters and buffers of this rank's layers × their bytes (engine classes on the meta device; "
-               "FP8 weights 1 byte plus float32 scales)",
+               "FP8 weights 1 byte plus float32 scales; int4 0.5 byte plus fp16 scales and zeros per group)",
     "kv_bytes_per_token": "Σ over this stage's layers of their KV-cache spec's elements per token × KV dtype bytes: "
                           "MLA = kv_lora_rank + qk_rope_head_dim (latent, replicated on every TP rank); "
                           "MHA/GQA = 2 × kv_heads/TP (at least 1) × head_dim",
@@ -96,7 +96,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
     from deepserve.layers.quantization import resolve_quantization
 
-    quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu)
+    # The planner reads no weights: --quantization awq / gptq plans the model's int4 build.
+    quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu,
+                                        without_checkpoint=True)
     shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization)
     max_len = _max_model_len(req.max_model_len, shape)
     gpu_name, total = gpu_memory_bytes(req.gpu)
@@ -143,7 +145,7 @@ def _load_peak(req: PlanRequest, dtype: str, quantization: str | None, shape: Mo
     from deepserve.layers.quantization import checkpoint_block
 
     _, hf_config, _ = resolve_model(req.model)
-    if quantization is None or checkpoint_block(hf_config) is not None:
+    if quantization != "fp8" or checkpoint_block(hf_config) is not None:
         return 0
     unquantized = model_shape(req.model, dtype, req.tensor_parallel_size, None)
     return max(w for w, _ in _stages(unquantized, req.pipeline_parallel_size))

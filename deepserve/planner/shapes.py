@@ -134,7 +134,7 @@ def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None
     return ModelShape(
         architecture=type(built).__name__,
         num_params=(model_shape(model, dtype, 1, quantization).num_params if tp > 1
-                    else sum(p.numel() for n, p in built.named_parameters() if not _is_fp8_scale(n))),
+                    else sum(_weights_in(n, p) for n, p in built.named_parameters())),
         layer_weight_bytes=_layer_bytes(layers),
         layer_kv_elems=[_kv_elems(layer) for layer in layers],
         first_stage_bytes=first,
@@ -148,8 +148,14 @@ def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None
     )
 
 
-def _is_fp8_scale(name: str) -> bool:
-    return name.endswith(("_scale_inv", "weight_scale"))  # FP8 scales: bytes, but not model parameters
+def _weights_in(name: str, param: torch.Tensor) -> int:
+    """Model parameters a tensor holds: FP8 and int4 scales, zero points and g_idx are bytes, not
+    parameters; an int4 qweight's int32 holds 32 / bits of them."""
+    if name.endswith(("_scale_inv", "weight_scale", "scales", "qzeros", "g_idx")):
+        return 0
+    if name.endswith("qweight"):
+        return param.numel() * (32 // param.quant_bits)
+    return param.numel()
 
 
 def _ffn_width(c: Any) -> int:

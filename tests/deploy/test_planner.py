@@ -161,3 +161,18 @@ def test_graph_memory_only_where_the_engine_captures_graphs():
     assert one.cuda_graph_bytes > 0
     assert plan(PlanRequest("deepseek-llm-7b", max_model_len=4096, enforce_eager=True)).cuda_graph_bytes == 0
     assert plan(PlanRequest("deepseek-llm-7b", max_model_len=4096, tensor_parallel_size=2)).cuda_graph_bytes == 0
+
+
+def test_deepseek_v3_int4_fits_eight_a100s():
+    # The seeds' node: AWQ int4 (0.5 byte a weight plus fp16 scales and zeros per group of 128) fits V3 on
+    # 8 x A100-80GB, which neither its FP8 (dequantized there: no FP8 tensor cores) nor bf16 does.
+    awq = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, max_model_len=4096,
+                           quantization="awq"))
+    bf16 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, max_model_len=4096,
+                            quantization="none"))
+    assert awq.quantization == "awq" and awq.fits and not bf16.fits and awq.num_params == bf16.num_params
+    # (0.5 + 4/128) / 2 = 0.266 for the int4 layers; embedding, head, router, norms and wkv_b stay bf16.
+    assert 0.26 < awq.weights_bytes / bf16.weights_bytes < 0.29
+    assert awq.serve_command[-4:] == ["--quantization", "awq", "--load-format", "dummy"]
+    gptq = plan(PlanRequest("deepseek-llm-7b", gpu="a100-80g", max_model_len=4096, quantization="gptq"))
+    assert gptq.weights_bytes < 0.45 * plan(PlanRequest("deepseek-llm-7b", max_model_len=4096)).weights_bytes

@@ -217,3 +217,58 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
             torch.randn(200, 328)))
 
     _compile_all(_record(monkeypatch, fp8, run))
+
+
+def test_int4_gemm_kernels_compile(monkeypatch):
+    from dataclasses import replace
+
+    int4 = import_kernels("deepserve.kernels.int4")
+    from deepserve.kernels.int4_ref import pack_rows
+
+    n, k = 192, 256
+    qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
+    scales, zeros = torch.rand(n, 2, dtype=torch.float16), torch.full((n, 2), 8.0, dtype=torch.float16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+
+    def run():
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
+        # split sum), mid, prefill; then act order, 8-bit codes, and an odd K (masked K steps) with a bias.
+        for m, nn, kk in ((1, 4096, 4096), (200, 4096, 4096), (8192, 4096, 4096)):
+            cfg = int4.default_config(m, nn, kk)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=replace(cfg, reshape_unpack=False))
+        g_idx = (torch.randperm(k) // 128).to(torch.int32)
+        int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias)
+        int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128)
+        odd = pack_rows(torch.randint(0, 16, (n, 200)), 4)
+        int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias)
+
+    _compile_all(_record(monkeypatch, int4, run))
+
+
+def test_fused_moe_int4_kernels_compile(monkeypatch):
+    fm = import_kernels("deepserve.kernels.fused_moe")
+    from deepserve.kernels.int4_ref import pack_rows
+
+    e, h, inter = 8, 256, 128
+    w13, w2 = pack_rows(torch.randint(0, 16, (e, 2 * inter, h)), 4), pack_rows(torch.randint(0, 16, (e, h, inter)), 4)
+
+    def operands(rows: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # small scales: silu's exp stays in range in the interpreter run
+        scales = (torch.rand(e, rows, groups) * 1e-3).half()
+        return scales, torch.full((e, rows, groups), 8.0, dtype=torch.float16)
+
+    int4 = fm.Int4Experts(4, *operands(2 * inter, 2), *operands(h, 1), 128, 128)
+    act_order = fm.Int4Experts(4, *operands(2 * inter, 2), *operands(h, 1), 128, 128,
+                               (torch.arange(h) // 128).repeat(e, 1).to(torch.int32),
+                               torch.zeros(e, inter, dtype=torch.int32))
+    x, ids, weights = torch.randn(5, h, dtype=torch.bfloat16), torch.randint(0, e, (5, 2)), torch.rand(5, 2)
+
+    def run():
+        for tokens in (1, 4096):  # decode and prefill tiles
+            cfg = fm.default_config(tokens, 2, e, torch.bfloat16)
+            fm.fused_moe(x, w13, w2, weights, ids, cfg, int4=int4)
+        fm.fused_moe(x, w13, w2, weights, ids, int4=act_order)
+
+    _compile_all(_record(monkeypatch, fm, run))

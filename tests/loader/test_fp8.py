@@ -73,7 +73,9 @@ def test_quantization_config_is_checked():
     config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
     assert fp8_block_size(config) == (128, 128)
     config.quantization_config = {"quant_method": "awq"}
-    with pytest.raises(ValueError, match="quant_method 'awq'"):
+    assert fp8_block_size(config) is None  # int4: loader/int4.py
+    config.quantization_config = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
         fp8_block_size(config)
     config.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(ValueError, match="weight_block_size"):

@@ -181,8 +181,8 @@ def test_deepseek_quantized_at_load(tmp_path, tokenizer):
 
 def test_unknown_quantization_is_refused(dense):
     path, _ = dense
-    with pytest.raises(ValueError, match="quantization 'awq' is not supported; supported: fp8"):
-        EngineArgs(model=path, device="cpu", quantization="awq").create_engine_config()
+    with pytest.raises(ValueError, match="quantization 'int3' is not supported; supported: fp8, awq, gptq"):
+        EngineArgs(model=path, device="cpu", quantization="int3").create_engine_config()
 
 
 def test_gpu_without_fp8_is_refused_or_dequantizes(caplog):

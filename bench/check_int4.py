@@ -1,0 +1,268 @@
+"""Correctness and speed of the W4A16 kernels (deepserve/kernels/int4.py, the int4 path of
+kernels/fused_moe.py), in one run on one H200.
+
+1. The GEMM against int4_ref (the weight dequantized, rounded to bf16, cuBLAS bf16 matmul) on every
+   (N, K) of SHAPES (DeepSeek-LLM-7B's, V2-Lite's, odd ones) at M = 1, 2, 3, 8, 64, 257, 1024, 8192; random
+   codes, per-group scales of different magnitudes; 4-bit groups of 128, act order, 8-bit.
+2. The fused MoE's int4 path against fused_moe_int4_ref on V2-Lite's experts (64 x 2048 x 1408, top 6) at
+   T = 1, 8, 64, 512, 4096.
+3. Speed at M = 1, 8, 16, 64, 256, 1024, 8192 on LLM-7B's projections: the int4 GEMM (and with the other
+   way of unpacking the words, kernels/int4_tile.py) against bf16 F.linear (cuBLAS), median of
+   triton.testing.do_bench with L2 flushed (weights from HBM, as in decode), and the int4 weight stream's
+   GB/s; the fused MoE int4 against bf16 at T = 1, 8, 64; one CUDA graph capture of the GEMM (no host sync).
+
+Tables come last; JSON to --json; exit code 1 on any wrong result. About 90 s on the H200.
+    python bench/check_int4.py --json OUT.json     # the H200 run
+    python bench/check_int4.py --smoke             # tiny shapes; CPU under TRITON_INTERPRET
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import bench_env
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # --smoke on CPU; must precede the first `import triton`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import triton.testing  # noqa: E402
+
+from deepserve.kernels import fused_moe as fm  # noqa: E402
+from deepserve.kernels import int4  # noqa: E402
+from deepserve.kernels import int4_ref as ref  # noqa: E402
+
+START = time.perf_counter()
+DEADLINE_S = 100.0  # past this, remaining timings are skipped (and listed as skipped)
+SHAPES = {  # name: (N, K)
+    "odd": (1000, 328), "7B qkv/o": (4096, 4096), "7B gate_up": (22016, 4096), "7B down": (4096, 11008),
+    "Lite kv_a": (576, 2048), "Lite q": (3072, 2048), "Lite dense down": (2048, 10944),
+}
+VARIANTS = {"g128": (4, 128, False), "act-order": (4, 128, True), "8-bit": (8, 128, False)}
+CHECK_MS = (1, 2, 3, 8, 64, 257, 1024, 8192)
+TIME_SHAPES = ("7B qkv/o", "7B gate_up", "7B down")
+TIME_MS = (1, 8, 16, 64, 256, 1024, 8192)
+MOE = dict(experts=64, hidden=2048, inter=1408, top_k=6)
+MOE_TOKENS = (1, 8, 64, 512, 4096)
+SMOKE = dict(shapes={"odd": (200, 328), "even": (128, 256)}, ms=(1, 3, 40),
+             moe=dict(experts=8, hidden=256, inter=128, top_k=2), moe_tokens=(1, 5))
+TOLERANCE = dict(max_rel=2e-2, norm_rel=1e-2)  # bf16 outputs: accumulation order and rounding differ
+# The interpreter's fp32 -> bf16 cast truncates (the GPU rounds): --smoke on CPU runs fp16.
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def weights(n: int, k: int, bits: int, group: int, act_order: bool, device, seed: int, lead: tuple = ()):
+    """Our layout: (qweight, scales, zeros, g_idx or None), random codes, scales 10^-3 .. 10^-1."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    codes = torch.randint(0, 2**bits, (*lead, n, k), generator=gen)
+    scales = (10 ** (torch.rand(*lead, n, groups, generator=gen) * 2 - 3)).half()
+    zeros = torch.randint(0, 2**bits, (*lead, n, groups), generator=gen).half()
+    g_idx = (torch.randperm(k, generator=gen) // group).to(torch.int32) if act_order else None
+    out = [ref.pack_rows(codes, bits), scales, zeros, g_idx]
+    return [t.to(device) if t is not None else None for t in out]
+
+
+def errors(out: torch.Tensor, expected: torch.Tensor) -> dict:
+    diff, e = (out.float() - expected.float()), expected.float()
+    return dict(max_rel=(diff.abs().max() / e.abs().max().clamp_min(1e-30)).item(),
+                norm_rel=(diff.norm() / e.norm().clamp_min(1e-30)).item(), nan=bool(out.isnan().any()))
+
+
+def ok(err: dict) -> bool:
+    return not err["nan"] and err["max_rel"] <= TOLERANCE["max_rel"] and err["norm_rel"] <= TOLERANCE["norm_rel"]
+
+
+def run_gemm_correctness(shapes: dict, ms: tuple, device) -> list[dict]:
+    rows = []
+    for name, (n, k) in shapes.items():
+        for variant, (bits, group, act_order) in VARIANTS.items():
+            qw, s, z, g = weights(n, k, bits, group, act_order, device, seed=n + k + bits)
+            w = ref.dequantize(qw, s, z, bits, group, g).to(DTYPE)  # [N, K]
+            for m in ms:
+                row = dict(shape=name, variant=variant, m=m)
+                try:
+                    x = torch.randn(m, k, device=device, dtype=DTYPE)
+                    got = int4.w4a16_matmul(x, qw, s, z, bits, group, g)
+                    row |= errors(got, torch.nn.functional.linear(x.float(), w.float()))
+                    row["ok"] = ok(row)
+                except Exception as exc:
+                    row |= dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                    traceback.print_exc()
+                rows.append(row)
+                print(_check_line(row), flush=True)
+    return rows
+
+
+def moe_case(t: int, cfg: dict, device, act_order: bool = False):
+    e, h, i, k = cfg["experts"], cfg["hidden"], cfg["inter"], cfg["top_k"]
+    w13, s13, z13, g13 = weights(2 * i, h, 4, 128, False, device, seed=1, lead=(e,))
+    w2, s2, z2, g2 = weights(h, i, 4, 128, False, device, seed=2, lead=(e,))
+    experts = fm.Int4Experts(4, s13, z13, s2, z2, 128, 128)
+    x = torch.randn(t, h, device=device, dtype=DTYPE)
+    scores = torch.randn(t, e, device=device)
+    ids = scores.topk(k, dim=-1).indices
+    topk_weights = scores.gather(1, ids).softmax(-1).float().contiguous()
+    return x, w13, w2, topk_weights, ids, experts
+
+
+def run_moe_correctness(cfg: dict, tokens: tuple, device) -> list[dict]:
+    rows = []
+    for t in tokens:
+        row = dict(shape="V2-Lite experts", variant="g128", m=t)
+        try:
+            x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+            row |= errors(fm.fused_moe(x, w13, w2, tw, ids, int4=experts),
+                          fm.fused_moe_int4_ref(x, w13, w2, tw, ids, experts))
+            row["ok"] = ok(row)
+        except Exception as exc:
+            row |= dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+        rows.append(row)
+        print(_check_line(row), flush=True)
+    return rows
+
+
+def _check_line(row: dict) -> str:
+    head = f"{row['shape']:>16} {row['variant']:>9} M={row['m']:<5}"
+    if "error" in row:
+        return f"{head} ERROR {row['error']}"
+    return f"{head} max_rel {row['max_rel']:.2e} norm_rel {row['norm_rel']:.2e}  {'ok' if row['ok'] else 'FAIL'}"
+
+
+def time_us(fn) -> float:
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    return triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median") * 1e3
+
+
+def run_gemm_speed(shapes: dict, ms: tuple, device) -> list[dict]:
+    rows = []
+    for name, (n, k) in shapes.items():
+        qw, s, z, _ = weights(n, k, 4, 128, False, device, seed=7)
+        w = ref.dequantize(qw, s, z, 4, 128).to(DTYPE)
+        for m in ms:
+            row = dict(shape=name, n=n, k=k, m=m)
+            if elapsed() > DEADLINE_S:
+                rows.append(row | dict(skipped=True))
+                continue
+            x = torch.randn(m, k, device=device, dtype=DTYPE)
+            cfg = int4.default_config(m, n, k)
+            gather = replace(cfg, reshape_unpack=not cfg.reshape_unpack)  # the other unpacking (int4_tile.py)
+            row |= dict(config=str(cfg),
+                        int4_us=time_us(functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128)),
+                        other_unpack_us=time_us(functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128,
+                                                                  config=gather)),
+                        bf16_us=time_us(functools.partial(torch.nn.functional.linear, x, w)))
+            # bytes the int4 GEMM must read: codes, scales and zeros (x and the output are small at decode)
+            row["int4_gbs"] = (qw.numel() * 4 + 2 * s.numel() * 2) / row["int4_us"] / 1e3
+            rows.append(row)
+            print(f"{name:>12} M={m:<5} int4 {row['int4_us']:8.1f} us  other unpacking {row['other_unpack_us']:8.1f} us"
+                  f"  bf16 {row['bf16_us']:8.1f} us  {row['int4_gbs']:6.0f} GB/s  ({row['config']})", flush=True)
+    return rows
+
+
+def run_moe_speed(cfg: dict, tokens: tuple, device) -> list[dict]:
+    rows = []
+    for t in tokens:
+        if elapsed() > DEADLINE_S:
+            rows.append(dict(m=t, skipped=True))
+            continue
+        x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+        w13b = torch.randn(cfg["experts"], 2 * cfg["inter"], cfg["hidden"], device=device, dtype=DTYPE)
+        w2b = torch.randn(cfg["experts"], cfg["hidden"], cfg["inter"], device=device, dtype=DTYPE)
+        row = dict(m=t, int4_us=time_us(functools.partial(fm.fused_moe, x, w13, w2, tw, ids, int4=experts)),
+                   bf16_us=time_us(functools.partial(fm.fused_moe, x, w13b, w2b, tw, ids)))
+        rows.append(row)
+        print(f"fused MoE T={t:<5} int4 {row['int4_us']:8.1f} us  bf16 {row['bf16_us']:8.1f} us", flush=True)
+    return rows
+
+
+def run_graph_check(device) -> dict:
+    """The GEMM at M = 1 captured in a CUDA graph: proves no host sync."""
+    if device.type != "cuda":
+        return dict(skipped="CPU")
+    try:
+        qw, s, z, _ = weights(4096, 4096, 4, 128, False, device, seed=3)
+        x = torch.randn(1, 4096, device=device, dtype=DTYPE)
+        want = int4.w4a16_matmul(x, qw, s, z, 4, 128)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int4.w4a16_matmul(x, qw, s, z, 4, 128)
+        graph.replay()
+        torch.cuda.synchronize()
+        return dict(ok=bool(torch.equal(out, want)))
+    except Exception as exc:
+        return dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def print_tables(report: dict) -> bool:
+    rows = report["gemm"] + report["moe"]
+    failed = [r for r in rows if not r.get("ok")]
+    print("\n==== correctness (bf16 against the dequantized weight in cuBLAS / the MoE reference) ====")
+    print(f"{len(rows) - len(failed)}/{len(rows)} cases ok; worst max_rel "
+          f"{max((r.get('max_rel', 0) for r in rows), default=0):.2e} (tolerance {TOLERANCE['max_rel']})")
+    for r in failed:
+        print("FAILED", _check_line(r))
+    print(f"CUDA graph capture: {report['graph']}")
+    print("\n==== W4A16 GEMM against bf16 cuBLAS (us, median, L2 flushed) ====")
+    print(f"unpacking: default reshape={int4.RESHAPE_UNPACK}; 'other' times the other way (kernels/int4_tile.py)")
+    print(f"{'shape':>12} {'M':>5} {'int4':>8} {'other':>8} {'bf16':>8} {'bf16/int4':>9} {'int4 GB/s':>9}")
+    for r in report["gemm_speed"]:
+        if "int4_us" in r:
+            print(f"{r['shape']:>12} {r['m']:>5} {r['int4_us']:8.1f} {r['other_unpack_us']:8.1f} {r['bf16_us']:8.1f} "
+                  f"{r['bf16_us'] / r['int4_us']:9.2f} {r['int4_gbs']:9.0f}")
+    print("\n==== fused MoE, V2-Lite experts: int4 against bf16 (us) ====")
+    for r in report["moe_speed"]:
+        if "int4_us" in r:
+            print(f"T={r['m']:>5} int4 {r['int4_us']:8.1f} bf16 {r['bf16_us']:8.1f} bf16/int4 "
+                  f"{r['bf16_us'] / r['int4_us']:.2f}")
+    skipped = [r for r in report["gemm_speed"] + report["moe_speed"] if r.get("skipped")]
+    good = not failed and report["graph"].get("ok", True)
+    print(f"\nwall {elapsed():.0f} s; {len(skipped)} timings skipped past {DEADLINE_S:.0f} s; "
+          + ("ALL CORRECT" if good else "CORRECTNESS FAILURES"))
+    return good
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = SMOKE["shapes"] if args.smoke else SHAPES
+    ms = SMOKE["ms"] if args.smoke else CHECK_MS
+    moe_cfg = SMOKE["moe"] if args.smoke else MOE
+    report = dict(env=bench_env.environment(device))
+    report["gemm"] = run_gemm_correctness(shapes, ms, device)
+    report["moe"] = run_moe_correctness(moe_cfg, SMOKE["moe_tokens"] if args.smoke else MOE_TOKENS, device)
+    report["graph"] = run_graph_check(device)
+    time_shapes = shapes if args.smoke else {s: SHAPES[s] for s in TIME_SHAPES}
+    report["gemm_speed"] = run_gemm_speed(time_shapes, SMOKE["ms"] if args.smoke else TIME_MS, device)
+    report["moe_speed"] = run_moe_speed(moe_cfg, (1,) if args.smoke else (1, 8, 64), device)
+    report["wall_s"] = elapsed()
+    good = print_tables(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The one int4 / int8 weight-tile dequantization both W4A16 GEMMs share (kernels/int4.py for linear
+layers, kernels/fused_moe.py for the routed experts); int4_ref.py has the layout and the numerics.
+
+Two ways to get the codes out of the packed int32 words, switched by a constexpr so bench/check_int4.py
+can time both (neither measured yet):
+  reshape  load each word once ([BLOCK_K / pack, BLOCK_N]), shift it by all `pack` offsets at once and
+           reshape [BLOCK_K / pack, pack, BLOCK_N] to [BLOCK_K, BLOCK_N]: `pack` times fewer loads, one
+           register relayout (the default: decode is a weight stream and load instructions count there)
+  gather   load the word of every (k, n) (each word `pack` times, from L1), then shift and mask
+The weight is w = q * s - z * s in one fma per element, exactly (q - z) * s: both products are exact in
+fp32 (an fp16 scale times an integer below 2^9), so the single rounding is of the exact value.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RESHAPE_UNPACK = True  # the default way (module docstring); Int4GemmConfig.reshape_unpack overrides it
+
+
+@triton.jit
+def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+                    RESHAPE: tl.constexpr):
+    """w^T [BLOCK_K, BLOCK_N] in fp32 for inputs offs_k (= k_start + arange(BLOCK_K)) of the BLOCK_N output
+    rows whose packed codes start at q_cols and whose scales / zero points (one per group, contiguous) start
+    at s_cols / z_cols (all [BLOCK_N] pointers); g_ptr: g_idx [K] under act order. Inputs past K read
+    code 0: their activations are 0."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if RESHAPE:
+        words = k_start // PACK + tl.arange(0, BLOCK_K // PACK)  # [BLOCK_K / PACK]
+        w_ptrs = q_cols[None, :] + words[:, None]
+        if EVEN_K:
+            packed = tl.load(w_ptrs)
+        else:  # K is a multiple of PACK: a word is in or out whole
+            packed = tl.load(w_ptrs, mask=(words * PACK < K)[:, None], other=0)
+        shifts = tl.arange(0, PACK) * BITS
+        codes = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K / PACK, PACK, BLOCK_N]
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # k = word * PACK + field: the packing order
+    else:
+        q_ptrs = q_cols[None, :] + (offs_k // PACK)[:, None]  # each int32 read PACK times (L1)
+        if EVEN_K:
+            packed = tl.load(q_ptrs)
+        else:
+            packed = tl.load(q_ptrs, mask=(offs_k < K)[:, None], other=0)
+        codes = (packed >> ((offs_k % PACK) * BITS)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
+    ONE_GROUP_PER_TILE: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
+    if ONE_GROUP_PER_TILE:  # the tile's inputs share a group: one scale and zero per output row
+        g0 = k_start // GROUP
+        s = tl.load(s_cols + g0).to(tl.float32)[None, :]
+        z = tl.load(z_cols + g0).to(tl.float32)[None, :]
+    else:
+        k_in = offs_k % K  # in bounds for the masked tail
+        g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
+        s = tl.load(s_cols[None, :] + g[:, None]).to(tl.float32)
+        z = tl.load(z_cols[None, :] + g[:, None]).to(tl.float32)
+    return codes.to(tl.float32) * s - z * s
