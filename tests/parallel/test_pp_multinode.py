@@ -105,10 +105,12 @@ def test_tp2xpp2_on_two_nodes_matches_then_a_killed_node_is_named(checkpoints, t
             assert ranks, "node 1 should have spawned rank 3"
             threading.Timer(0.3, node1.send_signal, (signal.SIGKILL,)).start()
             start = time.monotonic()
-            with pytest.raises(TensorParallelError, match=r"rank 2 \(node 1, stage 1\) sent no heartbeat"):
+            # Ranks 2 and 3 both die with node 1; whichever's last heartbeat is older is named first (under
+            # load that was rank 3 in some runs), and either names the killed node.
+            with pytest.raises(TensorParallelError, match=r"rank [23] \(node 1, stage 1\) sent no heartbeat"):
                 llm.generate(PROMPTS, LONG, use_tqdm=False)
             assert time.monotonic() - start < 20
-            with pytest.raises(TensorParallelError, match="rank 2"):  # the engine stays failed
+            with pytest.raises(TensorParallelError, match="rank [23]"):  # the engine stays failed
                 llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         finally:
             _close(llm)
