@@ -20,6 +20,7 @@ torch nor transformers, like the rest of the engine package.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.matched_stop: str | None = None
+        self.num_tokens_at_stop: int | None = None  # output tokens up to the one completing matched_stop
         self._max_stop_len = max(map(len, self.stop), default=0)
         # A held-back suffix can only be cut off when the stop string itself is cut off.
         self._holdback = 0 if include_stop_str_in_output else max(self._max_stop_len - 1, 0)
@@ -198,6 +200,9 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         i, s = best
+        # The output's tokens end with the one that completes the stop string: later tokens of the same
+        # update (several per step under speculative decoding) are not part of it.
+        self.num_tokens_at_stop = bisect.bisect_left(self.token_text_ends, window_start + i + len(s)) + 1
         self._truncate(window_start + i + (len(s) if self.include_stop_str_in_output else 0))
         self.matched_stop = s
         return s

@@ -50,7 +50,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
             for p in range(start, end):
                 positions.append(p)
                 slots.append(blocks[p // block_size] * block_size + p % block_size)
-                query_start_loc.append(len(query_start_loc))
+                query_start_loc.append(len(positions))  # this row ends after its one token
                 seq_lens.append(p + 1)
             query_start_loc.pop()  # the request's last row is closed below, as every sequence's is
             seq_lens.pop()

@@ -248,3 +248,25 @@ def test_token_text_ends_stop_at_a_stop_string_cut(tok):
             break
     assert detok.output_text == "paged attention "
     assert max(detok.token_text_ends) == len("paged attention ")
+
+
+def test_a_step_of_several_tokens_is_cut_at_the_one_completing_a_stop_string(tok):
+    # A speculative verify step hands the front end several tokens at once; those after the token that
+    # completes a stop string are not output (their text is already cut), nor are their logprobs.
+    from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
+    from deepserve.engine.processors import OutputProcessor
+    from deepserve.sampling_params import SamplingParams
+
+    ids = tok.encode("paged attention stores keys and values", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=["stores"])
+    keep = next(k for k in range(1, len(ids) + 1) if detok.update(ids[k - 1:k]))  # one at a time: the reference
+    assert keep < len(ids)
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=50, stop=["stores"], logprobs=0)
+    proc.add_request("r", None, [EngineCoreRequest("r", [1, 2], params, [], 0.0)])
+    lps = [[(t, -0.5 - i, 1)] for i, t in enumerate(ids)]
+    (out,), to_abort = proc.process([EngineCoreOutput("r", list(ids), new_logprobs=lps)])
+    c = out.outputs[0]
+    assert c.text == "paged attention " and c.finish_reason == "stop" and to_abort == ["r"]
+    assert c.token_ids == ids[:keep] and len(c.logprobs) == keep
+    assert abs(c.cumulative_logprob - sum(-0.5 - i for i in range(keep))) < 1e-9

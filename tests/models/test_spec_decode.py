@@ -194,3 +194,5 @@ def test_stop_strings_agree_without_speculation(checkpoint):
     want, got = (generate(llm(path, spec), params, [SPEC_PROMPTS[2]])[0].outputs[0] for spec in (False, True))
     assert (got.text, got.finish_reason, got.stop_reason) == (want.text, want.finish_reason, want.stop_reason)
     assert want.finish_reason == "stop" and stop not in want.text
+    # and the tokens too: none of a verify step's tokens after the one completing the stop string
+    assert got.token_ids == want.token_ids
