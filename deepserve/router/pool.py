@@ -1,12 +1,15 @@
 """The backends behind the router and their health.
 
 A backend is in rotation when it is healthy and not drained. Health is decided two ways:
-- active: every `interval` seconds the pool GETs each backend's health path (timeout `interval`);
-  a failed probe takes it out of rotation, a passing one puts it back;
+- active: every `interval` seconds the pool GETs each backend's health path (timeout 2 s); a failed
+  probe takes it out of rotation, a passing one puts it back;
 - passive: a connection error or a 5xx on a proxied request takes it out at once (the next passing
   probe puts it back).
-So a dead backend leaves rotation within one probe interval plus its timeout (2 s at the default
-1 s), well inside the 5 s the router promises. Draining is an operator's decision (admin API) and
+So a dead backend leaves rotation within one probe interval plus the probe timeout (3 s at the
+default 1 s interval), inside the 5 s the router promises; a refused connection takes it out at once.
+When no backend is in rotation the router still tries the undrained ones ("panic mode", as Envoy
+does): health checks that all fail at once (a slow network, an overloaded host) must not turn into
+an outage of their own. Draining is an operator's decision (admin API) and
 only stops new requests; the ones in flight run to the end.
 
 `--backend-dns HOST:PORT` adds every address HOST resolves to (a Kubernetes headless Service),
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 logger = logging.getLogger(__name__)
+PROBE_TIMEOUT = 2.0
 
 
 @dataclass
@@ -94,6 +98,10 @@ class BackendPool:
     def in_rotation(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.in_rotation]
 
+    def candidates(self) -> list[Backend]:
+        """Where new requests may go: the backends in rotation, else (panic mode) every undrained one."""
+        return self.in_rotation() or [b for b in self.backends.values() if not b.drained]
+
     def mark(self, b: Backend, healthy: bool, why: str | None = None) -> None:
         if b.mark(healthy, why):
             self.on_change(b)
@@ -108,7 +116,7 @@ class BackendPool:
 
     async def probe(self, client: httpx.AsyncClient, b: Backend) -> None:
         try:
-            r = await client.get(b.url + self.health_path, timeout=self.interval)
+            r = await client.get(b.url + self.health_path, timeout=PROBE_TIMEOUT)
             ok, why = r.status_code == 200, f"health check answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, why = False, f"health check failed: {type(e).__name__}"

@@ -106,7 +106,7 @@ async def open_upstream(st: RouterState, method: str, path: str, raw: bytes | No
     tried: list[Backend] = []
     failures: list[str] = []
     for _ in range(1 + st.settings.max_retries):
-        every = st.pool.in_rotation()
+        every = st.pool.candidates()
         candidates = [b for b in every if b not in tried]
         if not candidates:
             break
@@ -127,7 +127,7 @@ async def open_upstream(st: RouterState, method: str, path: str, raw: bytes | No
             continue
         return up
     if not tried:
-        raise APIError(503, "no backend is in rotation (all unhealthy or drained); retry shortly",
+        raise APIError(503, "every backend is drained; retry shortly",
                        code="no_backend_available", headers={"Retry-After": "1"})
     raise APIError(503, f"no backend could serve the request after {len(tried)} attempt(s): " + "; ".join(failures),
                    code="no_backend_available", headers={"Retry-After": "1"})

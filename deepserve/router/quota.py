@@ -95,7 +95,7 @@ class RedisQuota:
     def __init__(self, url: str, fail_open: bool = False, prefix: str = "deepserve:quota") -> None:
         import redis.asyncio as aioredis
 
-        self.client = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.fail_open = fail_open
         self.prefix = prefix
         self.errors = 0

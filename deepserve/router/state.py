@@ -45,8 +45,8 @@ class RouterSettings:
             raise ValueError("give at least one --backend URL (or --backend-dns HOST:PORT)")
         if self.quota_redis_down not in ("closed", "open"):
             raise ValueError(f"--quota-redis-down must be closed or open, got {self.quota_redis_down!r}")
-        if not 0 < self.health_interval <= 2.5:
-            raise ValueError("--health-interval must be in (0, 2.5] seconds (a dead backend must leave "
+        if not 0 < self.health_interval <= 2:
+            raise ValueError("--health-interval must be in (0, 2] seconds (a dead backend must leave "
                              f"rotation within 5 s), got {self.health_interval}")
         for name in ("affinity_prefix_chars", "affinity_min_chars", "max_body_bytes"):
             if getattr(self, name) < 1:

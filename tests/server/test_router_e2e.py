@@ -5,16 +5,19 @@ start); the test that kills a replica runs last."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 from routerkit import Redis, Router
-from serverkit import ADMIN, USER, auth, wait_until, write_keys
+from serverkit import ADMIN, ROOT, USER, auth, metric, wait_until, write_keys
 
 from deepserve.server.auth import hash_key
 
@@ -131,8 +134,9 @@ def test_drained_replica_gets_nothing_new(cluster):
 def test_requests_per_minute_exact_across_two_routers(cluster):
     urls = [rt.url for rt in cluster["routers"]]
     with cf.ThreadPoolExecutor(16) as ex:
-        codes = list(ex.map(lambda i: complete(urls[i % 2], LIMITED).status_code, range(3 * RPM)))
-    assert codes.count(200) == RPM and codes.count(429) == 2 * RPM, codes
+        answers = list(ex.map(lambda i: complete(urls[i % 2], LIMITED), range(3 * RPM)))
+    codes = [a.status_code for a in answers]
+    assert codes.count(200) == RPM and codes.count(429) == 2 * RPM, [(a.status_code, a.text) for a in answers]
     r = complete(urls[1], LIMITED)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and "across all routers" in r.json()["error"]["message"]
@@ -179,6 +183,38 @@ def test_router_added_latency(cluster):
     direct_ms = statistics.median(times[replica]) * 1e3
     print(f"\nrouter added latency p50: {added_ms:.2f} ms (replica p50 {direct_ms:.1f} ms)")
     assert added_ms < 30, added_ms  # a loose bound for a shared 2-core CI machine; the figure is printed
+
+
+def test_bench_serve_through_the_router(cluster):
+    """`deepserve bench serve` (the real CLI) through a router: vLLM's field names, and token counts that
+    agree with what the replicas counted themselves."""
+    out = os.path.join(cluster["tmp"], "bench.json")
+    gen_before = sum(_replica_metric(r, "deepserve:generation_tokens_total") for r in cluster["replicas"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepserve.entrypoints.cli", "bench", "serve", "--base-url", cluster["routers"][1].url,
+         "--model", "deepserve-demo", "--api-key", USER, "--num-prompts", "8", "--request-rate", "20",
+         "--max-concurrency", "4", "--random-input-len", "24", "--random-output-len", "6",
+         "--random-vocab-size", "200", "--goodput", "e2el:60000", "ttft:1", "--metric-percentiles", "50,99",
+         "--output-json", out], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    r = json.load(open(out))
+    assert r["completed"] == 8 and r["failed"] == 0 and r["total_output_tokens"] == 48
+    assert r["total_input_tokens"] == 8 * 24
+    gen_after = sum(_replica_metric(rep, "deepserve:generation_tokens_total") for rep in cluster["replicas"])
+    assert gen_after - gen_before == 48
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"], m
+    assert r["mean_e2el_ms"] >= r["mean_ttft_ms"]
+    assert r["request_throughput"] == pytest.approx(8 / r["duration"])
+    assert r["output_throughput"] == pytest.approx(48 / r["duration"])
+    assert r["request_goodput"] == 0  # a 1 ms TTFT SLO no CPU request meets
+    # 6 tokens: at most 5 gaps between text chunks (fewer when a partial character is held back)
+    assert all(len(itl) <= 5 for itl in r["itls"]) and sum(map(len, r["itls"])) >= 8
+
+
+def _replica_metric(replica, name: str) -> float:
+    return metric(httpx.get(f"{replica.url}/metrics", headers=auth(ADMIN)).text, name)
 
 
 def test_replica_killed_mid_run_loses_no_request(cluster):
