@@ -101,8 +101,8 @@ async def models(request: Request) -> JSONResponse:
     st = _state(request)
     up = await open_upstream(st, "GET", "/v1/models", None, backend_headers(st, request, "models"), False, None)
     up.backend.outstanding -= 1
-    if up.response.status_code != 200:
-        return Response(up.content, status_code=up.response.status_code, media_type="application/json")
+    if up.response.status != 200:
+        return Response(up.content, status_code=up.response.status, media_type="application/json")
     doc = json.loads(up.content)
     key = request.state.api_key
     doc["data"] = [m for m in doc.get("data", []) if key.may_use(str(m.get("id")))]
@@ -160,12 +160,13 @@ def build_app(st: RouterState) -> FastAPI:
         if hasattr(signal, "SIGHUP"):
             with contextlib.suppress(RuntimeError, ValueError):
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, st.keys.reload)
+        client = st.open_client()
         await st.pool.refresh_dns()
-        await asyncio.gather(*(st.pool.probe(st.client, b) for b in list(st.pool.backends.values())))
-        checker = asyncio.create_task(st.pool.run_checks(st.client))
+        await asyncio.gather(*(st.pool.probe(client, b) for b in list(st.pool.backends.values())))
+        checker = asyncio.create_task(st.pool.run_checks(client))
         yield
         checker.cancel()
-        await st.client.aclose()
+        await client.close()
         await st.quota.close()
         if st.audit is not None:
             st.audit.close()

@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 logger = logging.getLogger(__name__)
 PROBE_TIMEOUT = 2.0
@@ -106,7 +106,7 @@ class BackendPool:
         if b.mark(healthy, why):
             self.on_change(b)
 
-    async def run_checks(self, client: httpx.AsyncClient) -> None:
+    async def run_checks(self, client: aiohttp.ClientSession) -> None:
         """The active checker: forever, one probe round per interval."""
         while True:
             started = time.monotonic()
@@ -114,11 +114,12 @@ class BackendPool:
             await asyncio.gather(*(self.probe(client, b) for b in list(self.backends.values())))
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
-    async def probe(self, client: httpx.AsyncClient, b: Backend) -> None:
+    async def probe(self, client: aiohttp.ClientSession, b: Backend) -> None:
         try:
-            r = await client.get(b.url + self.health_path, timeout=PROBE_TIMEOUT)
-            ok, why = r.status_code == 200, f"health check answered {r.status_code}"
-        except httpx.HTTPError as e:
+            async with client.get(b.url + self.health_path, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT)) as r:
+                await r.read()
+                ok, why = r.status == 200, f"health check answered {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
             ok, why = False, f"health check failed: {type(e).__name__}"
         self.mark(b, ok, None if ok else why)
 

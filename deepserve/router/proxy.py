@@ -11,6 +11,7 @@ the client's problem and is passed through as it is.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -35,6 +36,12 @@ from deepserve.server.serving import client_addr
 
 logger = logging.getLogger(__name__)
 _PASS_HEADERS = ("content-type", "x-request-id", "cache-control")
+# What a failed backend raises: connection refused or reset, a closed stream, a timeout.
+BACKEND_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+class EmptyStream(aiohttp.ClientError):
+    pass
 
 
 @dataclass
@@ -42,10 +49,9 @@ class Upstream:
     """A backend's response that the router has committed to relay."""
 
     backend: Backend
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     content: bytes | None = None  # the whole body (non-streamed, or any non-200)
-    chunks: AsyncIterator[bytes] | None = None  # the rest of a 200 stream, after `first`
-    first: bytes = b""
+    first: bytes | None = None  # a 200 stream's first bytes (the rest: response.content)
 
 
 def parse_request(st: RouterState, raw: bytes, chat: bool) -> dict:
@@ -84,18 +90,18 @@ def backend_headers(st: RouterState, request: Request, request_id: str) -> dict[
 
 async def _attempt(st: RouterState, b: Backend, method: str, path: str, raw: bytes | None,
                    headers: dict[str, str], stream: bool) -> Upstream:
-    req = st.client.build_request(method, b.url + path, content=raw, headers=headers)
-    resp = await st.client.send(req, stream=True)
+    resp = await st.client.request(method, b.url + path, data=raw, headers=headers)
     try:
-        if not stream or resp.status_code != 200:
-            return Upstream(b, resp, content=await resp.aread())
-        chunks = resp.aiter_raw()
-        first = await anext(chunks, b"")
+        if not stream or resp.status != 200:
+            content = await resp.read()
+            resp.release()
+            return Upstream(b, resp, content=content)
+        first = await resp.content.readany()
         if not first:
-            raise httpx.RemoteProtocolError("the stream closed before its first byte")
-        return Upstream(b, resp, chunks=chunks, first=first)
+            raise EmptyStream("the stream closed before its first byte")
+        return Upstream(b, resp, first=first)
     except BaseException:
-        await resp.aclose()
+        resp.close()
         raise
 
 
@@ -115,15 +121,15 @@ async def open_upstream(st: RouterState, method: str, path: str, raw: bytes | No
         b.outstanding += 1
         try:
             up = await _attempt(st, b, method, path, raw, headers, stream)
-        except httpx.HTTPError as e:
+        except BACKEND_FAILURES as e:
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             _failed(st, b, "connect_error", why)
             failures.append(f"{b.url}: {why}")
             continue
-        if up.response.status_code >= 500:
-            await up.response.aclose()
-            _failed(st, b, f"http_{up.response.status_code}", f"answered {up.response.status_code}")
-            failures.append(f"{b.url}: HTTP {up.response.status_code} {_error_message(up.content)}")
+        if up.response.status >= 500:
+            up.response.close()
+            _failed(st, b, f"http_{up.response.status}", f"answered {up.response.status}")
+            failures.append(f"{b.url}: HTTP {up.response.status} {_error_message(up.content)}")
             continue
         return up
     if not tried:
@@ -154,7 +160,8 @@ def _usage_tokens(usage: Any) -> tuple[int, int]:
 
 
 def _client_headers(up: Upstream, ticket: Ticket) -> dict[str, str]:
-    h = {k: v for k, v in up.response.headers.items() if k in _PASS_HEADERS or k.startswith("x-ratelimit-")}
+    h = {k.lower(): v for k, v in up.response.headers.items()
+         if k.lower() in _PASS_HEADERS or k.lower().startswith("x-ratelimit-")}
     h.update(ticket.headers)  # the global quota is the one the client should pace itself by
     return h
 
@@ -188,7 +195,7 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
         st.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrival)
         raise
     audit["backend"] = up.backend.url
-    if up.chunks is None:
+    if up.first is None:
         return await _whole(st, up, ticket, key, endpoint, arrival, audit)
     relay = Relay(st, up, ticket, key, endpoint, arrival, audit, strip_usage)
     return RelayResponse(relay.events(), relay, status_code=200, headers=_client_headers(up, ticket))
@@ -196,7 +203,7 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
 
 async def _whole(st: RouterState, up: Upstream, ticket: Ticket, key: ApiKey, endpoint: str, arrival: float,
                  audit: dict) -> Response:
-    b, status = up.backend, up.response.status_code
+    b, status = up.backend, up.response.status
     b.outstanding -= 1
     st.metrics.backend_requests.labels(b.url, "ok" if status == 200 else f"http_{status}").inc()
     prompt = completion = 0
@@ -255,8 +262,8 @@ class Relay:
                             out.append(event)
                     if out:
                         yield b"".join(out)
-                    chunk = await anext(self.up.chunks, None)
-            except httpx.HTTPError as e:
+                    chunk = await self.up.response.content.readany() or None
+            except BACKEND_FAILURES as e:
                 self.st.pool.mark(self.up.backend, False, f"stream cut: {type(e).__name__}")
             outcome = self.ended or "stream_cut"
             if not self.ended:
@@ -272,7 +279,12 @@ class Relay:
         self.finished = True
         st, b = self.st, self.up.backend
         b.outstanding -= 1
-        await self.up.response.aclose()
+        # A stream read to its end gives the connection back; one left mid-way is closed, which the
+        # backend sees as its client gone (and aborts the request).
+        if self.ended:
+            self.up.response.release()
+        else:
+            self.up.response.close()
         st.metrics.backend_requests.labels(b.url, outcome).inc()
         prompt, completion = _usage_tokens(self.usage)
         await st.quota.charge(self.ticket, prompt + completion)

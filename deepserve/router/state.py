@@ -6,7 +6,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from deepserve.router.balance import Balancer
 from deepserve.router.metrics import RouterMetrics
@@ -69,13 +69,20 @@ class RouterState:
         self.metrics = RouterMetrics(self.pool, self.quota)
         self.audit = AuditLog(settings.audit_log) if settings.audit_log else None
         self.usage: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        # One connection pool to every backend: keep-alive connections are most of the router's speed.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1000)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout, connect=2.0), limits=limits)
+        self.client: aiohttp.ClientSession | None = None  # made in the event loop: open_client()
         if not self.keys.configured:
             logger.warning("no API keys configured: every route except /health and /ready answers 401")
         if not settings.redis_url:
             logger.warning("no --redis-url: no global quotas; each replica's own per-key limits apply")
+
+    def open_client(self) -> aiohttp.ClientSession:
+        """One connection pool to every backend; keep-alive connections are most of the router's speed.
+        aiohttp, not httpx: on this project's 2-core test machine an httpx AsyncClient request to a trivial
+        local server took 3.4 ms at the median against 0.5 ms for aiohttp (its sockets have TCP_NODELAY)."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout, sock_connect=2.0)
+        self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                                            timeout=timeout, auto_decompress=False)
+        return self.client
 
     def record(self, key_name: str, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
                **audit) -> None:

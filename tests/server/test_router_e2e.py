@@ -182,7 +182,7 @@ def test_router_added_latency(cluster):
     added_ms = (statistics.median(times[router]) - statistics.median(times[replica])) * 1e3
     direct_ms = statistics.median(times[replica]) * 1e3
     print(f"\nrouter added latency p50: {added_ms:.2f} ms (replica p50 {direct_ms:.1f} ms)")
-    assert added_ms < 30, added_ms  # a loose bound for a shared 2-core CI machine; the figure is printed
+    assert added_ms < 15, added_ms  # loose: a shared 2-core CI machine (bench/router_overhead.py measures it)
 
 
 def test_bench_serve_through_the_router(cluster):
