@@ -71,3 +71,18 @@ def test_flags_are_checked():
         RouterSettings(backends=["http://a"], health_interval=10)
     with pytest.raises(ValueError, match="--quota-redis-down"):
         RouterSettings(backends=["http://a"], quota_redis_down="maybe")
+
+
+def test_backend_dns_adds_each_address_once_and_forgets_those_gone():
+    import asyncio
+
+    from deepserve.router.pool import BackendPool
+
+    pool = BackendPool(["http://127.0.0.1:9"], ["localhost:8123"])
+    asyncio.run(pool.refresh_dns())
+    found = [u for u, b in pool.backends.items() if b.dns == "localhost"]
+    assert "http://127.0.0.1:8123" in found and not pool.backends[found[0]].healthy  # until its first probe
+    pool.dns_targets = [("localhost", 8124)]  # the Service now answers elsewhere: the old pods left
+    asyncio.run(pool.refresh_dns())
+    assert "http://127.0.0.1:8123" not in pool.backends and "http://127.0.0.1:8124" in pool.backends
+    assert "http://127.0.0.1:9" in pool.backends  # a static --backend never leaves
