@@ -7,13 +7,15 @@ Run it against the router (or one server) from a machine with `pip install locus
         --users 2000 --spawn-rate 50 --run-time 15m --csv w3-locust
 
 Each simulated user holds one API key (the lines of DEEPSERVE_API_KEYS, dealt round robin, or the one
-DEEPSERVE_API_KEY) and keeps a conversation: a streamed chat turn of about 200 prompt tokens and up to
+DEEPSERVE_API_KEY) and keeps a conversation: a streamed chat turn of about 200 new prompt tokens
+(DEEPSERVE_PROMPT_WORDS, default 150 words) after the system prompt and the last two turns, and up to
 DEEPSERVE_MAX_TOKENS (default 180) new ones (BENCHMARKS.md W3's short shape), then a think time of
 DEEPSERVE_THINK_MIN..MAX seconds (default 1..5), for as long as the run lasts. The conversation's
 X-Session-ID header keeps a user's turns on one replica (the router's prefix affinity).
 
-Besides Locust's own request statistics (the whole streamed response, as "chat"), each request
-reports "ttft" (to the first content chunk) as a separate entry, so the CSV has TTFT percentiles.
+Locust's own entry "chat" times a request to its response headers (it streams); each request also
+reports "ttft" (to the first content chunk) and "e2e" (to the end of the stream) as entries of their
+own, so the CSV has TTFT and end-to-end percentiles.
 429s (a key's quota) are counted as their own name "chat 429", not as failures: with 1,000
 requests/min/user, a quota that bites is the system working.
 """
@@ -31,6 +33,7 @@ from locust import HttpUser, between, events, task
 
 MODEL = os.environ.get("DEEPSERVE_MODEL", "deepserve-demo")
 MAX_TOKENS = int(os.environ.get("DEEPSERVE_MAX_TOKENS", "180"))
+PROMPT_WORDS = int(os.environ.get("DEEPSERVE_PROMPT_WORDS", "150"))
 THINK = (float(os.environ.get("DEEPSERVE_THINK_MIN", "1")), float(os.environ.get("DEEPSERVE_THINK_MAX", "5")))
 WORDS = ("model cache token batch latency replica router quota stream prefix kernel tensor attention "
          "expert layer memory request server cluster deploy metric window budget schedule").split()
@@ -52,9 +55,9 @@ def _keys() -> list[str]:
 _KEYS = itertools.cycle(_keys())
 
 
-def _question(rng: random.Random, words: int = 150) -> str:
-    # ~150 words of English-like text is ~200 tokens for the DeepSeek and Qwen tokenizers.
-    return " ".join(rng.choice(WORDS) for _ in range(words)) + "?"
+def _question(rng: random.Random) -> str:
+    # 150 words of English-like text is ~200 tokens for the DeepSeek and Qwen tokenizers.
+    return " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS)) + "?"
 
 
 class ChatUser(HttpUser):
@@ -69,7 +72,9 @@ class ChatUser(HttpUser):
     @task
     def chat(self) -> None:
         self.messages.append({"role": "user", "content": _question(self.rng)})
-        body = {"model": MODEL, "messages": self.messages[-5:], "max_tokens": MAX_TOKENS, "stream": True}
+        # The system prompt and the last two turns: the context stays bounded however long the run.
+        body = {"model": MODEL, "messages": self.messages[:1] + self.messages[1:][-5:], "max_tokens": MAX_TOKENS,
+                "stream": True}
         headers = {"Authorization": f"Bearer {self.key}", "X-Session-ID": self.session}
         start = time.perf_counter()
         with self.client.post("/v1/chat/completions", json=body, headers=headers, stream=True,
@@ -95,7 +100,10 @@ class ChatUser(HttpUser):
                     if first is None:
                         first = time.perf_counter()
                     answer.append(delta)
+            end = time.perf_counter()
             if first is not None:
                 events.request.fire(request_type="POST", name="ttft", response_time=(first - start) * 1000,
                                     response_length=0, exception=None, context={})
+            events.request.fire(request_type="POST", name="e2e", response_time=(end - start) * 1000,
+                                response_length=len("".join(answer)), exception=None, context={})
         self.messages.append({"role": "assistant", "content": "".join(answer)})
