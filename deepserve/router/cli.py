@@ -42,7 +42,8 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
                         "under this factor x the average")
     r.add_argument("--max-retries", type=int, default=2,
                    help="other backends tried when one fails before the response started")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds a backend may take per request")
+    r.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a backend may stay silent (no byte of its answer) before the request fails there")
     r.add_argument("--max-body-bytes", type=int, default=8 << 20)
     r.add_argument("--no-strict-validation", dest="strict_validation", action="store_false",
                    help="pass request fields through unchecked (for backends with fields deepserve lacks); "
