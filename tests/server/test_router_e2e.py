@@ -234,15 +234,15 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
         engine = victim.engine_pid()
         os.kill(victim.proc.pid, signal.SIGKILL)
         os.kill(engine, signal.SIGKILL)
-        killed_at = time.monotonic()
-        codes = [f.result().status_code for f in futures]
+        with cf.ThreadPoolExecutor(1) as watch:
+            out_after = watch.submit(_seconds_until_out, url, victim.url, time.monotonic())
+            codes = [f.result().status_code for f in futures]
+            assert out_after.result() < 5
     assert codes == [200] * 12, codes
     with pytest.raises(openai.APIError) as e:
         for _ in stream:
             pass
     assert "mid-stream" in str(e.value)
-    assert wait_until(lambda: not _backend(url, victim.url)["healthy"], timeout=5)
-    assert time.monotonic() - killed_at < 5
     assert complete(url, USER, PREFIX).status_code == 200
     text = httpx.get(f"{url}/metrics", headers=auth(ADMIN)).text
     assert f'deepserve:router_retries_total{{backend="{victim.url}"}}' in text
@@ -253,6 +253,12 @@ def served_by_victim_busy(victim) -> bool:
         return httpx.get(f"{victim.url}/admin/usage", headers=auth(ADMIN), timeout=2).json()["in_flight"] >= 2
     except httpx.HTTPError:
         return False
+
+
+def _seconds_until_out(router_url: str, backend_url: str, since: float) -> float:
+    while _backend(router_url, backend_url)["healthy"] and time.monotonic() - since < 30:
+        time.sleep(0.05)
+    return time.monotonic() - since
 
 
 def _backend(router_url: str, backend_url: str) -> dict:
