@@ -126,6 +126,9 @@ async def open_upstream(st: RouterState, method: str, path: str, raw: bytes | No
             _failed(st, b, "connect_error", why)
             failures.append(f"{b.url}: {why}")
             continue
+        except BaseException:  # cancelled (the client left, shutdown): the slot must not leak
+            b.outstanding -= 1
+            raise
         if up.response.status >= 500:
             up.response.close()
             _failed(st, b, f"http_{up.response.status}", f"answered {up.response.status}")
