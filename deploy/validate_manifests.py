@@ -14,7 +14,9 @@ import kubernetes_validate
 import yaml
 
 CHART = pathlib.Path(__file__).parent / "helm" / "deepserve"
-VALUE_SETS = {"defaults": None, "all-on": CHART / "ci" / "all-on-values.yaml", "lws": CHART / "ci" / "lws-values.yaml"}
+VALUE_SETS = {"defaults": None, "all-on": CHART / "ci" / "all-on-values.yaml", "lws": CHART / "ci" / "lws-values.yaml",
+              "router": CHART / "ci" / "router-values.yaml",
+              "router-external-redis": CHART / "ci" / "router-external-redis-values.yaml"}
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the oldest and newest the chart claims, with the schemas at hand
 # CRDs have no schema in kubernetes-validate (it ships the core API only): these are checked for their
 # identity fields only. Their full validation needs the CRDs installed (kubectl apply --dry-run=server).

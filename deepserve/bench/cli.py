@@ -13,7 +13,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from deepserve.bench import workloads
     from deepserve.entrypoints.cli import add_engine_args
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2), serve (W3, online)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline")
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
@@ -39,6 +39,43 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
+    _add_serve_parser(kinds)
+
+
+def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+    sv = kinds.add_parser("serve", help="W3: the online serving benchmark against a running server or router "
+                          "(vLLM bench serve's fields)")
+    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (a server or a router)")
+    sv.add_argument("--endpoint", default="/v1/completions")
+    sv.add_argument("--model", required=True, help="the served model name")
+    sv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, then $DEEPSERVE_API_KEY")
+    sv.add_argument("--num-prompts", type=int, default=1000)
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (inf: all at once)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    sv.add_argument("--dataset", choices=["random", "w1"], default="random",
+                    help="w1: BENCHMARKS.md's W1 prompts and lengths (token ids < 10,000); random: "
+                         "--random-input-len/--random-output-len")
+    sv.add_argument("--random-input-len", type=int, default=1024)
+    sv.add_argument("--random-output-len", type=int, default=128)
+    sv.add_argument("--random-range-ratio", type=float, default=0.0)
+    sv.add_argument("--random-vocab-size", type=int, default=10000, help="prompt token ids are drawn below this")
+    sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
+    sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")
+    sv.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--output-json", default=None)
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from deepserve.bench import serve
+
+    result = serve.main(ns)
+    _write(ns.output_json, result)
+    return 0 if result["completed"] else 1
 
 
 def _engine_args(ns: argparse.Namespace):

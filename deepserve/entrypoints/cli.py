@@ -1,4 +1,4 @@
-"""`deepserve` command line: generate, chat, demo-model, serve, keys."""
+"""`deepserve` command line: generate, chat, demo-model, serve, keys, router, bench, plan."""
 
 from __future__ import annotations
 
@@ -257,6 +257,9 @@ def _add_server_commands(sub: argparse._SubParsersAction) -> None:
     add_serve_parser(sub)
     add_keys_parser(sub)
     add_audit_parser(sub)
+    from deepserve.router.cli import add_router_parser
+
+    add_router_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

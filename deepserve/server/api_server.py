@@ -206,7 +206,10 @@ def bind_listener(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the engine starts: a taken port fails fast, in one line
     (ValueError), and no other process can take the port between this check and serving."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: accepted sockets inherit it, and asyncio sets TCP_NODELAY on a
+    # transport only when proto is IPPROTO_TCP. Without it every response (headers and body are separate
+    # writes) waited for the client's delayed ACK: ~40 ms added to each request on Linux.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart past TIME_WAIT
     try:
         sock.bind((host, port))

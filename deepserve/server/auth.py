@@ -163,8 +163,10 @@ def bearer_token(auth_headers: list[str]) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str]) -> ApiKey | None:
-    """The key allowed on `route_path` (the matched route's template), None on a public route."""
+def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str],
+              route_roles: dict[str, frozenset[str]] | None = None) -> ApiKey | None:
+    """The key allowed on `route_path` (the matched route's template), None on a public route.
+    `route_roles` is the app's table (the server's ROUTE_ROLES unless given; the router has its own)."""
     if route_path in PUBLIC_ROUTES:
         return None
     token = bearer_token(auth_headers)
@@ -175,7 +177,7 @@ def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str]) 
     key = store.lookup(token)
     if key is None:
         raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    allowed = ROUTE_ROLES.get(route_path or "", frozenset())
+    allowed = (ROUTE_ROLES if route_roles is None else route_roles).get(route_path or "", frozenset())
     if key.role not in allowed:
         raise APIError(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
                        code="insufficient_role")

@@ -16,8 +16,8 @@ def test_verify_rows_after_a_prefill_chunk_have_one_token_each():
     verifying = Request("v", [5, 6, 7, 5, 6], SamplingParams())
     verifying.append_output_token(7)
     verifying.block_ids = [3, 4]
-    out = SchedulerOutput([ScheduledRequest(prefilling, 10, 0), ScheduledRequest(verifying, 3, 5, spec_token_ids=[5, 6])],
-                          num_draft_tokens=2)
+    out = SchedulerOutput([ScheduledRequest(prefilling, 10, 0),
+                           ScheduledRequest(verifying, 3, 5, spec_token_ids=[5, 6])], num_draft_tokens=2)
     inputs = prepare_inputs(out, 4, torch.device("cpu"))
     assert inputs.input_ids.tolist() == [*range(10, 20), 7, 5, 6]
     assert inputs.attn.query_start_loc_cpu == [0, 10, 11, 12, 13]

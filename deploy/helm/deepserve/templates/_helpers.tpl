@@ -139,3 +139,19 @@ volumes:
   - name: dshm
     emptyDir: {medium: Memory, sizeLimit: {{ .Values.shmSize }}}
 {{- end }}
+
+{{/* The router's pods: a name of their own, so no selector of the replicas ever matches them. */}}
+{{- define "deepserve.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "deepserve.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-redis
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "deepserve.redisUrl" -}}
+{{- if .Values.redis.externalUrl }}{{ .Values.redis.externalUrl }}
+{{- else }}redis://{{ include "deepserve.fullname" . }}-redis:6379/0{{ end }}
+{{- end }}

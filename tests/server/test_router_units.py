@@ -1,0 +1,88 @@
+"""Router pieces without processes: the balancer's affinity and bounded loads, URL and flag checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepserve.router.balance import Balancer, affinity_key
+from deepserve.router.pool import Backend, normalize_url, parse_dns_target
+from deepserve.router.state import RouterSettings
+
+
+def backends(n: int) -> list[Backend]:
+    return [Backend(f"http://10.0.0.{i}:8000") for i in range(n)]
+
+
+def test_same_key_same_backend_and_keys_spread():
+    bal, pool = Balancer(), backends(4)
+    picks = {f"k{i}": bal.pick(pool, f"k{i}").url for i in range(400)}
+    assert all(bal.pick(pool, k).url == u for k, u in picks.items())
+    counts = sorted(list(picks.values()).count(b.url) for b in pool)
+    assert counts[0] > 50, counts  # 100 virtual nodes each: no backend starves
+
+
+def test_removing_a_backend_moves_only_its_keys():
+    bal, pool = Balancer(), backends(4)
+    before = {f"k{i}": bal.pick(pool, f"k{i}").url for i in range(400)}
+    gone = pool[2]
+    after = {k: bal.pick(pool[:2] + pool[3:], k).url for k in before}
+    moved = [k for k in before if before[k] != after[k]]
+    assert moved and all(before[k] == gone.url for k in moved)
+
+
+def test_bounded_load_spills_a_hot_key_to_the_next_backend():
+    bal, pool = Balancer(load_factor=1.25), backends(3)
+    home = bal.pick(pool, "hot")
+    home.outstanding = 2  # cap = ceil(1.25 x 3 / 3) = 2: full
+    spill = bal.pick(pool, "hot")
+    assert spill is not home
+    assert bal.pick(pool, "hot") is spill  # deterministic: the ring's next backend
+    home.outstanding, spill.outstanding = 1, 1  # cap = ceil(1.25 x 3 / 3) = 2: room again at home
+    assert bal.pick(pool, "hot") is home
+
+
+def test_least_outstanding_without_a_key():
+    bal, pool = Balancer(), backends(3)
+    pool[0].outstanding, pool[1].outstanding, pool[2].outstanding = 3, 1, 2
+    assert bal.pick(pool, None) is pool[1]
+
+
+def test_affinity_key_rules():
+    long = "x" * 300
+    assert affinity_key({"prompt": "short"}, None, 1024, 256) is None
+    assert affinity_key({"prompt": "short"}, "s-1", 1024, 256) == "session:s-1"
+    a = affinity_key({"prompt": long + "a"}, None, 300, 256)
+    assert a == affinity_key({"prompt": long + "b"}, None, 300, 256)
+    chat = {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "q1"}]}
+    other = {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "q2"}]}
+    assert affinity_key(chat, None, 300, 256) == affinity_key(other, None, 300, 256)
+    assert affinity_key(chat, None, 1024, 256) != affinity_key(other, None, 1024, 256)
+
+
+def test_flags_are_checked():
+    assert normalize_url("http://a:8000/v1/") == "http://a:8000"
+    with pytest.raises(ValueError, match="--backend"):
+        normalize_url("a:8000")
+    with pytest.raises(ValueError, match="--backend-dns"):
+        parse_dns_target("svc")
+    with pytest.raises(ValueError, match="--backend"):
+        RouterSettings()
+    with pytest.raises(ValueError, match="--health-interval"):
+        RouterSettings(backends=["http://a"], health_interval=10)
+    with pytest.raises(ValueError, match="--quota-redis-down"):
+        RouterSettings(backends=["http://a"], quota_redis_down="maybe")
+
+
+def test_backend_dns_adds_each_address_once_and_forgets_those_gone():
+    import asyncio
+
+    from deepserve.router.pool import BackendPool
+
+    pool = BackendPool(["http://127.0.0.1:9"], ["localhost:8123"])
+    asyncio.run(pool.refresh_dns())
+    found = [u for u, b in pool.backends.items() if b.dns == "localhost"]
+    assert "http://127.0.0.1:8123" in found and not pool.backends[found[0]].healthy  # until its first probe
+    pool.dns_targets = [("localhost", 8124)]  # the Service now answers elsewhere: the old pods left
+    asyncio.run(pool.refresh_dns())
+    assert "http://127.0.0.1:8123" not in pool.backends and "http://127.0.0.1:8124" in pool.backends
+    assert "http://127.0.0.1:9" in pool.backends  # a static --backend never leaves
