@@ -22,7 +22,8 @@ print("HEAVY", ",".join(heavy))
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"], ["plan", "--help"],
                                   ["bench", "throughput", "--help"], ["generate", "--no-such-flag"],
-                                  ["encrypt-model", "--help"], ["audit", "verify", "--help"]])
+                                  ["encrypt-model", "--help"], ["audit", "verify", "--help"], ["router", "--help"],
+                                  ["bench", "serve", "--help"]])
 def test_help_version_and_argument_errors_import_nothing_heavy(argv):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True,
                           timeout=120)
