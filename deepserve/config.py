@@ -154,7 +154,7 @@ class SpeculativeConfig:
     """speculative_config (vLLM's keys): a draft proposes num_speculative_tokens tokens per request and
     step, and the target model verifies them in one forward over the k + 1 positions.
 
-    ngram (prompt lookup): the draft is what followed the latest earlier occurrence of the sequence's
+    ngram (prompt lookup): the draft is what followed the earliest earlier occurrence of the sequence's
     last n tokens, n from prompt_lookup_max down to prompt_lookup_min. mtp / deepseek_mtp: the
     checkpoint's multi-token-prediction layer (DeepSeek-V3/R1)."""
 
