@@ -15,7 +15,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2), serve (W3, online)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
-    tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline")
+    tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
     tp.add_argument("--num-seqs", type=int, default=256)
     tp.add_argument("--max-input-len", type=int, default=1024)
@@ -31,7 +32,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--output-json", default=None)
     add_engine_args(tp)
     tp.set_defaults(func=cmd_throughput)
-    lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT")
+    lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     lat.add_argument("--model", default=None)
     lat.add_argument("--input-len", type=int, default=1024)
     lat.add_argument("--output-len", type=int, default=512)

@@ -14,19 +14,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names, shared by every command that builds an engine."""
     d = EngineArgs()
     g = parser.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer folder (default: the model's)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' and activations' dtype (auto: the checkpoint's 16-bit type on a GPU, float32 on CPU)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the dummy weights and of torch's global generator")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of the GPU's memory the engine may use (weights, activations, KV cache)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV-cache blocks to allocate instead of what memory profiling finds (tests)")
     g.add_argument("--cpu-kv-cache-gib", type=float, default=d.cpu_kv_cache_gib,
                    help="KV cache size when running on CPU (GiB)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step (default: 8192 with chunked prefill, else max_model_len)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps so decodes keep running beside them")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before")
     g.add_argument("--swap-space", type=float, default=d.swap_space,
                    help="GiB of host memory (pinned on CUDA) for the KV blocks of preempted requests, copied "
                         "back when they resume instead of recomputed, and for prefix-cache blocks evicted from "
@@ -34,8 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    help="auto: the model's dtype; fp8 (= fp8_e4m3): float8_e4m3fn with per-layer k/v scales "
                         "(the checkpoint's, else 1.0), twice the tokens per GiB")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs each layer is split over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (consecutive layers per stage)")
     g.add_argument("--nnodes", type=int, default=d.nnodes,
                    help="nodes the engine spans (tensor_parallel_size x pipeline_parallel_size / nnodes ranks on each)")
     g.add_argument("--node-rank", type=int, default=d.node_rank,
@@ -46,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="the tensor-parallel ranks split the MoE routed experts (whole experts per rank) "
                         "instead of each expert's intermediate size")
-    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    g.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="auto: the checkpoint's safetensors; dummy: random weights in the model's shapes")
     g.add_argument("--decryption-key-file", default=d.decryption_key_file, metavar="PATH",
                    help="key of a checkpoint encrypted with deepserve encrypt-model (64 hex characters); its "
                         "weights are decrypted in memory while loading")
@@ -56,7 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(per-channel weights, per-token activations); awq / gptq must match the checkpoint's "
                         "quant_method (with --load-format dummy: random int4 weights for any model); none "
                         "dequantizes a quantized checkpoint to --dtype")
-    g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cuda", "cpu"],
+                   help="auto: CUDA when a GPU is present, else CPU")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run without decode CUDA graphs (default: graphs on one GPU, eager under tensor "
                         "parallelism; --no-enforce-eager captures them on tensor-parallel ranks too, "
@@ -207,14 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"deepserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts, offline")
+    gen = sub.add_parser("generate", help="generate completions for prompts, offline",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
     _add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="one chat turn through the checkpoint's chat template")
+    chat = sub.add_parser("chat", help="one chat turn through the checkpoint's chat template",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     chat.add_argument("message")
     chat.add_argument("--model", default=None)
     _add_sampling_args(chat)
