@@ -45,6 +45,7 @@ ROUTE_ROLES: dict[str, frozenset[str]] = {
     "/metrics": frozenset({"admin", "metrics"}),
     "/admin/usage": frozenset({"admin"}),
     "/admin/keys/reload": frozenset({"admin"}),
+    "/admin/openapi.json": frozenset({"admin"}),
 }
 LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 

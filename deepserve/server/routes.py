@@ -119,3 +119,10 @@ async def reload_keys(request: Request) -> JSONResponse:
     if problem is not None:  # the admin's file is at fault, not the server: a 4xx that says what is wrong
         raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
     return JSONResponse({"status": "ok", "keys": len(st.keys.names())})
+
+
+@router.get("/admin/openapi.json")
+async def openapi(request: Request) -> JSONResponse:
+    from deepserve.server.openapi import openapi_document
+
+    return JSONResponse(openapi_document(request.app))

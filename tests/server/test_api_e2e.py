@@ -255,7 +255,8 @@ def test_size_limits(srv):
 ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
           ("POST", "/v1/chat/completions", {"messages": MSG, "max_tokens": 1}),
           ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [5]}),
-          ("GET", "/metrics", None), ("GET", "/admin/usage", None), ("POST", "/admin/keys/reload", None)]
+          ("GET", "/metrics", None), ("GET", "/admin/usage", None), ("POST", "/admin/keys/reload", None),
+          ("GET", "/admin/openapi.json", None)]
 ALLOWED = {"admin": {r[1] for r in ROUTES},
            "user": {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"},
            "metrics": {"/metrics"}}
