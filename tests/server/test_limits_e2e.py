@@ -4,6 +4,7 @@ the read timeouts (--request-read-timeout 2) against clients that never finish s
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -188,3 +189,26 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(sr
     r = complete(srv, ADMIN, prompt="深度求索注意力模型" * 100_000)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "characters" in r.json()["error"]["message"]  # refused from its length, before tokenizing
+
+
+def test_a_disconnect_storm_leaves_nothing_behind(srv):
+    # 240 clients that go away at every stage: mid-headers, mid-body, and right after asking for a stream.
+    # Then: the server answers at once, serves a request, holds no request in flight, and logged no
+    # traceback (each mid-body one is a single INFO line).
+    stream = json.dumps({"prompt": "go", "max_tokens": 50, "stream": True}).encode()
+    kinds = [b"GET /ready HTTP/1.1\r\nHost: x\r\nX-Pad: ",
+             POST.encode() + b"Content-Length: 100\r\n\r\n{\"prompt\":",
+             POST.encode() + b"Content-Length: %d\r\n\r\n" % len(stream) + stream]
+    socks = []
+    for i in range(240):
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(kinds[i % 3])
+        socks.append(s)
+    time.sleep(0.5)
+    for s in socks:
+        s.close()
+    start = time.monotonic()
+    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200 and time.monotonic() - start < 5
+    assert wait_until(lambda: in_flight(srv) == 0, 15)
+    assert complete(srv, ADMIN).status_code == 200
+    assert "Traceback" not in srv.tail(10**7)
