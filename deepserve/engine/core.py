@@ -93,6 +93,7 @@ class EngineCore:
         # decode CUDA graphs. Logged, and read by the benchmarks.
         self.startup_s: dict[str, float] = {} if load_s is None else {"load": load_s}
         start = time.perf_counter()
+        logger.info("sizing the KV cache (a profile step; the first run of each kernel compiles it)")
         self.num_blocks = runner.determine_num_blocks()
         _check_cache_fits(config, self.num_blocks)
         sized = time.perf_counter()
@@ -130,6 +131,10 @@ class EngineCore:
 
         config = args.create_engine_config()
         start = time.perf_counter()
+        m = config.model
+        logger.info("loading %s (%s, %s weights%s) on %s", m.model, m.dtype,
+                    "random" if m.load_format == "dummy" else "checkpoint",
+                    f", {m.quantization}" if m.quantization else "", m.device)
         if config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size > 1:
             from deepserve.runner.executor import MultiprocExecutor
 

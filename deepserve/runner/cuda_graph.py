@@ -49,6 +49,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         start = time.perf_counter()
+        logger.info("capturing %d decode CUDA graphs (batch sizes %d..%d)", len(self.sizes), min(self.sizes),
+                    max(self.sizes))
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             self._forward(b)  # warm-up outside the graph: Triton compiles, allocator settles

@@ -155,6 +155,7 @@ def test_start_up_says_where_it_listens_and_probes_stay_out_of_the_access_log(sr
     log = srv.tail(200000)
     assert f"listening on http://127.0.0.1:{srv.port}" in log
     assert "INFO deepserve.server.api_server: engine ready" in log
+    assert "loading " in log and "sizing the KV cache" in log and "start-up: load" in log  # progress by phase
     assert '"POST /v1/completions HTTP/1.1" 200' in log
     assert '"GET /health' not in log and '"GET /ready' not in log
 
