@@ -30,14 +30,14 @@ def test_the_openapi_document_is_for_admin_keys_and_lists_the_bodies(srv):
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
 
 
-def test_no_generated_request_gets_a_server_error(srv):
+def test_no_generated_request_gets_a_server_error(srv, tmp_path):
     st = shutil.which("st")
     assert st, "schemathesis's CLI is part of the test extras"
     done = subprocess.run(
         [st, "run", f"{srv.url}/admin/openapi.json", "--header", f"Authorization: Bearer {ADMIN}",
          "--checks", "not_a_server_error", "--max-examples", "12", "--seed", "20261201", "--workers", "1",
          "--request-timeout", "60", "--exclude-path", "/admin/keys/reload", "--no-color"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its example database goes there
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     generated = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
     assert generated and int(generated.group(1)) > 500, done.stdout[-2000:]  # it really fuzzed every operation
