@@ -146,7 +146,7 @@ def as_kv_dtype(cache: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tens
     if KV_DTYPE == torch.bfloat16:
         return cache, {}
     scale = torch.tensor(KV_SCALE, dtype=torch.float32, device=cache.device)
-    return (cache.float() / KV_SCALE).clamp_(-448, 448).to(KV_DTYPE), {"scale": scale}
+    return tpa.quantize_kv(cache, KV_SCALE, KV_DTYPE), {"scale": scale}  # the engine's own quantization
 
 
 def check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:

@@ -94,17 +94,18 @@ class InputProcessor:
         self.grammars.compile(params.structured_outputs)
 
 
-def _drop_tokens_after_stop(completion: _Completion, keep: int | None, step_logprobs: list[float]) -> None:
+def _drop_tokens_after_stop(completion: _Completion, keep: int | None, step_logprobs: list) -> None:
     """Cut the output at the token that completed the stop string: a step may have brought several (a
     speculative verify step), and tokens after the stop are not the request's output (its text already
-    ends there). step_logprobs: the sampled tokens' logprobs of that step, the last of which are dropped."""
+    ends there). step_logprobs: the step's logprob entries (sampled token first), the last of which are
+    dropped. Runs only when a stop string matched, never on a plain step."""
     if keep is None or keep >= len(completion.token_ids):
         return
     dropped = len(completion.token_ids) - keep
     del completion.token_ids[keep:]
     if completion.logprobs is not None:
         del completion.logprobs[keep:]
-    completion.cumulative_logprob -= sum(step_logprobs[len(step_logprobs) - dropped:])
+    completion.cumulative_logprob -= sum(entry[0][1] for entry in step_logprobs[len(step_logprobs) - dropped:])
 
 
 def _too_long(num_prompt: int, max_tokens: int, max_model_len: int) -> str:
@@ -234,7 +235,6 @@ class OutputProcessor:
             completion.cumulative_logprob += entry[0][1]
             if completion.logprobs is not None:
                 completion.logprobs.append(self._logprob_dict(entry))
-        step_logprobs = [entry[0][1] for entry in out.new_logprobs or []]
         completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
         detokenizer = completion.detokenizer
         if detokenizer is None:
@@ -245,7 +245,7 @@ class OutputProcessor:
         if stop is None:
             return False
         completion.finish_reason, completion.stop_reason = "stop", stop
-        _drop_tokens_after_stop(completion, detokenizer.num_tokens_at_stop, step_logprobs)
+        _drop_tokens_after_stop(completion, detokenizer.num_tokens_at_stop, out.new_logprobs or [])
         return True
 
     def _logprob_dict(self, entry: list[tuple[int, float, int]]) -> dict[int, Logprob]:
