@@ -10,6 +10,7 @@ last accepted figures (bench/baseline.json). Every change on the hot path runs i
     python bench/gate.py int4 --out DIR         # the int4 suite: W4A16 kernel and engine checks, LLM-7B AWQ
                                                 #   and V2-Lite with int4 weights (gate.sh int4)
     python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
+    python bench/gate.py model PRESET --tree DIR --json PATH      # the same with another tree's deepserve
     python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
     python bench/gate.py all --smoke --out DIR  # CPU: the demo model, tiny workloads (tests the plumbing)
 
@@ -174,15 +175,21 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
     from deepserve.bench.latency import measure_latency
     from deepserve.bench.throughput import measure_throughput
 
-    engine = dict(model=run.preset, skip_tokenizer_init=True, quantization=run.quantization,
-                  kv_cache_dtype=run.kv_cache_dtype, swap_space=run.swap_space)
+    engine = dict(model=run.preset, skip_tokenizer_init=True)
+    # Only the options a run sets, so an older tree (bench/ab.py) that lacks them still runs the others.
+    options = dict(quantization=run.quantization, kv_cache_dtype=run.kv_cache_dtype, swap_space=run.swap_space)
+    engine.update({k: v for k, v in options.items() if v not in (None, 0, "auto")})
     if run.preset is not None:
         engine.update(load_format="dummy", max_model_len=4096)
     if run.layers:
         engine["hf_overrides"] = {"num_hidden_layers": run.layers}
     llm = LLM(**engine)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    result = {"ready": time.perf_counter() - PROCESS_START, "startup_s": llm.llm_engine.core.startup_s}
+    import deepserve
+
+    result = {"ready": time.perf_counter() - PROCESS_START,
+              "startup_s": getattr(llm.llm_engine.core, "startup_s", None),  # older trees have none
+              "tree": str(Path(deepserve.__file__).resolve().parents[1])}  # where deepserve came from (ab.py)
     workload = workloads.w1()
     if run.long_context:
         workload = workloads.fixed(**LONG_CONTEXT)
@@ -323,12 +330,16 @@ def main() -> int:
     m.add_argument("name", choices=[r.name for r in ALL_RUNS] + ["demo"])
     m.add_argument("--json", required=True)
     m.add_argument("--smoke", action="store_true")
+    m.add_argument("--tree", help="import deepserve from this tree instead (bench/ab.py's A/B of commits)")
     c = sub.add_parser("compare")
     c.add_argument("result")
     c.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
     ns = ap.parse_args()
     if ns.cmd == "model":
         import logging
+
+        if ns.tree:
+            sys.path.insert(0, str(Path(ns.tree).resolve()))
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run = next((r for r in ALL_RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))

@@ -10,6 +10,10 @@ OUT=${OUT:-/tmp/gate-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+if [ "$1" = ab ]; then  # same-machine A/B of the trees bench/ab_trees.sh exported (carry .ab): bench/ab.py
+  shift; python3 bench/ab.py --out /tmp/gate "$@"; rc=$?
+  cp /tmp/gate/ab.json "$OUT"/ 2>/dev/null; tar -czf "$OUT/ab-logs.tgz" -C /tmp/gate . 2>/dev/null; exit $rc
+fi
 SUITE=all
 case "$1" in all|fp8|kv|kv-long|int4) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8 | int4 | kv ...: that suite (bench/gate.py)
 python3 bench/gate.py "$SUITE" --out /tmp/gate "$@"

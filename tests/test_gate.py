@@ -95,3 +95,43 @@ def test_the_int4_suite_judges_the_issue_targets():
     assert ok and not any(line.startswith("W1 R1-Distill") for line in lines)
     assert any(line.startswith("INT4 W2 TPOT DeepSeek-LLM-7B") and line.endswith("new") for line in lines)
     assert any(line.startswith("INT4 W2 TPOT DeepSeek-V2-Lite") and line.endswith("new target met") for line in lines)
+
+
+def _ab():
+    spec = importlib.util.spec_from_file_location("ab", ROOT / "bench" / "ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_verdict_needs_a_step_beyond_tolerance_and_ranges_that_do_not_overlap():
+    ab = _ab()
+
+    assert ab.judge([5681, 5700], [5632, 5650], True)[0] == "ok"  # -0.9 %: inside one machine's repeats
+    verdict, change = ab.judge([5700, 5720], [5500, 5560], True)
+    assert verdict == "REGRESSION" and round(100 * change, 2) == -3.15  # medians 5,710 and 5,530
+    assert ab.judge([5700, 5720], [5500, 5710], True)[0] == "worse, ranges overlap"
+    assert ab.judge([4.40, 4.45], [4.60, 4.62], False)[0] == "REGRESSION"  # TPOT: lower is better
+    assert ab.judge([4.40, 4.45], [4.30, 4.31], False)[0] == "ok"
+    assert ab.judge([4.40], [], False)[0] == "MISSING"
+    lines, ok = ab.table({"demo": {"base": {"w1": [100.0, 102.0]}, "new": {"w1": [90.0, 91.0]}}}, ["base", "new"])
+    assert not ok and lines[-1] == "A/B FAILED" and "REGRESSION" in lines[-2]
+
+
+def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
+    # Two trees, the second a copy of deepserve elsewhere: each engine imports deepserve from its own tree.
+    import shutil
+
+    base, new = tmp_path / "0-base", tmp_path / "1-new"
+    base.mkdir()
+    (base / "deepserve").symlink_to(ROOT / "deepserve")
+    shutil.copytree(ROOT / "deepserve", new / "deepserve", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ab.py"), "--trees", str(base), str(new),
+                           "--runs", "demo", "--repeats", "1", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert "A/B" in proc.stdout, proc.stdout + proc.stderr
+    values = json.loads((out / "ab.json").read_text())["values"]["demo"]
+    assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
+    assert json.loads((out / "demo-1-new-0.json").read_text())["tree"] == str(new.resolve())
+    assert json.loads((out / "demo-0-base-0.json").read_text())["tree"] == str(ROOT)  # through its link
