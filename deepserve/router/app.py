@@ -34,8 +34,11 @@ from deepserve.server.errors import APIError, bad_request
 from deepserve.server.httpio import HeaderLimitMiddleware
 from deepserve.server.metrics import CONTENT_TYPE
 from deepserve.server.serving import client_addr
+from deepserve.server.timeouts import default_protocol_class, header_timeout_protocol
 
 logger = logging.getLogger(__name__)
+MAX_HEADER_BYTES = 16 << 10  # as the server's --max-header-bytes default
+HEADER_TIMEOUT_S = 30.0  # as the server's --request-read-timeout default: headers must arrive by then
 _API = frozenset({"admin", "user"})
 _ADMIN = frozenset({"admin"})
 ROUTER_ROUTE_ROLES: dict[str, frozenset[str]] = {
@@ -176,7 +179,7 @@ def build_app(st: RouterState) -> FastAPI:
     app.router.redirect_slashes = False
     app.state.router = st
     app.include_router(routes)
-    app.add_middleware(HeaderLimitMiddleware, max_bytes=16 << 10)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=MAX_HEADER_BYTES)
     _install_error_handlers(app)
     return app
 
@@ -185,6 +188,8 @@ def run_router(settings: RouterSettings) -> int:
     sock = bind_listener(settings.host, settings.port)
     st = RouterState(settings)
     config = uvicorn.Config(build_app(st), host=settings.host, port=settings.port, log_level="warning",
-                            server_header=False, access_log=False, timeout_graceful_shutdown=30)
+                            server_header=False, access_log=False, timeout_graceful_shutdown=30,
+                            http=header_timeout_protocol(default_protocol_class(), HEADER_TIMEOUT_S,
+                                                         4 * MAX_HEADER_BYTES))
     uvicorn.Server(config).run(sockets=[sock])
     return 0

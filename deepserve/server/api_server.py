@@ -198,7 +198,7 @@ def uvicorn_config(app: FastAPI, state: ServerState) -> uvicorn.Config:
         proxy_headers=s.forwarded_allow_ips is not None, forwarded_allow_ips=s.forwarded_allow_ips,
         # Requests that outlive the drain are cancelled (and so aborted in the engine) after this.
         timeout_graceful_shutdown=2, h11_max_incomplete_event_size=4 * s.max_header_bytes,
-        http=header_timeout_protocol(default_protocol_class(), s.request_read_timeout),
+        http=header_timeout_protocol(default_protocol_class(), s.request_read_timeout, 4 * s.max_header_bytes),
     )
 
 

@@ -27,13 +27,17 @@ class RequestReadTimeout(Exception):
     """The request body did not arrive in time."""
 
 
-def header_timeout_protocol(base: type, timeout: float) -> type:
-    """uvicorn's protocol class `base`, closing connections whose request headers take over `timeout` s."""
+def header_timeout_protocol(base: type, timeout: float, max_header_bytes: int | None = None) -> type:
+    """uvicorn's protocol class `base`, closing connections whose request headers take over `timeout` s
+    or, with max_header_bytes, run past that many bytes before they end: h11 has a cap of its own
+    (h11_max_incomplete_event_size), httptools has none, and a client could otherwise fill memory with
+    one endless header block as fast as it can send. Answered 431, then closed."""
 
     class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._header_tail = b""
+            self._header_bytes = 0  # of the request whose headers have not ended yet
             self._header_timer: asyncio.TimerHandle | None = None
             self._arm_header_timer()
 
@@ -43,6 +47,11 @@ def header_timeout_protocol(base: type, timeout: float) -> type:
                 if HEADERS_END in seen:  # this request's headers are complete
                     self._header_timer.cancel()
                     self._header_timer = None
+                else:
+                    self._header_bytes += len(data)
+                    if max_header_bytes is not None and self._header_bytes > max_header_bytes:
+                        self._headers_too_large()
+                        return
                 self._header_tail = seen[-(len(HEADERS_END) - 1):]
             super().data_received(data)
 
@@ -60,12 +69,22 @@ def header_timeout_protocol(base: type, timeout: float) -> type:
             if self._header_timer is not None:
                 self._header_timer.cancel()
             self._header_tail = b""
+            self._header_bytes = 0
             self._header_timer = asyncio.get_event_loop().call_later(timeout, self._headers_too_slow)
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
             logger.info("closed a connection whose request headers took over %.0f s (--request-read-timeout)",
                         timeout)
+            self.transport.close()
+
+        def _headers_too_large(self) -> None:
+            self._header_timer.cancel()
+            self._header_timer = None
+            logger.info("closed a connection whose request headers ran past %d bytes (--max-header-bytes)",
+                        max_header_bytes)
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+                                 b"content-length: 0\r\n\r\n")
             self.transport.close()
 
     HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"

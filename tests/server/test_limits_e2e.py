@@ -141,6 +141,24 @@ def test_slow_clients_are_cut_off_and_the_server_keeps_serving(srv, payload, sta
     assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
 
 
+def test_an_endless_header_block_is_cut_off_at_its_size_limit(srv):
+    # 100 KB of headers that never end, sent at once: closed at 4 x --max-header-bytes (16 KiB) whichever
+    # HTTP parser uvicorn runs (httptools has no cap of its own), not buffered until the read timeout.
+    pad = b"".join(b"x-pad-%d: %s\r\n" % (i, b"a" * 990) for i in range(100))
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.settimeout(20)
+        try:
+            s.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\n" + pad)
+            data = s.recv(4096)
+        except (ConnectionResetError, BrokenPipeError):  # closed with unread bytes: the reset may come first
+            data = b""
+    assert time.monotonic() - start < 1.5  # not the read timeout's close
+    assert data == b"" or data.startswith(b"HTTP/1.1 431"), data[:100]
+    assert wait_until(lambda: "request headers ran past 65536 bytes" in srv.tail(), 10)
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
 def test_a_client_gone_mid_body_is_one_log_line(srv):
     _send_and_wait(srv, POST.encode() + b"Content-Length: 100\r\n\r\n{\"pro", close_after=0.3)
     assert wait_until(lambda: "went away before its request body arrived" in srv.tail(), 10)
