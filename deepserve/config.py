@@ -318,9 +318,6 @@ class EngineArgs:
         hf_config = resolve_hf_config(model, self.hf_overrides, self.load_format)
         if speculative is not None:
             speculative.check_model(hf_config)
-            if speculative.is_mtp and self.tensor_parallel_size > 1:
-                raise ValueError(f"speculative_config.method {speculative.method!r} is not supported with "
-                                 "tensor_parallel_size > 1 yet; use method 'ngram'")
         device = _resolve_device(self.device)
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         if self.load_format not in ("auto", "dummy", "safetensors"):

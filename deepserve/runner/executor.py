@@ -323,7 +323,8 @@ class MultiprocExecutor:
             raise ValueError("prompt_logprobs is not supported with pipeline_parallel_size > 1 yet; "
                              "use tensor_parallel_size alone for requests that ask for it")
         self.steps += 1
-        return self._run(describe_step(out), f"running step {self.steps}", lambda: self.runner.execute(out))
+        return self._run(describe_step(out, self.runner.drafter is not None), f"running step {self.steps}",
+                         lambda: self.runner.execute(out))
 
     def launch(self, out: SchedulerOutput, previous: Any = None) -> Any:
         """Async scheduling under tensor parallelism (one pipeline stage): every rank runs the step's
@@ -332,7 +333,7 @@ class MultiprocExecutor:
         if self.pipeline:
             raise RuntimeError("async scheduling is not supported with pipeline_parallel_size > 1")
         self.steps += 1
-        msg = {**describe_step(out), "share_sampled": True}
+        msg = {**describe_step(out, self.runner.drafter is not None), "share_sampled": True}
         return self._run(msg, f"running step {self.steps}", lambda: self.runner.launch(out, previous, True))
 
     def wait(self, pending: Any) -> RunnerOutput:

@@ -280,6 +280,8 @@ class ModelRunner:
         if share_sampled and inputs.sample_indices:
             self._shared_sampled = torch.empty(len(inputs.sample_indices), dtype=torch.int64, device=self.device)
             pdist.tp_broadcast_from_first(self._shared_sampled)
+        if self.drafter is not None:  # the draft's forward, on the tokens rank 0 kept (its drafts go unused here)
+            self.drafter.propose(out, hidden, self._share_kept_tokens(out, None))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -369,8 +371,33 @@ class ModelRunner:
                 _attach_logprobs(host[1:], pending.requests, pending.sample_indices, logprobs)
         prompt_logprobs = {request_id: _entries(ids.tolist(), lps.tolist(), ranks.tolist(), k)
                            for request_id, k, ids, lps, ranks in pending.prompt_logprobs}
-        drafts = None if self.drafter is None else self.drafter.propose(out, pending.hidden, sampled)
+        drafts = None
+        if self.drafter is not None:
+            if pdist.get_tp_world_size() > 1:
+                self._share_kept_tokens(out, sampled)
+            drafts = self.drafter.propose(out, pending.hidden, sampled)
         return RunnerOutput(sampled, logprobs, prompt_logprobs, drafts)
+
+    def _share_kept_tokens(self, out: SchedulerOutput, sampled: list[list[int]] | None) -> list[list[int]]:
+        """Tensor parallelism with the MTP draft: every rank runs the draft's forward (its all-reduces), over
+        the tokens the step kept, which only rank 0 knows (it sampled and verified them). One broadcast from
+        rank 0 (`sampled`; the others pass None): per request its count, then a slot of num_sampled tokens,
+        the most a step keeps, so every rank knows the size from the step itself."""
+        slots = [s.num_sampled for s in out.scheduled]
+        buf = torch.zeros(len(slots) + sum(slots), dtype=torch.int64)
+        if sampled is not None:
+            at = len(slots)
+            for i, (tokens, slot) in enumerate(zip(sampled, slots, strict=True)):
+                buf[i] = len(tokens)
+                buf[at: at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+                at += slot
+        shared = buf.to(self.device)
+        pdist.tp_broadcast_from_first(shared)
+        values, kept, at = shared.tolist(), [], len(slots)
+        for i, slot in enumerate(slots):
+            kept.append(values[at: at + values[i]])
+            at += slot
+        return kept
 
     def _prompt_logprob_tensors(self, out: SchedulerOutput, hidden: torch.Tensor
                                 ) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -39,11 +39,15 @@ def config_to_message(config: EngineConfig) -> dict[str, Any]:
     model = dataclasses.asdict(dataclasses.replace(config.model, hf_config=None))
     model["hf_config"] = config.model.hf_config.to_dict()
     return {"model": model, "cache": dataclasses.asdict(config.cache),
-            "scheduler": dataclasses.asdict(config.scheduler), "parallel": dataclasses.asdict(config.parallel)}
+            "scheduler": dataclasses.asdict(config.scheduler), "parallel": dataclasses.asdict(config.parallel),
+            # Every rank builds the MTP draft's layer (its weights slice, its KV cache) and runs its forward.
+            "speculative": None if config.speculative is None else dataclasses.asdict(config.speculative)}
 
 
 def config_from_message(msg: dict[str, Any]) -> EngineConfig:
     from transformers import CONFIG_MAPPING
+
+    from deepserve.config import SpeculativeConfig
 
     fields = dict(msg["model"]["hf_config"])
     # The class's defaults, then rank 0's values set as they are: no second validation, which overrides
@@ -51,12 +55,17 @@ def config_from_message(msg: dict[str, Any]) -> EngineConfig:
     hf_config = CONFIG_MAPPING[fields.pop("model_type")]()
     hf_config.update(fields)
     model = ModelConfig(**{**msg["model"], "hf_config": hf_config})
+    speculative = msg.get("speculative")
     return EngineConfig(model=model, cache=CacheConfig(**msg["cache"]), scheduler=SchedulerConfig(**msg["scheduler"]),
-                        parallel=ParallelConfig(**msg["parallel"]))
+                        parallel=ParallelConfig(**msg["parallel"]),
+                        speculative=None if speculative is None else SpeculativeConfig(**speculative))
 
 
-def describe_step(out: SchedulerOutput) -> dict[str, Any]:
-    msg = {"op": "step", "reqs": [_describe(s) for s in out.scheduled]}
+def describe_step(out: SchedulerOutput, next_token: bool = False) -> dict[str, Any]:
+    """next_token: each request's tokens also carry the one after the step's, where known (the MTP draft
+    reads, at each position, the token one ahead: a partial prefill chunk's last position reads the
+    next prompt token)."""
+    msg = {"op": "step", "reqs": [_describe(s, next_token) for s in out.scheduled]}
     # Host-tier copies (--swap-space): every rank makes them in its own cache shard.
     if out.blocks_to_swap_out:
         msg["swap_out"] = out.blocks_to_swap_out
@@ -65,11 +74,11 @@ def describe_step(out: SchedulerOutput) -> dict[str, Any]:
     return msg
 
 
-def _describe(sched: ScheduledRequest) -> dict[str, Any]:
+def _describe(sched: ScheduledRequest, next_token: bool = False) -> dict[str, Any]:
     r, start = sched.request, sched.start
     d = {
         "id": r.request_id, "start": start, "n": sched.num_new_tokens,
-        "tokens": r.token_ids[start : start + sched.num_new_tokens], "blocks": r.block_ids,
+        "tokens": r.token_ids[start : start + sched.num_new_tokens + next_token], "blocks": r.block_ids,
         "num_tokens": r.num_tokens, "num_prompt": r.num_prompt_tokens,
     }
     if sched.spec_token_ids:  # a verify step's drafts (the worker's forward reads them as inputs)

@@ -22,13 +22,16 @@ def _round_trip(msg):
     ("r1-distill-qwen-7b", {"tensor_parallel_size": 2, "hf_overrides": {"num_hidden_layers": 2}}),
     ("deepseek-v2-lite", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("deepseek-v3", {"tensor_parallel_size": 8, "hf_overrides": {"num_hidden_layers": 4}}),
+    # Every rank builds the MTP draft's layer: the speculative config travels too.
+    ("deepseek-v3", {"tensor_parallel_size": 8, "hf_overrides": {"num_hidden_layers": 4},
+                     "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}),
 ])
 def test_engine_config_round_trips(preset, kw):
     config = EngineArgs(model=preset, load_format="dummy", device="cpu", max_model_len=512, **kw).create_engine_config()
     got = config_from_message(_round_trip(config_to_message(config)))
     assert type(got.model.hf_config) is type(config.model.hf_config)
     assert got.model.hf_config.to_dict() == config.model.hf_config.to_dict()
-    for part in ("cache", "scheduler", "parallel"):
+    for part in ("cache", "scheduler", "parallel", "speculative"):
         assert getattr(got, part) == getattr(config, part)
     for field in ("model", "dtype", "max_model_len", "load_format", "device", "enforce_eager", "tokenizer"):
         assert getattr(got.model, field) == getattr(config.model, field)
@@ -54,6 +57,11 @@ def test_step_command_round_trips():
     assert ours.sample_indices == theirs.sample_indices == [1]
     assert [s.num_sampled for s in rebuilt.scheduled] == [0, 1]
     assert rebuilt.scheduled[0].request.sampling_params.prompt_logprobs == 2
+    # Under the MTP draft each request also carries the token after the step's, where there is one: the
+    # partial chunk's next prompt token (position 16), none past the decoding request's last token.
+    ahead = rebuild_step(_round_trip(describe_step(out, next_token=True)))
+    assert ahead.scheduled[0].request.token_ids[1:17] == list(range(11, 27))
+    assert ahead.scheduled[1].request.token_ids[3:5] == [8]
 
 
 def test_verify_step_round_trips():
