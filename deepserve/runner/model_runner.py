@@ -29,6 +29,7 @@ from deepserve.runner.kv_swap import HostTier
 from deepserve.runner.mtp_drafter import MtpDrafter
 
 logger = logging.getLogger(__name__)
+PROFILE_LOGPROBS = 20  # top logprobs per token the memory profile samples with (the server's limit)
 
 LogprobEntry = list[tuple[int, float, int]]  # (token id, logprob, rank); the chosen token first
 
@@ -176,7 +177,28 @@ class ModelRunner:
         request.block_ids = list(range(blocks_needed))
         self.execute(SchedulerOutput([ScheduledRequest(request, num_tokens, 0)]))
         self.allocate_kv_cache(0)
+        self.profile_sampling()
         torch.cuda.synchronize(self.device)
+
+    def profile_sampling(self) -> int:
+        """The largest step's sampling on dummy logits, so the memory profile counts its [rows, V] float32
+        temporaries (256 rows of a 129k vocabulary are 132 MB each): every sequence slot sampling at once,
+        k + 1 rows each under speculative decoding (the verify step's rows, as many as the token budget
+        allows), with filters, a penalty and 20 logprobs on (the server's top_logprobs limit). The rows."""
+        from deepserve.sampling_params import SamplingParams
+
+        sched = self.config.scheduler
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative is not None else 0
+        rows = min(sched.max_num_seqs * (k + 1), max(sched.max_num_batched_tokens, sched.max_num_seqs))
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, presence_penalty=0.5, logprobs=PROFILE_LOGPROBS)
+        meta = SamplingMetadata.build([params] * rows, [[0]] * rows, [[0]] * rows, [frozenset()] * rows,
+                                      self.vocab_size, self.device)
+        logits = torch.zeros(rows, self.vocab_size, dtype=self.dtype, device=self.device)
+        if k:
+            self.rejection_sampler(logits, meta, torch.zeros(rows, dtype=torch.int64, device=self.device))
+        else:
+            self.sampler(logits, meta)
+        return rows
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for layer in self.attention_layers:
