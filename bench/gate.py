@@ -9,6 +9,7 @@ last accepted figures (bench/baseline.json). Every change on the hot path runs i
                                                 #   a long-context point bf16 / FP8 / FP8 + host tier (gate.sh kv)
     python bench/gate.py int4 --out DIR         # the int4 suite: W4A16 kernel and engine checks, LLM-7B AWQ
                                                 #   and V2-Lite with int4 weights (gate.sh int4)
+    python bench/gate.py structured --out DIR   # Qwen's W1 plain and with a JSON schema on every request
     python bench/gate.py model PRESET [--w2] [--layers N] --json PATH   # one engine: W1, then W2
     python bench/gate.py model PRESET --tree DIR --json PATH      # the same with another tree's deepserve
     python bench/gate.py compare RESULT.json [--baseline bench/baseline.json]
@@ -85,6 +86,8 @@ FIGURES = [
     Figure("long-7b-fp8kv-swap/w1", "4k/1k DeepSeek-LLM-7B, FP8 KV + 32 GiB host", "out tok/s", True),
     # int4 suite (AWQ / GPTQ issue): DeepSeek-LLM-7B AWQ W1 >= 0.8x bf16 W1 (baseline 5,711 out tok/s) and
     # W2 TPOT <= 1.6 ms (weights ~3.9 GB: the floor is ~0.85 ms); V2-Lite with int4 weights TPOT <= 1.6 ms.
+    # Structured suite: the plain W1 is gate figure r1-distill-qwen-7b/w1, run beside it on the same machine.
+    Figure("r1-distill-qwen-7b-json/w1", "W1 R1-Distill-Qwen-7B, JSON schema", "out tok/s", True),
     Figure("deepseek-llm-7b-awq/w1", "INT4 W1 DeepSeek-LLM-7B (-q awq)", "out tok/s", True, 4_569),
     Figure("deepseek-llm-7b-awq/tpot", "INT4 W2 TPOT DeepSeek-LLM-7B (-q awq)", "ms", False, 1.6),
     Figure("deepseek-llm-7b-awq/ttft", "INT4 W2 TTFT DeepSeek-LLM-7B (-q awq)", "ms", False),
@@ -105,6 +108,9 @@ class ModelRun:
     kv_cache_dtype: str = "auto"  # as --kv-cache-dtype
     swap_space: float = 0  # GiB of host tier, as --swap-space
     long_context: bool = False  # LONG_CONTEXT workload instead of W1
+    # W1 with BENCH_SCHEMA on every request (structured output's cost), through the preset's generated
+    # byte-level tokenizer (loader/vocab_tokenizer.py: the grammar needs a vocabulary to mask)
+    json_schema: bool = False
 
 
 RUNS = [
@@ -156,6 +162,12 @@ INT4_CHECKS = [
      [sys.executable, "bench/check_int4.py", "--json", "{out}/int4-kernels.json"], 150),
     ("int4 engine on GPU = CPU reference", [sys.executable, "bench/check_int4_engine.py"], 120),
 ]
+# Structured output (issue 19's target: W1 with a JSON schema on every request within 10 % of W1): the
+# plain and the constrained W1 of one preset on the same machine, one engine each.
+STRUCTURED_RUNS = [
+    ModelRun("r1-distill-qwen-7b", "r1-distill-qwen-7b", w2=False, timeout_s=110),
+    ModelRun("r1-distill-qwen-7b-json", "r1-distill-qwen-7b", w2=False, timeout_s=150, json_schema=True),
+]
 KV_CHECKS = [
     ("paged decode over an FP8 cache = torch reference",
      [sys.executable, "bench/check_kernels.py", "--kv-dtype", "fp8", "--no-variants"], 120),
@@ -164,8 +176,8 @@ KV_CHECKS = [
 ]
 # Two device calls: "kv" (kernels and W1/W2 with an FP8 cache) and "kv-long" (the long-context point).
 SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS),
-          "int4": (INT4_CHECKS, INT4_RUNS)}
-ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS
+          "int4": (INT4_CHECKS, INT4_RUNS), "structured": ([], STRUCTURED_RUNS)}
+ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS + STRUCTURED_RUNS[1:]
 
 
 def run_model(run: ModelRun, smoke: bool) -> dict:
@@ -183,6 +195,13 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
         engine.update(load_format="dummy", max_model_len=4096)
     if run.layers:
         engine["hf_overrides"] = {"num_hidden_layers": run.layers}
+    if run.json_schema:  # the grammar masks the tokenizer's vocabulary: a preset gets its generated one
+        from deepserve.loader.presets import resolve_hf_config
+        from deepserve.loader.vocab_tokenizer import vocab_tokenizer_dir
+
+        engine["skip_tokenizer_init"] = False
+        if run.preset is not None:
+            engine["tokenizer"] = vocab_tokenizer_dir(run.preset, resolve_hf_config(run.preset, None, "dummy"))
     llm = LLM(**engine)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     import deepserve
@@ -196,6 +215,8 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
     if smoke:  # the demo model's vocabulary has 1,000 tokens
         workload = workloads.fixed(32, 8, 8)
         workload.prompts = [[t % 1000 for t in p] for p in workload.prompts]
+    if run.json_schema:
+        workload = workloads.with_json_schema(workload)
     w1 = measure_throughput(llm, workload)
     result.update(w1=w1["output_tokens_per_second"], w1_detail=w1)
     if run.w2:

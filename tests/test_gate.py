@@ -135,3 +135,15 @@ def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
     assert json.loads((out / "demo-1-new-0.json").read_text())["tree"] == str(new.resolve())
     assert json.loads((out / "demo-0-base-0.json").read_text())["tree"] == str(ROOT)  # through its link
+
+
+def test_the_structured_suite_runs_plain_and_constrained_w1_side_by_side(tmp_path):
+    runs = gate.SUITES["structured"][1]
+    assert [(r.preset, r.json_schema) for r in runs] == [("r1-distill-qwen-7b", False), ("r1-distill-qwen-7b", True)]
+    result = {"runs": [r.name for r in runs], "checks": {},
+              "figures": {"r1-distill-qwen-7b/w1": 10_000.0, "r1-distill-qwen-7b-json/w1": 9_200.0}}
+    lines, ok = gate.compare(result, BASE)
+    assert ok and any(line.startswith("W1 R1-Distill-Qwen-7B, JSON schema") and line.endswith("new") for line in lines)
+    # The constrained engine runs on CPU: the demo model's own tokenizer, a schema on every request.
+    got = gate.run_model(gate.ModelRun("demo", None, w2=False, json_schema=True), smoke=True)
+    assert got["w1"] > 0 and got["w1_detail"]["num_requests"] == 8  # workloads.fixed(32, 8, 8)
