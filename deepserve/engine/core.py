@@ -149,18 +149,6 @@ class EngineCore:
             runner = ModelRunner(config)
         return cls(config, runner, load_s=time.perf_counter() - start, before_load_s=before)
 
-
-def _process_age_s() -> float | None:
-    """Seconds since this process started (Linux: /proc), None where that cannot be read."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
-
     def add_request(self, req: EngineCoreRequest) -> None:
         wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
         request = Request(
@@ -352,3 +340,15 @@ def _check_cache_fits(config: EngineConfig, num_blocks: int) -> None:
             f"{capacity} or less, or give the cache more memory (--gpu-memory-utilization, "
             "--num-gpu-blocks-override, --cpu-kv-cache-gib)"
         )
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
