@@ -58,9 +58,11 @@ class SamplingMetadata:
         request_keys: list[int] | None = None,
         history: PenaltyHistory | None = None,
         grammar_bitmask: bytes | None = None,
+        penalties: bool = True,
     ) -> SamplingMetadata:
         """`history` (with the rows' `request_keys`, Request.serial) keeps the penalties' token counts on
-        the device from step to step (the model runner holds one); without it they are built from scratch."""
+        the device from step to step (the model runner holds one); without it they are built from scratch.
+        penalties=False leaves them for set_verify_penalties (speculative decoding's verify rows)."""
         greedy = [p.greedy for p in params]
         # Greedy rows ignore temperature and the filters: they get the neutral values.
         rnd = [None if g else p for p, g in zip(params, greedy, strict=True)]
@@ -81,7 +83,7 @@ class SamplingMetadata:
             meta.top_p = _f32(top_p, device)
         if max(min_p, default=0.0) > 0.0:
             meta.min_p = _f32(min_p, device)
-        if any(p.has_penalties for p in params):
+        if penalties and any(p.has_penalties for p in params):
             if history is None or request_keys is None:
                 history, request_keys = PenaltyHistory(vocab_size, device), list(range(len(params)))
             meta._set_penalties(params, prompt_token_ids, output_token_ids, request_keys, history, device)
@@ -97,6 +99,24 @@ class SamplingMetadata:
         if wanted:
             meta.max_num_logprobs = min(max(wanted), vocab_size)
         return meta
+
+    def set_verify_penalties(self, params: list[SamplingParams], request_keys: list[int],
+                             prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                             history: PenaltyHistory, row_request: list[int], row_drafts: list[list[int]]) -> None:
+        """Penalties for a verify step's rows from the history, as a plain step reads them: the history's
+        row of each of the step's requests (params, keys, prompts and kept outputs, one entry per request),
+        repeated for each of its rows (row_request: the request's index), with the drafts before the row
+        (row_drafts) counted on top in the row's copy only: the history holds kept tokens, never drafts."""
+        device = history.device
+        self._set_penalties(params, prompt_token_ids, output_token_ids, request_keys, history, device)  # [R, V]
+        index = _to(row_request, torch.int64, device)
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "prompt_mask", "output_counts"):
+            setattr(self, name, getattr(self, name).index_select(0, index))  # [S, ...] copies
+        vocab = self.output_counts.shape[1]
+        flat = [row * vocab + t for row, drafts in enumerate(row_drafts) for t in drafts]
+        if flat:
+            self.output_counts.view(-1).index_add_(0, _to(flat, torch.int64, device),
+                                                   torch.ones(len(flat), device=device))
 
     def _set_penalties(
         self,

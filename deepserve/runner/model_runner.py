@@ -356,20 +356,30 @@ class ModelRunner:
         """Speculative decoding: sample every row of a verify step against its draft (RejectionSampler).
         Row j of a request sees its output followed by drafts 0 .. j - 1, as the plain sampler would
         have seen them had they been sampled one step at a time (penalties, min_tokens, seeds)."""
-        requests, outputs, drafts = [], [], []
+        requests, outputs, drafts, row_request, before = [], [], [], [], []
+        unique: list[Request] = []  # the step's requests, once each, in row order
         j, previous = 0, -1
         for i in inputs.sample_indices:
             sched = out.scheduled[i]
             j = j + 1 if i == previous else 0
+            if j == 0:
+                unique.append(sched.request)
             previous = i
             spec = sched.spec_token_ids
             requests.append(sched.request)
             outputs.append(sched.request.output_token_ids + spec[:j] if j else sched.request.output_token_ids)
             drafts.append(spec[j] if j < len(spec) else -1)
+            row_request.append(len(unique) - 1)
+            before.append(spec[:j])
+        params = [r.sampling_params for r in requests]
         meta = SamplingMetadata.build(
-            [r.sampling_params for r in requests], [r.prompt_token_ids for r in requests], outputs,
-            [r.eos_token_ids for r in requests], self.vocab_size, self.device,
+            params, [r.prompt_token_ids for r in requests], outputs,
+            [r.eos_token_ids for r in requests], self.vocab_size, self.device, penalties=False,
         )
+        if any(p.has_penalties for p in params):  # the kept history, plus each row's earlier drafts
+            meta.set_verify_penalties([r.sampling_params for r in unique], [r.serial for r in unique],
+                                      [r.prompt_token_ids for r in unique], [r.output_token_ids for r in unique],
+                                      self.penalty_history, row_request, before)
         draft_ids = torch.tensor(drafts, dtype=torch.int64).to(self.device, non_blocking=True)
         result = self.rejection_sampler(logits, meta, draft_ids)
         pending.requests, pending.sampled, pending.verify = requests, result.chosen, True

@@ -412,3 +412,31 @@ def test_no_bitmask_means_no_mask_tensor() -> None:
     meta = SamplingMetadata.build([SamplingParams()] * 2, [[0]] * 2, [[]] * 2, [frozenset()] * 2, 50, CPU,
                                   grammar_bitmask=data)
     assert torch.equal(meta.allowed_token_bitmask, _bitmask([[1], [2, 3]], 50))
+
+
+def test_verify_rows_read_the_history_plus_their_earlier_drafts() -> None:
+    # A verify step's rows (speculative decoding): row j of a request sees its kept output and drafts
+    # 0..j-1. From the runner's history they must equal rows built from scratch on output + drafts, and
+    # the history must keep only kept tokens, so a second step with one draft accepted still agrees.
+    rng = random.Random(7)
+    vocab = 23
+    prompts = [[rng.randrange(vocab) for _ in range(9)] for _ in range(3)]
+    outputs = [[rng.randrange(vocab) for _ in range(5)] for _ in range(3)]
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4), SamplingParams(),
+              SamplingParams(presence_penalty=0.7)]
+    history = PenaltyHistory(vocab, CPU)
+    for _ in range(2):
+        # Drafts [3, 3, 8] for request 0 (4 rows), none for 1 (one row), [5] for 2 (2 rows).
+        row_request = [0, 0, 0, 0, 1, 2, 2]
+        before = [[], [3], [3, 3], [3, 3, 8], [], [], [5]]
+        row_outputs = [outputs[r] + b for r, b in zip(row_request, before, strict=True)]
+        rows = len(row_request)
+        want = SamplingMetadata.build([params[r] for r in row_request], [prompts[r] for r in row_request],
+                                      row_outputs, [frozenset()] * rows, vocab, CPU)
+        got = SamplingMetadata.build([params[r] for r in row_request], [prompts[r] for r in row_request],
+                                     row_outputs, [frozenset()] * rows, vocab, CPU, penalties=False)
+        got.set_verify_penalties(params, [10, 11, 12], prompts, outputs, history, row_request, before)
+        x = torch.randn(rows, vocab)
+        assert torch.equal(apply_penalties(x.clone(), got), apply_penalties(x.clone(), want))
+        assert torch.equal(got.output_counts, want.output_counts)
+        outputs = [outputs[0] + [3, 9], outputs[1] + [4], outputs[2] + [6]]  # what the step kept
