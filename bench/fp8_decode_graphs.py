@@ -4,6 +4,11 @@ these shapes). Variants: bf16 F.linear, the block-scaled Triton path with and wi
 block-wise _scaled_mm, and for per-channel weights the Triton path and torch._scaled_mm row-wise.
 
     python bench/fp8_decode_graphs.py [--json OUT] [--sweep-s 120]   # --sweep-s: also sweep the GEMM's tiles
+    python bench/fp8_decode_graphs.py --gemv-s 240 [--json OUT]       # the weight-stream GEMV's configs only
+
+--gemv-s: kernels/fp8_gemv.py (off by default: DEEPSERVE_FP8_GEMV_MAX_M) for M = 1..16 on every shape,
+block-scaled, each config checked against x @ the dequantized weight (exit 1 if any is wrong), then timed
+beside bf16 and the W8A8 Triton path; the table ends with the best config per (shape, M).
 """
 
 from __future__ import annotations
@@ -111,12 +116,61 @@ def sweep(deadline_s: float) -> list[dict]:
     return rows
 
 
+GEMV_BATCHES = (1, 2, 4, 8, 16)
+GEMV_CONFIGS = [dict(numerics=nu, block_n=bn, block_k=128, waves=wv, num_warps=4)
+                for nu in ("fma", "dot") for bn in (16, 32, 64, 128) for wv in (2, 4, 8)]
+
+
+def gemv_sweep(deadline_s: float) -> tuple[list[dict], bool]:
+    """Every GEMV config per (shape, M) until the deadline: (rows, all correct)."""
+    import time
+
+    from deepserve.kernels import fp8_gemv
+    from deepserve.kernels.fp8_ref import dequantize_weight_block
+
+    start, rows, correct = time.perf_counter(), [], True
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wb, sb = quantize_weight_block(w, (128, 128))
+        exact = dequantize_weight_block(wb, sb, (128, 128)).float()
+        for m in GEMV_BATCHES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = x.float() @ exact.T
+            row = {"shape": name, "M": m, "fp8_MB": n * k / 1e6,
+                   "bf16": graph_us(lambda x=x, w=w: torch.nn.functional.linear(x, w)),
+                   "w8a8 triton": graph_us(functools.partial(fp8.block_fp8_linear, x, wb, sb, (128, 128))),
+                   "gemv": {}}
+            for c in GEMV_CONFIGS:
+                if (c["numerics"] == "fma" and m > 4) or time.perf_counter() - start > deadline_s:
+                    continue
+                cfg = fp8_gemv.Fp8GemvConfig(**c)
+                key = "-".join(f"{v}" for v in c.values())
+                fn = functools.partial(fp8_gemv.fp8_gemv, x, wb, sb, (128, 128), None, cfg)
+                try:
+                    err = ((fn().float() - want).norm() / want.norm()).item()
+                    if not err < 1e-2:
+                        correct = False
+                        row["gemv"][key] = f"WRONG {err:.2e}"
+                        continue
+                    row["gemv"][key] = graph_us(fn, calls=5, replays=10)
+                except Exception as exc:  # a config that does not compile or fit: say so, keep going
+                    row["gemv"][key] = type(exc).__name__
+            ok = sorted(((k_, v) for k_, v in row["gemv"].items() if isinstance(v, float)), key=lambda kv: kv[1])
+            row["best"] = ok[:3]
+            rows.append(row)
+            print("GEMV", json.dumps({k_: v for k_, v in row.items() if k_ != "gemv"}), flush=True)
+    return rows, correct
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep-s", type=float, default=0.0, help="seconds for the tile sweep (0: none)")
+    ap.add_argument("--gemv-s", type=float, default=0.0, help="seconds for the GEMV configs alone (0: none)")
     ns = ap.parse_args()
     torch.manual_seed(0)
+    if ns.gemv_s > 0:
+        return _gemv_main(ns)
     rows = []
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -146,6 +200,24 @@ def main() -> int:
         with open(ns.json, "w") as f:
             json.dump({"variants": rows, "sweep": swept}, f, indent=1)
     return 0
+
+
+def _gemv_main(ns: argparse.Namespace) -> int:
+    rows, correct = gemv_sweep(ns.gemv_s)
+    print(f"{'shape':>11} {'M':>3} {'bf16':>7} {'w8a8':>7} {'gemv':>7} {'TB/s':>5}  best config "
+          "(numerics-block_n-block_k-waves-warps), us in a CUDA graph")
+    for r in rows:
+        if not r["best"]:
+            print(f"{r['shape']:>11} {r['M']:>3} {r['bf16']:7.1f} {r['w8a8 triton']:7.1f}  (no config timed)")
+            continue
+        key, us = r["best"][0]
+        print(f"{r['shape']:>11} {r['M']:>3} {r['bf16']:7.1f} {r['w8a8 triton']:7.1f} {us:7.1f} "
+              f"{r['fp8_MB'] / us:5.2f}  {key}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"gemv": rows}, f, indent=1)
+    print("ALL CORRECT" if correct else "WRONG RESULTS (see the rows marked WRONG)")
+    return 0 if correct else 1
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "1: block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
                                        "torch._scaled_mm's block-wise scaling instead of Triton (off: on the H200 "
                                        "it refused M = 257 and gave wrong results for K = 11008)"),
+    "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 0),
+                                 "FP8 linears with at most this many tokens (up to 16) stream the weight through "
+                                 "kernels/fp8_gemv.py, activations unquantized; 0 (default): off until measured"),
     "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
                             or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
                             "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),

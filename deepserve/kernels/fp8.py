@@ -348,6 +348,12 @@ def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: t
 # those that matched (M and K/128 multiples of 4 and 16); unverified beyond them.
 CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
 CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
+# Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 0: off until measured.
+GEMV_MAX_M = min(16, int(envs.DEEPSERVE_FP8_GEMV_MAX_M))
+
+
+def _gemv(x2: torch.Tensor) -> bool:
+    return 0 < x2.shape[0] <= GEMV_MAX_M and x2.stride(1) == 1  # (off at 0, an empty x included)
 
 
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
@@ -355,6 +361,10 @@ def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tens
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
     per token and bk-group by quantize_per_token_group."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if _gemv(x2):
+        from deepserve.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x2, w_q, w_scale_inv, block, bias).view(*x.shape[:-1], w_q.shape[0])
     x_q, x_scale = quantize_per_token_group(x2, block[1])
     if _cublas_blockwise(x2, w_q, block):
         # cuBLAS wants the activation scales outer-dim-major ([M, G] with stride (1, M)) and the
@@ -405,6 +415,10 @@ def channel_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     if not x.is_cuda:
         return channel_fp8_linear_ref(x, w_q, w_scale, bias)
     (n, k), x2 = w_q.shape, x.reshape(-1, x.shape[-1])  # x2 [M, K]
+    if _gemv(x2):
+        from deepserve.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x2, w_q, w_scale.float(), None, bias).view(*x.shape[:-1], n)
     if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 and x2.shape[0] >= CUBLAS_MIN_M:
         x_q, x_scale = quantize_per_token_group(x2, k)  # [M, K], [M, 1]
         out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.float().view(1, n),

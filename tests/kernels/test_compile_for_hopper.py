@@ -219,6 +219,29 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
     _compile_all(_record(monkeypatch, fp8, run))
 
 
+def test_fp8_gemv_kernels_compile(monkeypatch):
+    gemv = import_kernels("deepserve.kernels.fp8_gemv")
+    fp8 = import_kernels("deepserve.kernels.fp8")
+    from deepserve.kernels.fp8_ref import quantize_weight_block, quantize_weight_per_channel
+
+    # The GPU's launch: a bf16 dot (the interpreter takes an fp32 one; its products are not checked here).
+    monkeypatch.setattr(gemv, "INTERPRET", False)
+    w_q, w_scale = quantize_weight_block(torch.randn(200, 328), (128, 128))
+    c_q, c_scale = quantize_weight_per_channel(torch.randn(200, 256))
+    bias = torch.randn(200, dtype=torch.bfloat16)
+
+    def run():
+        for numerics, m in (("dot", 3), ("fma", 1), ("fma", 2)):
+            cfg = gemv.Fp8GemvConfig(numerics=numerics, block_n=32)
+            gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), bias, cfg)
+            gemv.fp8_gemv(torch.randn(m, 256, dtype=torch.bfloat16), c_q, c_scale, None, None, cfg)
+
+    launches = _record(monkeypatch, gemv, run)
+    launches += _record(monkeypatch, fp8, lambda: fp8._sum_splits(torch.zeros(2, 3, 200), torch.empty(
+        3, 200, dtype=torch.bfloat16), bias))
+    _compile_all(launches)
+
+
 def test_int4_gemm_kernels_compile(monkeypatch):
     from dataclasses import replace
 

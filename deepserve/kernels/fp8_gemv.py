@@ -1,0 +1,152 @@
+"""FP8 weights at decode sizes as a weight stream: x [M, K] (bf16 / fp16 / fp32, not quantized) times an
+FP8 weight [N, K], the weight widened in registers and scaled by its block or channel factor.
+
+Why (bench/RESULTS.md, FP8): at M <= 16 the W8A8 path (quantize the activations, fp8 tensor-core GEMM,
+split-K sum) streamed 7B's qkv weight at 1.7-2.4 TB/s against bf16 cuBLAS's 3.6, so FP8 decode was no
+faster than bf16 for half the bytes. A decode step is a weight stream: what matters is many programs each
+reading long contiguous runs of the weight, and no extra launch for the activations.
+
+Numerics: the product of x and the dequantized weight (fp8_ref.dequantize_weight_block / the per-channel
+scale), accumulated in fp32; not the W8A8 reference (which also rounds the activations to fp8), so this
+path is more exact than the one it replaces. Two ways to multiply, chosen by the config:
+  "dot"  tl.dot over a row tile of 16 (rows past M read as zeros): the weight tile widened to x's dtype
+         (bf16 / fp16; fp32 x multiplies in fp32) after its scale, tensor cores.
+  "fma"  each of the M rows multiplied and summed across K on the CUDA cores (no tensor cores, no padding):
+         for M of 1-4.
+Triton's interpreter (CPU tests) gives wrong products for a bf16 tl.dot whose operand was widened from
+fp8 (seen with triton 3.x: the same dot in fp32 is right), so there the dot runs in fp32; the H200 check
+(bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials
+that fp8.py's split sum adds in order (+ bias). Off by default (fp8.GEMV_MAX_M = 0,
+DEEPSERVE_FP8_GEMV_MAX_M) until bench/fp8_decode_graphs.py --gemv-s has timed it on the H200.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepserve.kernels.fp8 import INTERPRET, _num_sms, _sum_splits
+
+NUMERICS = ("dot", "fma")
+
+
+@dataclass(frozen=True)
+class Fp8GemvConfig:
+    block_n: int = 64  # output features per program
+    block_k: int = 128  # a power of two dividing the weight's scale block along K (128 for DeepSeek)
+    split_k: int = 0  # programs along K; 0: enough for about `waves` programs per SM
+    numerics: str = "dot"
+    num_warps: int = 4
+    num_stages: int = 4
+    waves: int = 4  # with split_k 0: programs per SM to aim for
+
+
+def default_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
+    """A guess until measured: CUDA-core FMAs for one or two rows, the tensor-core tile above."""
+    return Fp8GemvConfig(numerics="fma" if m <= 2 else "dot", block_n=32 if m <= 2 else 64)
+
+
+def gemv_splits(n: int, k: int, config: Fp8GemvConfig, num_sms: int) -> int:
+    """Splits along K (whole block_k tiles each): config.split_k, or enough that the N tiles times the
+    splits give about `waves` programs per SM, each split keeping at least 4 tiles of K."""
+    k_tiles = triton.cdiv(k, config.block_k)
+    if config.split_k:
+        return max(1, min(config.split_k, k_tiles))
+    tiles = triton.cdiv(n, config.block_n)
+    want = triton.cdiv(config.waves * num_sms, tiles)
+    return max(1, min(want, k_tiles // 4 or 1, 64))
+
+
+def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+             bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype. block (bn, bk): scale is the weight's scale_inv [ceil(N / bn),
+    ceil(K / bk)]; block None: scale is per output channel [N]. M at most 16."""
+    (n, k), m = w_q.shape, x.shape[0]
+    _check(x, w_q, scale, block, bias, m)
+    cfg = config or default_gemv_config(m, n, k)
+    if cfg.numerics not in NUMERICS:
+        raise ValueError(f"fp8 gemv: numerics must be one of {NUMERICS}, got {cfg.numerics!r}")
+    group_n, group_k = block if block is not None else (1, k)
+    if block is not None and group_k % cfg.block_k:
+        raise ValueError(f"fp8 gemv: block_k {cfg.block_k} must divide the weight's scale block {group_k}")
+    splits = gemv_splits(n, k, cfg, _num_sms(x.device))
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, splits)
+    partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    block_m = 16 if cfg.numerics == "dot" else triton.next_power_of_2(m)
+    scale2 = scale.view(-1, 1) if block is None else scale
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, w_q, scale2, partials, m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
+        scale2.stride(0), scale2.stride(1), GROUP_N=group_n, GROUP_K=group_k, PER_CHANNEL=block is None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.numerics == "dot",
+        IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _sum_splits(partials, out, bias)
+    return out
+
+
+def _check(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+           bias: torch.Tensor | None, m: int) -> None:
+    (n, k) = w_q.shape
+    if not 1 <= m <= 16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"fp8 gemv: x must be [M <= 16, {k}], got {tuple(x.shape)}")
+    if x.stride(1) != 1 or w_q.stride(1) != 1:
+        raise ValueError("fp8 gemv: x and the weight must be contiguous along K")
+    want = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if tuple(scale.shape) != want or scale.dtype != torch.float32:
+        raise ValueError(f"fp8 gemv: the scale must be float32 {want}, got {scale.dtype} {tuple(scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"fp8 gemv: bias must be [{n}]")
+
+
+# M changes every step: one compile serves every M up to the row tile.
+@triton.jit(do_not_specialize=["M", "tiles_per_split"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn,
+                     stride_sn, stride_sk, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+    # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split].
+    # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, k_tiles)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1] (DOT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(first, last):
+        ks = t * BLOCK_K + offs_k
+        k_ok = ks < K
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K] fp8
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        wf = w.to(tl.float32)
+        if not PER_CHANNEL:  # one scale per (row block, K block): BLOCK_K divides GROUP_K
+            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (t * BLOCK_K // GROUP_K) * stride_sk)
+            wf = wf * s[:, None]
+        if DOT:
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            if IEEE:  # fp32 activations (fp32 models), or the interpreter: an fp32 product, no tf32 rounding
+                acc += tl.dot(x.to(tl.float32), tl.trans(wf), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(wf.to(x.dtype)), out_dtype=tl.float32)
+        else:
+            for r in tl.static_range(BLOCK_M):  # row r of x, read straight from memory (it stays in cache)
+                row_ok = (offs_k * 0 + r) < M  # as a tensor: a mask must be one
+                xr = tl.load(x_ptr + r * stride_xm + ks, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+                part = tl.sum(wf * xr[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    if PER_CHANNEL:  # constant along K: applied once
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn)[None, :]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = ws_ptr + split.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & (cols[None, :] < N))

@@ -1,0 +1,84 @@
+"""The FP8 weight-stream GEMV (deepserve/kernels/fp8_gemv.py) against the product of the activations and
+the dequantized weight (fp8_ref's dequantize helpers; the activations are not quantized on this path).
+
+Weights whose 128 x 128 blocks differ in magnitude by up to 10^4 (test_fp8_gemm.py's block_weight), so a
+scale read from the wrong block is far outside the tolerance; odd N and K leave partial tiles and blocks.
+Both numerics ("dot": a tensor-core row tile; "fma": row by row), split-K fixed and chosen, bias, fp32 and
+bf16 activations, block and per-channel scales, and the switch in fp8.py's linear wrappers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.test_fp8_gemm import block_weight, rel_err
+from tests.kernels.triton_setup import DEVICE, MARKS, import_kernels
+
+fp8 = import_kernels("deepserve.kernels.fp8")
+gemv = import_kernels("deepserve.kernels.fp8_gemv")
+
+from deepserve.kernels import fp8_ref as ref  # noqa: E402
+
+pytestmark = MARKS
+BLOCK = (128, 128)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ w.float().T
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("numerics", ["dot", "fma"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(200, 256), (130, 328)])
+@pytest.mark.parametrize("split_k", [1, 3, 0])
+def test_block_scaled_gemv_equals_the_dequantized_product(numerics, m, n, k, split_k):
+    w_q, scale = block_weight(n, k, BLOCK, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    bias = torch.randn(n).to(DEVICE) if split_k != 1 else None
+    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, split_k=split_k, numerics=numerics)
+    out = gemv.fp8_gemv(x, w_q, scale, BLOCK, bias, cfg)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert rel_err(out, reference(x, ref.dequantize_weight_block(w_q, scale, BLOCK), bias)) < TOLERANCE[x.dtype]
+
+
+@pytest.mark.parametrize("numerics", ["dot", "fma"])
+def test_bf16_activations_and_per_channel_scales(numerics):
+    n, k = 96, 200
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, n)[:, None]
+    w_q, scale = ref.quantize_weight_per_channel(w.to(DEVICE))
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, numerics=numerics)
+    out = gemv.fp8_gemv(x, w_q, scale, None, None, cfg)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, reference(x, w_q.float() * scale[:, None], None)) < TOLERANCE[torch.bfloat16]
+
+
+def test_the_linear_wrappers_take_it_up_to_gemv_max_m(monkeypatch):
+    # Off by default; with the switch at 4, M <= 4 gives the GEMV's (unquantized activations) result
+    # and M = 5 the W8A8 path's.
+    assert fp8.GEMV_MAX_M == 0
+    n, k = 200, 256
+    w_q, scale = block_weight(n, k, BLOCK, seed=3)
+    w = ref.dequantize_weight_block(w_q, scale, BLOCK)
+    monkeypatch.setattr(fp8, "GEMV_MAX_M", 4)
+    for m in (1, 4, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        out = fp8.block_fp8_linear(x, w_q, scale, BLOCK)
+        exact = rel_err(out, reference(x, w, None))
+        assert (exact < 1e-5) if m <= 4 else (1e-5 < exact < 5e-2)  # W8A8 rounds the activations too
+    cw_q, cscale = ref.quantize_weight_per_channel(w)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    out = fp8.channel_fp8_linear(x, cw_q, cscale) if DEVICE.type == "cuda" else fp8.channel_fp8_triton(x, cw_q, cscale)
+    assert out.shape == (2, n)
+
+
+def test_bad_shapes_are_refused_naming_what_to_pass():
+    w_q, scale = block_weight(64, 128, BLOCK, seed=0)
+    with pytest.raises(ValueError, match="M <= 16"):
+        gemv.fp8_gemv(torch.randn(17, 128).to(DEVICE), w_q, scale, BLOCK)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        gemv.fp8_gemv(torch.randn(1, 128).to(DEVICE), w_q, scale[:, :0], BLOCK)
+    with pytest.raises(ValueError, match="block_k 256 must divide"):
+        gemv.fp8_gemv(torch.randn(1, 128).to(DEVICE), w_q, scale, BLOCK, config=gemv.Fp8GemvConfig(block_k=256))
