@@ -153,8 +153,9 @@ def test_an_endless_header_block_is_cut_off_at_its_size_limit(srv):
             data = s.recv(4096)
         except (ConnectionResetError, BrokenPipeError):  # closed with unread bytes: the reset may come first
             data = b""
-    assert time.monotonic() - start < 1.5  # not the read timeout's close
+    assert time.monotonic() - start < 10
     assert data == b"" or data.startswith(b"HTTP/1.1 431"), data[:100]
+    # Closed for its size, not by the 2 s read timeout (which logs "took over"):
     assert wait_until(lambda: "request headers ran past 65536 bytes" in srv.tail(), 10)
     assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
 
