@@ -87,16 +87,13 @@ class EngineCoreOutput:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, load_s: float | None = None,
-                 before_load_s: float | None = None) -> None:
+                 process_age_s: float | None = None) -> None:
         self.config = config
         self.runner = runner
         # Where start-up goes (seconds): building the model and its weights (when from_engine_args
         # timed it), sizing the KV cache (a profile step on the GPU), allocating it and capturing the
-        # decode CUDA graphs; before them, the process's age when loading began (interpreter, imports,
-        # config). Logged, and read by the benchmarks.
-        self.startup_s: dict[str, float] = {} if before_load_s is None else {"before_load": before_load_s}
-        if load_s is not None:
-            self.startup_s["load"] = load_s
+        # decode CUDA graphs; and what came before them. Logged, and read by the benchmarks.
+        self.startup_s: dict[str, float] = {} if load_s is None else {"load": load_s}
         start = time.perf_counter()
         logger.info("sizing the KV cache (a profile step; the first run of each kernel compiles it)")
         self.num_blocks = runner.determine_num_blocks()
@@ -104,6 +101,8 @@ class EngineCore:
         sized = time.perf_counter()
         runner.initialize_cache(self.num_blocks)
         self.startup_s.update(kv_cache_sizing=sized - start, kv_cache_and_graphs=time.perf_counter() - sized)
+        if process_age_s is not None:  # the process's age when loading began (interpreter, imports, config;
+            self.startup_s["process_age_at_load"] = process_age_s  # in a long-lived process, all of its life)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
         num_host_blocks = 0
         if config.cache.swap_space > 0:
@@ -136,7 +135,7 @@ class EngineCore:
 
         config = args.create_engine_config()
         start = time.perf_counter()
-        before = _process_age_s()  # the interpreter, imports and the config, before any of the engine's work
+        age = _process_age_s()  # the interpreter, imports and the config: before any of the engine's work
         m = config.model
         logger.info("loading %s (%s, %s weights%s) on %s", m.model, m.dtype,
                     "random" if m.load_format == "dummy" else "checkpoint",
@@ -147,7 +146,7 @@ class EngineCore:
             runner: Runner = MultiprocExecutor(config)
         else:
             runner = ModelRunner(config)
-        return cls(config, runner, load_s=time.perf_counter() - start, before_load_s=before)
+        return cls(config, runner, load_s=time.perf_counter() - start, process_age_s=age)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
