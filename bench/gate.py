@@ -140,6 +140,8 @@ FP8_RUNS = [
     ModelRun("v3-slice8-fp8", "deepseek-v3", w2=True, layers=8, timeout_s=160),
     ModelRun("deepseek-llm-7b-fp8", "deepseek-llm-7b", w2=True, timeout_s=140, quantization="fp8"),
 ]
+# (numerator, denominator, label, target): reported beside the figures, not gated (a target, not a baseline)
+RATIOS = [("r1-distill-qwen-7b-json/w1", "r1-distill-qwen-7b/w1", "W1 JSON schema / plain (Qwen)", 0.90)]
 CHECKS = [  # (name, command, timeout): correctness on the GPU before anything is timed
     ("prefill attention", [sys.executable, "bench/check_prefill.py"], 60),
     ("greedy = CPU reference (tiny checkpoints)", [sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
@@ -283,6 +285,11 @@ def compare(result: dict, baseline: dict | None) -> tuple[list[str], bool]:
         ok = ok and not (fig.gated and verdict.split()[0] in ("REGRESSION", "MISSING"))
         lines.append(f"{fig.label:40} {fig.unit:>9} {_num(now):>9} {_num(was):>9} {change:>8} "
                      f"{_num(fig.target):>8}  {verdict}")
+    for num, den, label, target in RATIOS:  # targets between two figures of one run (same machine)
+        a, b = result["figures"].get(num), result["figures"].get(den)
+        if a is not None and b:
+            lines.append(f"{label:40} {'ratio':>9} {a / b:>9.3f} {'':>9} {'':>8} {target:>8.2f}  "
+                         f"{'target met' if a / b >= target else 'below target'}")
     lines.append("GATE PASSED" if ok else "GATE FAILED")
     return lines, ok
 

@@ -114,6 +114,9 @@ def test_ab_verdict_needs_a_step_beyond_tolerance_and_ranges_that_do_not_overlap
     assert ab.judge([4.40, 4.45], [4.60, 4.62], False)[0] == "REGRESSION"  # TPOT: lower is better
     assert ab.judge([4.40, 4.45], [4.30, 4.31], False)[0] == "ok"
     assert ab.judge([4.40], [], False)[0] == "MISSING"
+    # TTFT keeps the gate's 15 %: 27 -> 29 ms (+7 %) with no overlap is not a regression there.
+    lines, ok = ab.table({"demo": {"base": {"ttft": [26.0, 27.0]}, "new": {"ttft": [29.0, 29.5]}}}, ["base", "new"])
+    assert ok and lines[-2].endswith("ok")
     lines, ok = ab.table({"demo": {"base": {"w1": [100.0, 102.0]}, "new": {"w1": [90.0, 91.0]}}}, ["base", "new"])
     assert not ok and lines[-1] == "A/B FAILED" and "REGRESSION" in lines[-2]
 
@@ -144,6 +147,11 @@ def test_the_structured_suite_runs_plain_and_constrained_w1_side_by_side(tmp_pat
               "figures": {"r1-distill-qwen-7b/w1": 10_000.0, "r1-distill-qwen-7b-json/w1": 9_200.0}}
     lines, ok = gate.compare(result, BASE)
     assert ok and any(line.startswith("W1 R1-Distill-Qwen-7B, JSON schema") and line.endswith("new") for line in lines)
+    assert any(line.startswith("W1 JSON schema / plain") and "0.920" in line and line.endswith("target met")
+               for line in lines)
+    result["figures"]["r1-distill-qwen-7b-json/w1"] = 8_500.0
+    lines, ok = gate.compare(result, BASE)
+    assert ok and any(line.startswith("W1 JSON schema / plain") and line.endswith("below target") for line in lines)
     # The constrained engine runs on CPU: the demo model's own tokenizer, a schema on every request.
     got = gate.run_model(gate.ModelRun("demo", None, w2=False, json_schema=True), smoke=True)
     assert got["w1"] > 0 and got["w1_detail"]["num_requests"] == 8  # workloads.fixed(32, 8, 8)

@@ -414,6 +414,12 @@ def channel_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     elsewhere (CUBLAS_MIN_M). CPU: the reference."""
     if not x.is_cuda:
         return channel_fp8_linear_ref(x, w_q, w_scale, bias)
+    return channel_fp8_cuda(x, w_q, w_scale, bias)
+
+
+def channel_fp8_cuda(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """channel_fp8_linear's GPU choice (also what the interpreter tests run)."""
     (n, k), x2 = w_q.shape, x.reshape(-1, x.shape[-1])  # x2 [M, K]
     if _gemv(x2):
         from deepserve.kernels.fp8_gemv import fp8_gemv

@@ -184,7 +184,8 @@ class ModelRunner:
         """The largest step's sampling on dummy logits, so the memory profile counts its [rows, V] float32
         temporaries (256 rows of a 129k vocabulary are 132 MB each): every sequence slot sampling at once,
         k + 1 rows each under speculative decoding (the verify step's rows, as many as the token budget
-        allows), with filters, a penalty and 20 logprobs on (the server's top_logprobs limit). The rows."""
+        allows), with filters, a penalty and 20 logprobs on (the server's top_logprobs limit). The rows.
+        Not counted yet: prompt logprobs, whose rows can reach max_num_batched_tokens x V float32."""
         from deepserve.sampling_params import SamplingParams
 
         sched = self.config.scheduler
@@ -416,14 +417,13 @@ class ModelRunner:
         rank 0 (`sampled`; the others pass None): per request its count, then a slot of num_sampled tokens,
         the most a step keeps, so every rank knows the size from the step itself."""
         slots = [s.num_sampled for s in out.scheduled]
-        buf = torch.zeros(len(slots) + sum(slots), dtype=torch.int64)
-        if sampled is not None:
-            at = len(slots)
-            for i, (tokens, slot) in enumerate(zip(sampled, slots, strict=True)):
-                buf[i] = len(tokens)
-                buf[at: at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-                at += slot
-        shared = buf.to(self.device)
+        if sampled is not None:  # rank 0: counts, then each request's tokens padded to its slot
+            flat = [len(tokens) for tokens in sampled]
+            for tokens, slot in zip(sampled, slots, strict=True):
+                flat += tokens + [0] * (slot - len(tokens))
+            pdist.tp_broadcast_from_first(torch.tensor(flat, dtype=torch.int64).to(self.device))
+            return sampled
+        shared = torch.zeros(len(slots) + sum(slots), dtype=torch.int64, device=self.device)
         pdist.tp_broadcast_from_first(shared)
         values, kept, at = shared.tolist(), [], len(slots)
         for i, slot in enumerate(slots):

@@ -27,3 +27,17 @@ def test_the_profile_samples_the_largest_steps_rows(llama_path, monkeypatch, spe
     assert runner.profile_sampling() == rows
     which = "rejection_sampler" if spec else "sampler"
     assert seen == [(which, (rows, runner.vocab_size), 20, True)]
+
+
+def test_the_gpu_profile_run_samples_after_its_forward(llama_path, monkeypatch):  # noqa: F811
+    # _profile_run is what the GPU memory profile measures; on CPU its CUDA calls are stubbed.
+    import torch
+
+    runner = make_runner(llama_path, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    real_execute, real_profile = runner.execute, runner.profile_sampling
+    monkeypatch.setattr(runner, "execute", lambda out: (calls.append("forward"), real_execute(out))[1])
+    monkeypatch.setattr(runner, "profile_sampling", lambda: (calls.append("sampling"), real_profile())[1])
+    runner._profile_run()
+    assert calls == ["forward", "sampling", "sync"]
