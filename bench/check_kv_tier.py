@@ -17,7 +17,8 @@ and the tier end to end.
    layer, one memcpy per run of host blocks), "per-layer" (the previous batched path: a host tensor per
    layer, a gather and one memcpy per run per layer) and "per-block" (one non_blocking copy per block, layer
    and plane); GB/s over the bytes moved. Then how much of a 256-block swap-out hides behind a bf16 matmul
-   loop standing in for a forward (overlap 1.0: fully hidden; 0: none), new and per-layer.
+   loop standing in for a forward (overlap 1.0: fully hidden; 0: none): new, new when the forward writes
+   the swapped-out blocks (it waits for their gather only), and per-layer.
    start-up: seconds until the new tier's first chunk is usable and until all of it is pinned, against
    torch's pin_memory allocation of the same bytes as per-layer tensors.
 3. end to end (tiny random Llama-GQA and DeepSeek-V2-like MLA checkpoints, float32, CUDA graphs on, sync and
@@ -240,8 +241,15 @@ def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, 
         with torch.cuda.stream(side):
             old.run(caches, outs, True)
 
+    # The same swap-outs as "first" ones: the step's forward writes their GPU blocks (as a prefix store's
+    # block is written by the request it was evicted for), so it waits for their gather, not their memcpy.
+    writer = Request("w", [0] * (len(outs) * bs), SamplingParams())
+    writer.block_ids = [g for g, _ in outs]
+    writes_them = [ScheduledRequest(writer, len(outs) * bs, 0)]
     t_fwd = timed(forward)
     for label, swap_out in (("new", lambda: tier.run(SchedulerOutput(blocks_to_swap_out=outs), caches)),
+                            ("new, forward writes them",
+                             lambda: tier.run(SchedulerOutput(writes_them, blocks_to_swap_out=outs), caches)),
                             ("per-layer", old_out)):
         t_out = timed(swap_out)
         t_both = timed(lambda s=swap_out: (s(), forward()))

@@ -22,21 +22,25 @@ pairs, and swap-outs of blocks the forward writes, need that order; the rest com
 swap-outs are split: "first" ones (reading a block the forward or a swap-in writes, or writing a host
 block a swap-in reads) and "behind" ones (all others). A prefix store's GPU block was evicted to be
 handed out again, mostly to a request of the same step whose forward writes it: such a store is "first"
-and cannot overlap that forward. On the CPU they run in the order first, swap-ins, behind: plain
-copies. On CUDA:
+and its gather precedes that forward (its memcpy need not, rule 2). On the CPU they run in the order first,
+swap-ins, behind: plain copies. On CUDA:
 1. The copies go on a side stream (high priority, so its short gather kernels are not queued behind the
    forward's) that first waits for everything queued on the forward's stream so far: the KV a swap-out
    reads was written by earlier forwards (under async scheduling step n-1 may still be running), and a
    block a swap-in fills may still be written by an earlier forward's row of a request that was freed
    meanwhile (a finished request keeps its row in the step launched after it).
-2. On that one stream: first swap-outs, swap-ins, an event ("ready"), then the behind swap-outs and their
-   event. The forward's stream waits for "ready" only: the forward reads the loaded blocks and may
-   overwrite the first swap-outs' blocks; the behind swap-outs overlap the forward.
-3. Behind swap-outs still running are remembered with the GPU blocks they read; every later step whose
-   forward writes one of those blocks makes its stream wait for their event first (once it has, every
-   later forward comes after it too). Later copies are on the same stream, so they follow in issue
-   order: step n's swap-in reads a host block before step n+1's swap-out overwrites it, and a staging
-   chunk is reused only after the copies of the previous chunk that read or wrote it.
+2. On that one stream: first swap-outs, swap-ins, an event ("ready"), then the behind swap-outs. The
+   forward's stream waits for "ready" only: the forward reads the loaded blocks and may overwrite the
+   first swap-outs' blocks. A swap-out reads its GPU block only in its gather into staging, so in a step
+   without swap-ins "ready" is recorded right after the first swap-outs' last gather, and their memcpys
+   to the host overlap the forward like the behind swap-outs. In a step with swap-ins the forward also
+   waits for those memcpys: the swap-ins queue behind them on the same stream.
+3. Behind swap-outs whose gather may still be running are remembered with the GPU blocks they read and
+   the event after that gather; every later step whose forward writes one of those blocks makes its
+   stream wait for that event first (once it has, every later forward comes after it too). Later copies
+   are on the same stream, so they follow in issue order: step n's swap-in reads a host block before
+   step n+1's swap-out overwrites it, and a staging chunk is reused only after the copies of the
+   previous chunk that read or wrote it.
 Nothing here runs inside a CUDA graph capture; a decode graph's replay is queued after these waits like
 any other kernel on the forward's stream.
 """
@@ -181,8 +185,9 @@ class HostTier:
         ins = sorted(out.blocks_to_swap_in)  # by host block: longer runs; their GPU blocks are distinct
         first, behind = split_swap_outs(last_writer_wins(out.blocks_to_swap_out), ins, written)
         if self.stream is None:  # CPU: plain copies, in that order
-            self._copy(caches, first, ins)
-            self._copy(caches, behind, [])
+            self._copy_outs(caches, first)
+            self._copy_ins(caches, ins)
+            self._copy_outs(caches, behind)
             return
         forward = torch.cuda.current_stream()
         self._wait_for_overwritten(written, forward)  # rule 3, for earlier steps' behind swap-outs
@@ -190,39 +195,44 @@ class HostTier:
             return
         self.stream.wait_stream(forward)  # rule 1
         with torch.cuda.stream(self.stream):
-            self._copy(caches, first, ins)
-            ready = _record() if first or ins else None
-            self._copy(caches, behind, [])
+            gathered = self._copy_outs(caches, first)
+            self._copy_ins(caches, ins)
+            ready = _record() if ins else gathered
+            gathered_behind = self._copy_outs(caches, behind)
             if behind:
-                self.running_outs.append(({g for g, _ in behind}, _record()))
+                self.running_outs.append(({g for g, _ in behind}, gathered_behind))
         if ready is not None:
             forward.wait_event(ready)  # rule 2
 
-    def _copy(self, caches: list[torch.Tensor], outs: Pairs, ins: Pairs) -> None:
-        """Swap-outs (sorted by host block, distinct host blocks), then swap-ins (sorted by host block,
-        distinct GPU blocks), in staging chunks, on the current stream."""
-        if not outs and not ins:
-            return
+    def _staging_rows(self, num: int, device: torch.device) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty((self.staging_blocks, self.block_bytes), dtype=torch.uint8,
-                                        device=caches[0].device)
-        step = self.staging_blocks
-        for start in range(0, len(outs), step):
-            self._copy_out(caches, outs[start : start + step])
-        for start in range(0, len(ins), step):
-            self._copy_in(caches, ins[start : start + step])
+            self._staging = torch.empty((self.staging_blocks, self.block_bytes), dtype=torch.uint8, device=device)
+        return self._staging[:num]
 
-    def _copy_out(self, caches: list[torch.Tensor], pairs: Pairs) -> None:
-        rows = self._staging[: len(pairs)]
-        gather(caches, self.slots, _index([g for g, _ in pairs], rows.device), rows)
-        for first, pos, n in self.host.runs([h for _, h in pairs]):
-            self.host.span(first, n).copy_(rows[pos : pos + n], non_blocking=True)
+    def _copy_outs(self, caches: list[torch.Tensor], pairs: Pairs) -> torch.cuda.Event | None:
+        """Swap-outs (sorted by host block, distinct host blocks) in staging chunks, on the current stream;
+        on CUDA the event recorded after the last chunk's gather: from then on their GPU blocks may be
+        overwritten (the memcpys to the host read the staging buffer, which only later copies on this
+        stream reuse)."""
+        gathered = None
+        for start in range(0, len(pairs), self.staging_blocks):
+            chunk = pairs[start : start + self.staging_blocks]
+            rows = self._staging_rows(len(chunk), caches[0].device)
+            gather(caches, self.slots, _index([g for g, _ in chunk], rows.device), rows)
+            if self.stream is not None and start + self.staging_blocks >= len(pairs):
+                gathered = _record()
+            for first, pos, n in self.host.runs([h for _, h in chunk]):
+                self.host.span(first, n).copy_(rows[pos : pos + n], non_blocking=True)
+        return gathered
 
-    def _copy_in(self, caches: list[torch.Tensor], pairs: Pairs) -> None:
-        rows = self._staging[: len(pairs)]
-        for first, pos, n in self.host.runs([h for h, _ in pairs]):
-            rows[pos : pos + n].copy_(self.host.span(first, n), non_blocking=True)
-        scatter(rows, caches, self.slots, _index([g for _, g in pairs], rows.device))
+    def _copy_ins(self, caches: list[torch.Tensor], pairs: Pairs) -> None:
+        """Swap-ins (sorted by host block, distinct GPU blocks) in staging chunks, on the current stream."""
+        for start in range(0, len(pairs), self.staging_blocks):
+            chunk = pairs[start : start + self.staging_blocks]
+            rows = self._staging_rows(len(chunk), caches[0].device)
+            for first, pos, n in self.host.runs([h for h, _ in chunk]):
+                rows[pos : pos + n].copy_(self.host.span(first, n), non_blocking=True)
+            scatter(rows, caches, self.slots, _index([g for _, g in chunk], rows.device))
 
     def _wait_for_overwritten(self, written: set[int], forward: torch.cuda.Stream) -> None:
         """Rule 3: the forward waits for the behind swap-outs still running whose GPU blocks it writes."""

@@ -6,6 +6,7 @@ is checked against the same definition on a GPU (and by bench/check_kv_tier.py w
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -14,6 +15,7 @@ import torch
 
 from deepserve.engine.request import Request, ScheduledRequest, SchedulerOutput
 from deepserve.layers.kv_cache_spec import KVCacheSpec
+from deepserve.runner import kv_swap
 from deepserve.runner.host_memory import HostBlocks
 from deepserve.runner.kv_swap import (
     HostTier,
@@ -216,9 +218,13 @@ class FakeEvent:
 class FakeStream:
     def __init__(self) -> None:
         self.waited: list[FakeEvent] = []
+        self.waited_streams: list[FakeStream] = []
 
     def wait_event(self, event: FakeEvent) -> None:
         self.waited.append(event)
+
+    def wait_stream(self, stream: FakeStream) -> None:
+        self.waited_streams.append(stream)
 
 
 def test_a_forward_waits_for_the_running_swap_outs_of_the_blocks_it_writes_and_no_other():
@@ -237,6 +243,62 @@ def test_a_forward_waits_for_the_running_swap_outs_of_the_blocks_it_writes_and_n
     reads_5.done = True
     tier._wait_for_overwritten({5}, forward)
     assert forward.waited == [reads_3] and tier.running_outs == []
+
+
+def simulated_cuda_step(monkeypatch, tier: HostTier, caches, step: SchedulerOutput) -> tuple[list, FakeStream]:
+    """HostTier.run's CUDA branch with the streams and events simulated on the CPU: the copies really run
+    (in program order), and the log lists, in issue order on the side stream, each chunk's gather (GPU
+    blocks), host memcpys (host blocks), scatter (GPU blocks) and recorded event."""
+    log: list = []
+    forward, tier.stream = FakeStream(), FakeStream()
+
+    def record():
+        log.append(("event", FakeEvent(False)))
+        return log[-1][1]
+
+    def logged(name, fn, blocks_arg):
+        def call(*args):
+            log.append((name, args[blocks_arg].tolist()))
+            return fn(*args)
+        return call
+
+    runs = tier.host.runs
+    monkeypatch.setattr(tier.host, "runs", lambda hosts: (log.append(("memcpy", list(hosts))), runs(hosts))[1])
+    monkeypatch.setattr(kv_swap, "gather", logged("gather", kv_swap.gather, 2))
+    monkeypatch.setattr(kv_swap, "scatter", logged("scatter", kv_swap.scatter, 3))
+    monkeypatch.setattr(kv_swap, "_record", record)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: forward)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    tier.run(step, caches)
+    return log, forward
+
+
+def test_simulated_cuda_order_lets_the_forward_wait_only_for_what_it_overwrites_or_reads(monkeypatch):
+    # Step 1 has no swap-ins: the forward writes GPU block 3, so (3, 4) is a first swap-out; the forward
+    # waits for its gather alone, and its memcpy, like the behind swap-outs, overlaps the forward.
+    tier, caches = make_tier([SPECS["mha"], SPECS["mla"]], staging_blocks=2)
+    want_caches, want_hosts = expected(tier, caches, [(3, 4), (7, 5), (0, 6), (9, 0)], [])
+    writer = Request("w", [0] * 4, SamplingParams())
+    writer.block_ids = [3]
+    step = SchedulerOutput([ScheduledRequest(writer, 1, 3)], blocks_to_swap_out=[(3, 4), (7, 5), (0, 6), (9, 0)])
+    log, forward = simulated_cuda_step(monkeypatch, tier, caches, step)
+    ops = [(op, arg) if op != "event" else op for op, arg in log]
+    assert ops == [("gather", [3]), "event", ("memcpy", [4]),  # the first swap-out, "ready" after its gather
+                   ("gather", [9, 7]), ("memcpy", [0, 5]), ("gather", [0]), "event", ("memcpy", [6])]
+    events = [arg for op, arg in log if op == "event"]
+    assert forward.waited == [events[0]] and tier.stream.waited_streams == [forward]  # rules 2 and 1
+    assert tier.running_outs == [({9, 7, 0}, events[1])]  # rule 3: the behind ones' last gather
+    assert_tier_equals(tier, caches, want_caches, want_hosts)
+    # Step 2 writes block 7 (read by a behind swap-out of step 1, still "running") and loads host block 5
+    # into block 8: the forward waits for step 1's behind gather and for the scatter; nothing is behind.
+    want_caches, want_hosts = expected(tier, caches, [], [(5, 8)])
+    writer.block_ids = [7]
+    log, forward = simulated_cuda_step(monkeypatch, tier, caches, SchedulerOutput(
+        [ScheduledRequest(writer, 1, 3)], blocks_to_swap_in=[(5, 8)]))
+    assert [(op, arg) for op, arg in log if op != "event"] == [("memcpy", [5]), ("scatter", [8])]
+    assert log[-1][0] == "event" and forward.waited == [events[1], log[-1][1]]
+    assert tier.running_outs == []
+    assert_tier_equals(tier, caches, want_caches, want_hosts)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the side stream needs CUDA")
