@@ -19,8 +19,10 @@ and the tier end to end.
    and plane); GB/s over the bytes moved. Then how much of a 256-block swap-out hides behind a bf16 matmul
    loop standing in for a forward (overlap 1.0: fully hidden; 0: none): new, new when the forward writes
    the swapped-out blocks (it waits for their gather only), and per-layer.
-   start-up: seconds until the new tier's first chunk is usable and until all of it is pinned, against
-   torch's pin_memory allocation of the same bytes as per-layer tensors.
+   start-up: seconds until the new tier's first chunk is usable and until all of it is pinned, the
+   longest small GPU step (matmul + sync) of the engine's thread meanwhile (does a registration on the
+   background thread hold it up?), against torch's pin_memory allocation of the same bytes as
+   per-layer tensors.
 3. end to end (tiny random Llama-GQA and DeepSeek-V2-like MLA checkpoints, float32, CUDA graphs on, sync and
    async scheduling): under a GPU cache too small to keep a prompt, the prompt is served, then a filler that
    takes every block, then the prompt again: the second serving must find the evicted blocks in the host
@@ -189,6 +191,14 @@ def per_block(caches: list[torch.Tensor], hosts: list[torch.Tensor], pairs, plan
                     gpu[p, b].copy_(host[a, p], non_blocking=True)
 
 
+def small_step(x: torch.Tensor) -> float:
+    """Seconds of one small matmul and a sync: stands in for an engine step's launches."""
+    start = time.perf_counter()
+    x @ x
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def speed_row(label: str, n: int, block_bytes: int, t_out: float, t_in: float) -> None:
     gb = n * block_bytes / 1e9
     ROWS.append((label, "measured", f"out {gb / t_out:6.1f} GB/s ({t_out * 1e3:7.2f} ms)  in {gb / t_in:6.1f} GB/s "
@@ -198,9 +208,15 @@ def speed_row(label: str, n: int, block_bytes: int, t_out: float, t_in: float) -
 def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, num_host: int = 2048) -> None:
     bs = 16
     caches = [spec.allocate(num_gpu, bs, CUDA) for _ in range(layers)]
+    x = torch.randn(1024, 1024, device=CUDA)
+    small_step(x)  # cuBLAS warm-up
+    idle = [small_step(x) for _ in range(50)]
     start = time.perf_counter()
     tier = HostTier([spec] * layers, num_host, bs, CUDA)
     t_first = time.perf_counter() - start
+    busy = []  # the engine's thread keeps launching and syncing while the rest is pinned
+    while tier.host.num_ready_blocks < num_host:
+        busy.append(small_step(x))
     tier.host.wait_all()
     t_all = time.perf_counter() - start
     start = time.perf_counter()
@@ -208,8 +224,9 @@ def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, 
     t_old = time.perf_counter() - start
     block_bytes = layers * bs * spec.bytes_per_token
     ROWS.append((f"start-up {name} {num_host * block_bytes / 2**30:.1f} GiB tier", "measured",
-                 f"new: first chunk {t_first:.2f} s, all pinned {t_all:.2f} s (background); per-layer "
-                 f"pin_memory {t_old:.2f} s"))
+                 f"new: first chunk {t_first:.2f} s, all pinned {t_all:.2f} s (background; meanwhile the "
+                 f"longest of {len(busy)} small GPU steps took {max(busy, default=0) * 1e3:.1f} ms, idle "
+                 f"{max(idle) * 1e3:.1f} ms); per-layer pin_memory {t_old:.2f} s"))
     side = torch.cuda.Stream()
     for n in (16, 256, 2048):
         gpu_ids = torch.randperm(num_gpu)[:n].tolist()

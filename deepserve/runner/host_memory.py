@@ -2,14 +2,15 @@
 on a background thread, so the engine starts before the whole tier is pinned.
 
 Pinning is slow (page faults, then the driver locks each page): tens of GiB take tens of seconds. So the
-tier is split into chunks of about CHUNK_BYTES; the first is allocated before the constructor returns and
+tier is split into chunks of about CHUNK_BYTES (256 MiB); the first is allocated before the constructor returns and
 the rest on a daemon thread, in order. Every host block exists from the start (the block manager hands
 them out at once); a copy that touches a chunk not yet ready waits for it (`span`). The block manager
 hands out low host blocks first, so a step waits only when the tier fills faster than it is pinned.
 
 A chunk on CUDA is plain host memory (torch.empty: no rounding up to a power of two as torch's pinned
 allocator does) registered with cudaHostRegister; where registering fails it falls back to torch's pinned
-allocator. `close` unregisters after the copies that may still use the memory are done.
+allocator. `close` unregisters after the copies that may still use the memory are done. The thread
+starts after the engine captured its CUDA graphs (a registration during a capture could break it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # one registration each; a copy that finds its chunk not ready waits at most ~one chunk
+# One registration each. Small enough that a copy which finds its chunk not ready, or a CUDA call of the
+# engine's thread that the driver might hold behind a registration, waits a fraction of a second at the
+# rate measured for torch's pinned allocator (32 GiB in 40 s); bench/check_kv_tier.py times both.
+CHUNK_BYTES = 256 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, whichever device's thread registers it
 
 
