@@ -2,13 +2,13 @@
 on a background thread, so the engine starts before the whole tier is pinned.
 
 Pinning is slow (page faults, then the driver locks each page): tens of GiB take tens of seconds. So the
-tier is split into chunks of about CHUNK_BYTES (256 MiB); the first is allocated before the constructor returns and
-the rest on a daemon thread, in order. Every host block exists from the start (the block manager hands
-them out at once); a copy that touches a chunk not yet ready waits for it (`span`). The block manager
+tier is split into chunks of about CHUNK_BYTES (256 MiB), all allocated on a daemon thread in order; the
+constructor returns once the first is ready. Every host block exists from the start (the block manager
+hands them out at once); a copy that touches a chunk not yet ready waits for it (`span`). The block manager
 hands out low host blocks first, so a step waits only when the tier fills faster than it is pinned.
 
-A chunk on CUDA is plain host memory (torch.empty: no rounding up to a power of two as torch's pinned
-allocator does) registered with cudaHostRegister; where registering fails it falls back to torch's pinned
+A chunk on CUDA is plain host memory (torch.empty: the exact size, where torch's pinned allocator may round
+a size up to a power of two) registered with cudaHostRegister; where registering fails it falls back to torch's pinned
 allocator. `close` unregisters after the copies that may still use the memory are done. The thread
 starts after the engine captured its CUDA graphs (a registration during a capture could break it).
 """
@@ -31,10 +31,8 @@ CHUNK_BYTES = 256 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, whichever device's thread registers it
 
 
-def pinned_chunk(num_bytes: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+def pinned_chunk(num_bytes: int) -> tuple[torch.Tensor, bool]:
     """A pinned uint8 tensor of num_bytes; True when it was registered (and must be unregistered)."""
-    if device.index is not None:
-        torch.cuda.set_device(device)  # a new thread starts on device 0
     chunk = torch.empty(num_bytes, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
     if int(cudart.cudaHostRegister(chunk.data_ptr(), num_bytes, _CUDA_HOST_REGISTER_PORTABLE)) == 0:
@@ -54,7 +52,7 @@ class HostBlocks:
         sizes = [min(self.blocks_per_chunk, num_blocks - first) for first in range(0, num_blocks,
                                                                                      self.blocks_per_chunk)]
         if allocate is None:
-            allocate = ((lambda n: pinned_chunk(n, device)) if pin
+            allocate = (pinned_chunk if pin
                         else (lambda n: (torch.empty(n, dtype=torch.uint8), False)))
         self._allocate = allocate
         self.chunks: list[torch.Tensor | None] = [None] * len(sizes)
@@ -63,12 +61,13 @@ class HostBlocks:
         self._error: BaseException | None = None
         self._closed = False
         self.device = device
-        if sizes:
-            self._fill(0, sizes[0])
+        # Every registration happens on this thread, the first one included (waited for here): a failed
+        # one leaves its error in the thread's last-error state, where no CUDA call of the engine's finds it.
         self.thread: threading.Thread | None = None
-        if len(sizes) > 1:
-            self.thread = threading.Thread(target=self._fill_rest, args=(sizes,), name="host-kv-pinning", daemon=True)
+        if sizes:
+            self.thread = threading.Thread(target=self._fill_all, args=(sizes,), name="host-kv-pinning", daemon=True)
             self.thread.start()
+            self.chunk(0)
 
     def _fill(self, index: int, num_blocks: int) -> None:
         chunk, registered = self._allocate(num_blocks * self.block_bytes)
@@ -77,14 +76,17 @@ class HostBlocks:
         self.chunks[index] = chunk.view(num_blocks, self.block_bytes)
         self._ready[index].set()
 
-    def _fill_rest(self, sizes: list[int]) -> None:
+    def _fill_all(self, sizes: list[int]) -> None:
         start = time.perf_counter()
         try:
-            for index in range(1, len(sizes)):
+            if self.device.type == "cuda" and self.device.index is not None:
+                # A new thread starts on device 0: its first CUDA call would make a context there.
+                torch.cuda.set_device(self.device)
+            for index in range(len(sizes)):
                 if self._closed:
                     return
                 self._fill(index, sizes[index])
-            logger.info("host KV tier: all %d blocks (%.1f GiB) allocated%s, %.1f s after start-up went on",
+            logger.info("host KV tier: all %d blocks (%.1f GiB) allocated%s in %.1f s on a background thread",
                         self.num_blocks, self.num_blocks * self.block_bytes / 2**30,
                         " and pinned" if self._registered or self.device.type == "cuda" else "",
                         time.perf_counter() - start)
