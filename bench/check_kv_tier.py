@@ -18,7 +18,8 @@ and the tier end to end.
    layer, a gather and one memcpy per run per layer) and "per-block" (one non_blocking copy per block, layer
    and plane); GB/s over the bytes moved. Then how much of a 256-block swap-out hides behind a bf16 matmul
    loop standing in for a forward (overlap 1.0: fully hidden; 0: none): new, new when the forward writes
-   the swapped-out blocks (it waits for their gather only), and per-layer.
+   the swapped-out blocks (it waits for their gather only), the same with 16 loads in the step (the
+   stores that fit in half the staging are held behind the loads), and per-layer.
    start-up: seconds until the new tier's first chunk is usable and until all of it is pinned, the
    longest small GPU step (matmul + sync) of the engine's thread meanwhile (does a registration on the
    background thread hold it up?), against torch's pin_memory allocation of the same bytes as
@@ -263,10 +264,18 @@ def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, 
     writer = Request("w", [0] * (len(outs) * bs), SamplingParams())
     writer.block_ids = [g for g, _ in outs]
     writes_them = [ScheduledRequest(writer, len(outs) * bs, 0)]
+    # With 16 loads in the same step (a host prefix hit evicting those blocks): as many stores as fit in half
+    # the staging are held (the forward waits for their gather), the rest precede the loads.
+    out_gpu, out_host = {g for g, _ in outs}, {h for _, h in outs}
+    loads = list(zip([h for h in range(num_host) if h not in out_host][:16],
+                     [g for g in range(num_gpu) if g not in out_gpu][:16], strict=True))
     t_fwd = timed(forward)
     for label, swap_out in (("new", lambda: tier.run(SchedulerOutput(blocks_to_swap_out=outs), caches)),
                             ("new, forward writes them",
                              lambda: tier.run(SchedulerOutput(writes_them, blocks_to_swap_out=outs), caches)),
+                            ("new, forward writes them, 16 loads",
+                             lambda: tier.run(SchedulerOutput(writes_them, blocks_to_swap_out=outs,
+                                                              blocks_to_swap_in=loads), caches)),
                             ("per-layer", old_out)):
         t_out = timed(swap_out)
         t_both = timed(lambda s=swap_out: (s(), forward()))

@@ -33,8 +33,11 @@ swap-ins, behind: plain copies. On CUDA:
    forward's stream waits for "ready" only: the forward reads the loaded blocks and may overwrite the
    first swap-outs' blocks. A swap-out reads its GPU block only in its gather into staging, so in a step
    without swap-ins "ready" is recorded right after the first swap-outs' last gather, and their memcpys
-   to the host overlap the forward like the behind swap-outs. In a step with swap-ins the forward also
-   waits for those memcpys: the swap-ins queue behind them on the same stream.
+   to the host overlap the forward like the behind swap-outs. In a step with swap-ins (a prefix hit on
+   the host takes fresh GPU blocks, whose eviction stores other prefix blocks in the same step), the
+   first swap-outs that no swap-in conflicts with are "held" (as many as fit in half the staging):
+   gathered into the end of the staging before the swap-ins, which use the rest, and copied to the host
+   after "ready". The forward then waits for their gather and the swap-ins, not for their memcpys.
 3. Behind swap-outs whose gather may still be running are remembered with the GPU blocks they read and
    the event after that gather; every later step whose forward writes one of those blocks makes its
    stream wait for that event first (once it has, every later forward comes after it too). Later copies
@@ -47,6 +50,7 @@ any other kernel on the forward's stream.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -184,30 +188,45 @@ class HostTier:
         written = blocks_written(out, self.block_size)
         ins = sorted(out.blocks_to_swap_in)  # by host block: longer runs; their GPU blocks are distinct
         first, behind = split_swap_outs(last_writer_wins(out.blocks_to_swap_out), ins, written)
-        if self.stream is None:  # CPU: plain copies, in that order
-            self._copy_outs(caches, first)
-            self._copy_ins(caches, ins)
-            self._copy_outs(caches, behind)
-            return
-        forward = torch.cuda.current_stream()
-        self._wait_for_overwritten(written, forward)  # rule 3, for earlier steps' behind swap-outs
-        if not first and not ins and not behind:
-            return
-        self.stream.wait_stream(forward)  # rule 1
-        with torch.cuda.stream(self.stream):
+        first, held = self._hold_for_ins(first, ins)
+        cuda = self.stream is not None
+        if cuda:
+            forward = torch.cuda.current_stream()
+            self._wait_for_overwritten(written, forward)  # rule 3, for earlier steps' behind swap-outs
+            if not first and not held and not ins and not behind:
+                return
+            self.stream.wait_stream(forward)  # rule 1
+        # The CPU runs the same sequence in program order (no streams, no events).
+        with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
             gathered = self._copy_outs(caches, first)
-            self._copy_ins(caches, ins)
-            ready = _record() if ins else gathered
+            held_rows = self._gather_held(caches, held)
+            self._copy_ins(caches, ins, self.staging_blocks - len(held))
+            ready = _record() if cuda and ins else gathered
+            self._memcpy_out(held, held_rows)
             gathered_behind = self._copy_outs(caches, behind)
-            if behind:
+            if cuda and behind:
                 self.running_outs.append(({g for g, _ in behind}, gathered_behind))
         if ready is not None:
             forward.wait_event(ready)  # rule 2
 
-    def _staging_rows(self, num: int, device: torch.device) -> torch.Tensor:
+    def _hold_for_ins(self, first: Pairs, ins: Pairs) -> tuple[Pairs, Pairs]:
+        """(first, held): of a step's first swap-outs, those that only the forward makes urgent (no swap-in
+        fills their GPU block or reads their host block) are "held" when the step has swap-ins, as many as
+        fit in half the staging: gathered before the swap-ins, copied to the host after them (rule 2)."""
+        if not ins or not first:
+            return first, []
+        filled, read = {g for _, g in ins}, {h for h, _ in ins}
+        held = [(g, h) for g, h in first if g not in filled and h not in read][: self.staging_blocks // 2]
+        if not held:
+            return first, []
+        keep = set(held)
+        return [pair for pair in first if pair not in keep], held
+
+    def _staging_rows(self, num: int, device: torch.device, end: bool = False) -> torch.Tensor:
+        """The first (or, `end`, the last) `num` rows of the staging buffer, allocated at the first copy."""
         if self._staging is None:
             self._staging = torch.empty((self.staging_blocks, self.block_bytes), dtype=torch.uint8, device=device)
-        return self._staging[:num]
+        return self._staging[self.staging_blocks - num :] if end else self._staging[:num]
 
     def _copy_outs(self, caches: list[torch.Tensor], pairs: Pairs) -> torch.cuda.Event | None:
         """Swap-outs (sorted by host block, distinct host blocks) in staging chunks, on the current stream;
@@ -221,14 +240,29 @@ class HostTier:
             gather(caches, self.slots, _index([g for g, _ in chunk], rows.device), rows)
             if self.stream is not None and start + self.staging_blocks >= len(pairs):
                 gathered = _record()
-            for first, pos, n in self.host.runs([h for _, h in chunk]):
-                self.host.span(first, n).copy_(rows[pos : pos + n], non_blocking=True)
+            self._memcpy_out(chunk, rows)
         return gathered
 
-    def _copy_ins(self, caches: list[torch.Tensor], pairs: Pairs) -> None:
-        """Swap-ins (sorted by host block, distinct GPU blocks) in staging chunks, on the current stream."""
-        for start in range(0, len(pairs), self.staging_blocks):
-            chunk = pairs[start : start + self.staging_blocks]
+    def _gather_held(self, caches: list[torch.Tensor], held: Pairs) -> torch.Tensor | None:
+        """The held swap-outs gathered into the last rows of the staging, which the swap-ins leave alone."""
+        if not held:
+            return None
+        rows = self._staging_rows(len(held), caches[0].device, end=True)
+        gather(caches, self.slots, _index([g for g, _ in held], rows.device), rows)
+        return rows
+
+    def _memcpy_out(self, pairs: Pairs, rows: torch.Tensor | None) -> None:
+        """The host blocks of `pairs` <- their gathered rows: one memcpy per run of host blocks."""
+        if not pairs:
+            return
+        for first, pos, n in self.host.runs([h for _, h in pairs]):
+            self.host.span(first, n).copy_(rows[pos : pos + n], non_blocking=True)
+
+    def _copy_ins(self, caches: list[torch.Tensor], pairs: Pairs, chunk_blocks: int) -> None:
+        """Swap-ins (sorted by host block, distinct GPU blocks) in staging chunks of `chunk_blocks` (the
+        first rows of the staging), on the current stream."""
+        for start in range(0, len(pairs), chunk_blocks):
+            chunk = pairs[start : start + chunk_blocks]
             rows = self._staging_rows(len(chunk), caches[0].device)
             for first, pos, n in self.host.runs([h for h, _ in chunk]):
                 rows[pos : pos + n].copy_(self.host.span(first, n), non_blocking=True)

@@ -301,6 +301,35 @@ def test_simulated_cuda_order_lets_the_forward_wait_only_for_what_it_overwrites_
     assert_tier_equals(tier, caches, want_caches, want_hosts)
 
 
+def test_simulated_cuda_order_holds_the_memcpys_the_swap_ins_do_not_need_until_after_them(monkeypatch):
+    # The forward writes GPU blocks 3 and 7, a swap-in fills block 2 and reads host block 1: (9, 1) and
+    # (2, 6) must precede the swap-ins; (3, 4) and (7, 5) only precede the forward, so they are held:
+    # gathered before the swap-ins (into the staging's last 2 rows), copied to the host after "ready".
+    tier, caches = make_tier([SPECS["mha"], SPECS["mla"]], staging_blocks=4)
+    outs, ins = [(3, 4), (7, 5), (2, 6), (9, 1), (0, 10)], [(11, 8), (1, 2)]
+    want_caches, want_hosts = expected(tier, caches, outs, ins)
+    writer = Request("w", [0] * 8, SamplingParams())
+    writer.block_ids = [3, 7]
+    step = SchedulerOutput([ScheduledRequest(writer, 8, 0)], blocks_to_swap_out=outs, blocks_to_swap_in=ins)
+    log, forward = simulated_cuda_step(monkeypatch, tier, caches, step)
+    assert [(op, arg) if op != "event" else op for op, arg in log] == [
+        ("gather", [9, 2]), "event", ("memcpy", [1, 6]),  # before the swap-ins
+        ("gather", [3, 7]),  # held
+        ("memcpy", [1, 11]), ("scatter", [2, 8]), "event",  # the swap-ins, "ready"
+        ("memcpy", [4, 5]),  # the held ones' memcpy, behind the forward's wait
+        ("gather", [0]), "event", ("memcpy", [10])]  # behind
+    events = [arg for op, arg in log if op == "event"]
+    assert forward.waited == [events[1]] and tier.running_outs == [({0}, events[2])]
+    assert_tier_equals(tier, caches, want_caches, want_hosts)
+    # As many as fit in half the staging are held; the rest stay first (the forward waits for their memcpy).
+    tier, caches = make_tier([SPECS["mla"]], staging_blocks=3)
+    want_caches, want_hosts = expected(tier, caches, outs, ins)
+    log, _ = simulated_cuda_step(monkeypatch, tier, caches, step)
+    assert [(op, arg) for op, arg in log if op != "event"][:4] == [
+        ("gather", [9, 7, 2]), ("memcpy", [1, 5, 6]), ("gather", [3]), ("memcpy", [1, 11])]
+    assert_tier_equals(tier, caches, want_caches, want_hosts)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the side stream needs CUDA")
 @pytest.mark.parametrize("layout", sorted(SPECS))
 def test_side_stream_copies_on_cuda_equal_the_definition(layout):
