@@ -22,8 +22,8 @@ pairs, and swap-outs of blocks the forward writes, need that order; the rest com
 swap-outs are split: "first" ones (reading a block the forward or a swap-in writes, or writing a host
 block a swap-in reads) and "behind" ones (all others). A prefix store's GPU block was evicted to be
 handed out again, mostly to a request of the same step whose forward writes it: such a store is "first"
-and its gather precedes that forward (its memcpy need not, rule 2). On the CPU they run in the order first,
-swap-ins, behind: plain copies. On CUDA:
+and its gather precedes that forward (its memcpy need not, rule 2). The CPU runs the sequence of rule 2
+in program order (plain copies; every order it allows equals the per-block definition). On CUDA:
 1. The copies go on a side stream (high priority, so its short gather kernels are not queued behind the
    forward's) that first waits for everything queued on the forward's stream so far: the KV a swap-out
    reads was written by earlier forwards (under async scheduling step n-1 may still be running), and a
