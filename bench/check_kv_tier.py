@@ -289,6 +289,8 @@ def bench_speed(name: str, spec: KVCacheSpec, layers: int, num_gpu: int = 4096, 
 PROMPT = torch.randint(0, 512, (161,), generator=torch.Generator().manual_seed(1)).tolist()  # 10 full blocks
 FILLER = torch.randint(0, 512, (230,), generator=torch.Generator().manual_seed(2)).tolist()  # + 24: 16 blocks
 TINY = dict(num_gpu_blocks_override=18, block_size=16, max_model_len=256)
+# The engines below use a 0.25 GiB tier: one chunk, registered before the engine starts, so no registration
+# of one engine's tier runs on its background thread while the next engine captures its CUDA graphs.
 # --e2e-on-cpu: only part 3, on the CPU reference path (to check this script where there is no GPU).
 E2E_DEVICE = "cpu" if "--e2e-on-cpu" in sys.argv else "cuda"
 
@@ -321,7 +323,7 @@ def serve_three(path: str, **kw) -> tuple[list[list[int]], int, int]:
 def check_end_to_end(name: str, path: str) -> None:
     for sync in (True, False):
         mode = "sync" if sync else "async"
-        outs, prefill, host_hits = serve_three(path, swap_space=1.0, async_scheduling=not sync, **TINY)
+        outs, prefill, host_hits = serve_three(path, swap_space=0.25, async_scheduling=not sync, **TINY)
         roomy, roomy_prefill, _ = serve_three(path, num_gpu_blocks_override=256, block_size=16, max_model_len=256,
                                               async_scheduling=not sync)
         expect_prefill = len(PROMPT) - 16 * ((len(PROMPT) - 1) // 16)
@@ -333,7 +335,7 @@ def check_end_to_end(name: str, path: str) -> None:
                for n in (150, 90, 200, 120, 60, 170)]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
-    for label, kw in (("swap", dict(swap_space=1.0, **TINY)), ("roomy", dict(num_gpu_blocks_override=256,
+    for label, kw in (("swap", dict(swap_space=0.25, **TINY)), ("roomy", dict(num_gpu_blocks_override=256,
                                                                              block_size=16, max_model_len=256))):
         llm, computed = counting_llm(path, **kw)
         outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,

@@ -10,7 +10,9 @@ hands out low host blocks first, so a step waits only when the tier fills faster
 A chunk on CUDA is plain host memory (torch.empty: the exact size, where torch's pinned allocator may round
 a size up to a power of two) registered with cudaHostRegister; where registering fails it falls back to torch's pinned
 allocator. `close` unregisters after the copies that may still use the memory are done. The thread
-starts after the engine captured its CUDA graphs (a registration during a capture could break it).
+starts after the engine captured its CUDA graphs: a registration during a capture (by default, captures
+refuse unsafe calls from every thread) could break it. A second engine started in the same process while
+the first one's tier is still being pinned could meet that; one engine per process (the server) cannot.
 """
 
 from __future__ import annotations
