@@ -12,7 +12,8 @@ Invariants:
   worst miss the cache, never return wrong KV.
 - Host tier (--swap-space): a preempted request's computed blocks may move to host blocks
   (`swap_out`) and back into fresh GPU blocks when it resumes (`swap_in`). A request holds GPU blocks
-  or host blocks, never both. A host block is free (`free_host_blocks`, a stack), held by a
+  or host blocks, never both. A host block is free (`free_host_blocks`, a stack that hands out host
+  block 0 first, so the low host blocks, whose memory is pinned first at start-up, are used first), held by a
   swapped-out request, or (prefix caching on) a cached prefix block (`host_prefix`).
 - Host prefix tier: a cached GPU block that is evicted is copied to a host block with its hash and
   tokens (a "store") instead of being lost, and a lookup that misses on the GPU continues on the host:

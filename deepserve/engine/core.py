@@ -107,9 +107,12 @@ class EngineCore:
         num_host_blocks = 0
         if config.cache.swap_space > 0:
             num_host_blocks = runner.determine_num_host_blocks()
+            host_start = time.perf_counter()
             runner.initialize_host_cache(num_host_blocks)
-            logger.info("host KV tier (--swap-space %s GiB): %d blocks; a preempted request moves there when "
-                        "it fits, else it recomputes%s", config.cache.swap_space, num_host_blocks,
+            self.startup_s["host_tier"] = time.perf_counter() - host_start
+            logger.info("host KV tier (--swap-space %s GiB): %d blocks, its first chunk allocated in %.1f s, the "
+                        "rest in the background; a preempted request moves there when it fits, else it "
+                        "recomputes%s", config.cache.swap_space, num_host_blocks, self.startup_s["host_tier"],
                         "; prefix blocks evicted from the GPU are kept there" if config.cache.enable_prefix_caching
                         else "")
         block_manager = BlockManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,

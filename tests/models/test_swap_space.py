@@ -88,7 +88,7 @@ def test_too_small_a_host_tier_falls_back_to_recompute(checkpoint, want):
 
 def test_fp8_cache_swaps_its_raw_bytes(checkpoint):
     got, llm, computed = generate(checkpoint[0], swap_space=ROOMY, kv_cache_dtype="fp8")
-    assert llm.llm_engine.core.runner.host_tier.host_caches[0].dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.core.runner.host_tier.layer_view(0).dtype == torch.float8_e4m3fn
     assert llm.llm_engine.stats().num_swapped_in_blocks_total > 0 and computed == NO_RECOMPUTE
     off, _, _ = generate(checkpoint[0], kv_cache_dtype="fp8")
     assert got == off
