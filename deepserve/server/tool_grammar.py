@@ -25,6 +25,8 @@ from deepserve.server.tool_parsers import Format
 # The reasoning text never holds the closing tag itself: the grammar's own `</think>` closes it.
 _THINK_TEXT = "/(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/"
 _ANY_TEXT = "/(?s:.*)/"
+# OpenAI: a function defined without parameters takes none, so its arguments are {}.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _lit(text: str) -> str:
@@ -57,7 +59,7 @@ def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], paralle
             head = f"{mk[CALL_BEGIN]} {_lit(fn['name'])} {mk[SEP]}"
         tail = f"{_lit(fmt.args_close)} {mk[CALL_END]}" if fmt.args_close else mk[CALL_END]
         rules.append(f"fn{i}: {head} args{i} {tail}")
-        rules.append(f"args{i}: {_json_rule(fn.get('parameters') or {'type': 'object'})}")
+        rules.append(f"args{i}: {_json_rule(fn.get('parameters') or NO_PARAMETERS)}")
     return rules
 
 
