@@ -106,9 +106,17 @@ def test_tool_history_renders_and_continues(client):
     assert r.usage.prompt_tokens > base.usage.prompt_tokens + 10
 
 
-def test_auto_without_the_flag_names_it(server_factory):
-    srv = server_factory([])
+def _prompt_tokens(c, **kwargs) -> int:
+    return c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, **kwargs).usage.prompt_tokens
+
+
+def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, client):
+    srv = server_factory(["--default-chat-template-kwargs", '{"thinking": true}'])
     c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
+    # thinking (server default, or the request's own) adds the <think> token to the generation prompt.
+    base = _prompt_tokens(client)
+    assert _prompt_tokens(c) == base + 1
+    assert _prompt_tokens(client, extra_body={"chat_template_kwargs": {"thinking": True}}) == base + 1
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=4)
     assert "--enable-auto-tool-choice" in e.value.message
