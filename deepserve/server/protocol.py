@@ -157,7 +157,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (V3.1: thinking)
-    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None  # most tokens of reasoning
+    thinking_token_budget: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None  # most tokens of reasoning
     # Rejected below with a clear message; declared so the error is not "unrecognized argument".
     chat_template: Any = None
 

@@ -42,7 +42,8 @@ def marker(tokenizer: Any, text: str) -> str:
 
 def _json_rule(schema: dict) -> str:
     # Compact JSON: a model (the demo's random weights most of all) may otherwise spend its tokens on spaces.
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+    own = schema.get("x-guidance")
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, **(own if isinstance(own, dict) else {})}}
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 

@@ -153,3 +153,21 @@ def test_thinking_token_budget_is_respected(client):
             start = tokens.index(demo.THINK) + 1 if not kwargs else 0
             assert end - start <= budget, (budget, kwargs, tokens)
             assert demo.END_THINK not in (r.choices[0].message.reasoning_content or "")
+
+
+def test_reasoning_then_required_calls(client):
+    """A thinking budget and a required call in one grammar: reasoning, </think>, then the calls; the
+    reasoning parser and the tool parser each take their part, streamed and not."""
+    kwargs = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5,
+                  max_tokens=400, extra_body={"thinking_token_budget": 4, "chat_template_kwargs": {"thinking": True}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _validate(choice.message.tool_calls)
+    assert choice.message.content is None and demo.END_THINK not in (choice.message.reasoning_content or "")
+    reasoning, names = "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            names += [d.function.name for d in c.delta.tool_calls or [] if d.id is not None]
+    assert reasoning == (choice.message.reasoning_content or "")
+    assert names == [c.function.name for c in choice.message.tool_calls]
