@@ -10,6 +10,7 @@ records metrics and usage, and writes the audit record.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -159,6 +160,16 @@ def _check_text_length(st: ServerState, chars: int, chat: bool) -> None:
                           code="context_length_exceeded")
 
 
+def _chat_chars(req: p.ChatCompletionRequest) -> int:
+    """Characters the template will at least write: contents, tool-call arguments, tool definitions."""
+    chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(t.text) for t in m.content or [])
+                for m in req.messages)
+    chars += sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
+    if req.tools and p.tool_choice_of(req) != "none":
+        chars += sum(len(json.dumps(t.function.parameters or {})) for t in req.tools)
+    return chars
+
+
 def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str | None, list[int]]:
     prompt = p.single_prompt(req)
     if isinstance(prompt, str):
@@ -169,8 +180,7 @@ def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str |
 def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list, OutputReading]:
     """Prompt text, prompt ids, the engine's core requests and how to read the output; raises APIError(400)."""
     if chat:
-        _check_text_length(st, sum(len(m.content) if isinstance(m.content, str) else
-                                   sum(len(t.text) for t in m.content or []) for m in req.messages), chat)
+        _check_text_length(st, _chat_chars(req), chat)
     elif isinstance(p.single_prompt(req), str):
         _check_text_length(st, len(p.single_prompt(req)), chat)
     plan = plan_chat(st.settings, req) if chat else None
