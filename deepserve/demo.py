@@ -16,6 +16,20 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from deepserve import envs
+from deepserve.chat_markup import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    END_THINK,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    SEP,
+    THINK,
+    TOOL_MARKERS,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -25,29 +39,57 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]
+# DeepSeek-V3's tool-call and tool-result markers and R1's thinking tags, each one token as in DeepSeek's
+# tokenizers. Added after training as non-special tokens, so they stay in the decoded text (the tool-call
+# and reasoning parsers read them there) whatever skip_special_tokens says.
+MARKER_TOKENS = [*TOOL_MARKERS, THINK, END_THINK]
 VOCAB_SIZE = 1000
 # Bump the suffix whenever the written bytes change, so stale caches are not reused.
-CACHE_NAME = "demo-model-v2"
+CACHE_NAME = "demo-model-v3"
 
-# System messages first, then the turns; an assistant turn is closed by the eos token, and the
-# generation prompt opens a new assistant turn. Same shape as DeepSeek-V3's template, written anew.
+# System messages first, then the tools (when the request has any), then the turns; an assistant turn is
+# closed by the eos token, and the generation prompt opens a new assistant turn. An assistant's tool calls
+# and the tool results that answer them use DeepSeek-V3's markup; `thinking` (a chat_template_kwargs key,
+# as in DeepSeek-V3.1) opens the answer with <think> when true and closes thinking at once when false.
+# Same shape as DeepSeek-V3's template, written anew.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages if message['role'] == 'system' -%}"
     "{{- message['content'] -}}"
     "{%- endfor -%}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n## Tools\\nCall a function by writing its name and JSON arguments.\\n' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\\n### ' + tool['function']['name'] + '\\n' + (tool['function']['description'] or '') + '\\n"
+    "Parameters: ' + (tool['function']['parameters'] | tojson) + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}"
     "{{- '" + USER + "' + message['content'] -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '" + ASSISTANT + "' + message['content'] + '" + EOS + "' -}}"
+    "{{- '" + ASSISTANT + "' + (message['content'] or '') -}}"
+    "{%- if message['tool_calls'] -%}"
+    "{{- '" + CALLS_BEGIN + "' -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- '" + CALL_BEGIN + "function" + SEP + "' + call['function']['name'] + '\\n```json\\n'"
+    " + call['function']['arguments'] + '\\n```" + CALL_END + "' -}}"
+    "{%- endfor -%}"
+    "{{- '" + CALLS_END + "' -}}"
+    "{%- endif -%}"
+    "{{- '" + EOS + "' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '" + OUTPUTS_BEGIN + "' -}}{%- endif -%}"
+    "{{- '" + OUTPUT_BEGIN + "' + message['content'] + '" + OUTPUT_END + "' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '" + OUTPUTS_END + "' -}}{%- endif -%}"
     "{%- elif message['role'] != 'system' -%}"
-    "{{- raise_exception('the demo chat template supports the roles system, user and assistant, not '"
+    "{{- raise_exception('the demo chat template supports the roles system, user, assistant and tool, not '"
     " + message['role']) -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '" + ASSISTANT + "' -}}"
+    "{%- if thinking is defined -%}{{- '" + THINK + "' if thinking else '" + END_THINK + "' -}}{%- endif -%}"
     "{%- endif -%}"
 )
 
@@ -87,14 +129,16 @@ CORPUS = [
 ]
 
 
-def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list[str]) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list[str],
+                        added_tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `corpus`; special_tokens[0] is bos and special_tokens[1] is eos.
 
     All 256 byte tokens are in the vocabulary, so any text (any script, any emoji) encodes, and
     characters unseen in training are spelled with byte tokens that split a character across
     tokens — the case a detokenizer must handle. Encoding adds bos, like DeepSeek's tokenizers.
+    added_tokens: appended after training as single, non-special tokens (ids from vocab_size on).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     bos, eos = special_tokens[0], special_tokens[1]
@@ -109,6 +153,7 @@ def train_bpe_tokenizer(corpus: list[str], vocab_size: int, special_tokens: list
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added_tokens or []])
     bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
@@ -163,7 +208,7 @@ def write_demo_model(path: str) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     os.makedirs(path, exist_ok=True)
-    tokenizer = train_bpe_tokenizer(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS)
+    tokenizer = train_bpe_tokenizer(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS, MARKER_TOKENS)
     bos_id, eos_id = tokenizer.convert_tokens_to_ids([BOS, EOS])
     config = DeepseekV3Config(
         vocab_size=len(tokenizer),

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from deepserve import envs
+from deepserve.entrypoints.cli import _json_object_flag
 from deepserve.server.settings import ServerSettings
 
 DEMO_MODEL_NAME = "deepserve-demo"
@@ -42,6 +43,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="client certificates: 0 none, 1 optional, 2 required (mTLS)")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"],
                    help="split <think>...</think> into reasoning_content (DeepSeek-R1 and its distills)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"],
+                   help="the model's tool-call markup: deepseek_v3 (V3, R1, the demo) or deepseek_v31 (V3.1)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object_flag("--default-chat-template-kwargs"),
+                   default={}, metavar="JSON",
+                   help='chat template variables for every request, under the request\'s own '
+                        'chat_template_kwargs, e.g. \'{"thinking": true}\' (DeepSeek-V3.1)')
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests may run after SIGTERM")
     g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request) accepted")
@@ -102,7 +111,9 @@ def settings_from(ns: argparse.Namespace) -> ServerSettings:
         host=ns.host, port=ns.port, served_model_names=list(ns.served_model_name or []),
         api_keys=api_keys, api_keys_file=ns.api_keys, ssl_keyfile=ns.ssl_keyfile,
         ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs, ssl_cert_reqs=ns.ssl_cert_reqs,
-        reasoning_parser=ns.reasoning_parser, shutdown_timeout=ns.shutdown_timeout, max_n=ns.max_n,
+        reasoning_parser=ns.reasoning_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser, default_chat_template_kwargs=ns.default_chat_template_kwargs,
+        shutdown_timeout=ns.shutdown_timeout, max_n=ns.max_n,
         max_waiting_requests=ns.max_waiting_requests, max_waiting_tokens=ns.max_waiting_tokens,
         max_body_bytes=ns.max_body_bytes, max_header_bytes=ns.max_header_bytes,
         ip_requests_per_minute=ns.ip_requests_per_minute, audit_log=ns.audit_log,

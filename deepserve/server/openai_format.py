@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from deepserve.engine.outputs import CompletionOutput, Logprob
 from deepserve.server.reasoning import ReasoningSplitter
+from deepserve.server.tool_parsers import PARSERS, ToolCallSplitter
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -29,13 +30,15 @@ class Delta:
     text_offset: int = 0  # characters of output before this delta's text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI's streaming shape (index, id, function)
 
 
 class ChoiceTracker:
-    def __init__(self, index: int, holdback: int, reasoning: bool) -> None:
+    def __init__(self, index: int, holdback: int, reasoning: bool, tool_parser: str | None = None) -> None:
         self.index = index
         self.holdback = holdback
         self.splitter = ReasoningSplitter() if reasoning else None
+        self.tools = ToolCallSplitter(PARSERS[tool_parser]) if tool_parser else None
         self.sent_chars = 0
         self.sent_tokens = 0
         self.reasoning_tokens = 0
@@ -64,10 +67,17 @@ class ChoiceTracker:
             if final:
                 r, t = self.splitter.flush()
                 delta.reasoning, delta.content = delta.reasoning + r, delta.content + t
+        if self.tools is not None:  # tool calls are read from the content, after the reasoning
+            delta.content, delta.tool_calls = self.tools.feed(delta.content)
+            if final:
+                t, calls = self.tools.flush()
+                delta.content, delta.tool_calls = delta.content + t, delta.tool_calls + calls
         if final:
             self.done = True
             delta.finish_reason, delta.stop_reason = c.finish_reason, c.stop_reason
-        elif not (delta.content or delta.reasoning or delta.token_ids):
+            if delta.finish_reason == "stop" and self.tools is not None and self.tools.calls:
+                delta.finish_reason = "tool_calls"
+        elif not (delta.content or delta.reasoning or delta.token_ids or delta.tool_calls):
             return None
         return delta
 
@@ -140,6 +150,8 @@ def chat_chunk_choice(delta: Delta, first: bool, top_n: int | None) -> dict:
         d["content"] = delta.content
     if delta.reasoning:
         d["reasoning_content"] = delta.reasoning
+    if delta.tool_calls:
+        d["tool_calls"] = delta.tool_calls
     lps = {"content": chat_logprobs(delta, top_n)} if top_n is not None else None
     return {"index": delta.index, "delta": d, "logprobs": lps, "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason}

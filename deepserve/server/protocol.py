@@ -102,11 +102,50 @@ class TextPart(_Strict):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call in an assistant message of the history (what an earlier response returned)."""
+
+    id: Annotated[str, Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments; none: any object
+    strict: bool | None = None  # arguments are always held to the schema when a call is enforced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
     reasoning_content: Text | None = None  # echoed back by clients of R1; dropped before templating
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool messages only
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -114,12 +153,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (V3.1: thinking)
+    thinking_token_budget: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None  # most tokens of reasoning
     # Rejected below with a clear message; declared so the error is not "unrecognized argument".
     chat_template: Any = None
-    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -209,12 +249,29 @@ def _check_common(req: _SamplingFields, limits: RequestLimits) -> None:
     structured_outputs_of(req)  # conflicting or malformed structured-output fields: 400 before tokenizing
 
 
+# apply_chat_template's own arguments: a template variable of these names would replace what we pass.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "tokenize",
+                                      "add_generation_prompt", "continue_final_message", "chat_template",
+                                      "return_dict", "return_tensors", "tokenizer_kwargs", "padding",
+                                      "truncation", "max_length", "return_assistant_tokens_mask"})
+
+
 def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
-    if req.chat_template is not None or req.chat_template_kwargs is not None:
-        param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
-        raise bad_request("a chat template cannot be supplied by the request; the model's own is used", param)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
+    if req.chat_template is not None:
+        raise bad_request("a chat template cannot be supplied by the request; the model's own is used "
+                          "(its variables can be set with chat_template_kwargs)", "chat_template")
+    reserved = sorted(set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set: the server passes it to the "
+                          "template itself", param=f"chat_template_kwargs.{reserved[0]}")
+    _check_tools(req)
+    for i, m in enumerate(req.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise bad_request(f"messages.{i}.tool_calls is only allowed in assistant messages",
+                              param=f"messages.{i}.tool_calls")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages.{i}.tool_call_id is required for a message of role tool",
+                              param=f"messages.{i}.tool_call_id")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if len(req.messages) > limits.max_messages:
@@ -222,6 +279,32 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         if req.max_tokens != req.max_completion_tokens:
             raise bad_request("set max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    names = [t.function.name for t in req.tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad_request(f"tools.{i}.function.name: {name!r} is defined twice", f"tools.{i}.function.name")
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not req.tools:
+        raise bad_request("tool_choice needs tools: give the functions the model may call", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise bad_request(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools "
+                          f"({', '.join(names)})", param="tool_choice.function.name")
+    if tool_choice_of(req) in ("required", "named") and structured_outputs_of(req)[1] is not None:
+        raise bad_request("a required or named tool_choice cannot be combined with "
+                          f"{structured_outputs_of(req)[1]}: the output is the tool calls", "tool_choice")
+
+
+def tool_choice_of(req: ChatCompletionRequest) -> str:
+    """none | auto | required | named, with OpenAI's default: auto when there are tools, else none."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return "named"
+    if not req.tools:
+        return "none"
+    return choice or "auto"
 
 
 def _check_completion(req: CompletionRequest) -> None:

@@ -10,6 +10,7 @@ records metrics and usage, and writes the audit record.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from deepserve.server.httpio import ClientGone, read_body, unless_disconnected
 from deepserve.server.ratelimit import Admission
 from deepserve.server.state import ServerState
 from deepserve.server.structured import structured_outputs_of
+from deepserve.server.tools import OutputReading, output_grammar, output_reading, plan_chat
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Generation:
     last_token_at: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     finished: bool = False
+    reads: OutputReading = field(default_factory=OutputReading)
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -107,19 +110,31 @@ def client_addr(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def chat_prompt(st: ServerState, req: p.ChatCompletionRequest) -> tuple[str, list[int]]:
+def chat_prompt(st: ServerState, req: p.ChatCompletionRequest,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     from deepserve.loader.tokenizer import apply_chat_template
 
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(t.text for t in m.content or [])
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     tok = st.engine.tokenizer
     try:
-        text = apply_chat_template(tok, messages)
+        text = apply_chat_template(tok, [_template_message(m) for m in req.messages], **(template_kwargs or {}))
     except Exception as e:  # jinja2 raises its own TemplateError for e.g. non-alternating roles
         raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
     return text, list(tok.encode(text, add_special_tokens=False))  # the template wrote bos already
+
+
+def _template_message(m: p.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it. Content stays None where the client sent none: DeepSeek's
+    templates tell an assistant's tool-call turn by its `content is none`."""
+    if m.content is None:
+        content = None if m.tool_calls else ""
+    else:
+        content = m.content if isinstance(m.content, str) else "\n".join(t.text for t in m.content)
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.tool_calls:
+        msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
 
 
 def max_token_chars(tokenizer: Any) -> int:
@@ -145,6 +160,16 @@ def _check_text_length(st: ServerState, chars: int, chat: bool) -> None:
                           code="context_length_exceeded")
 
 
+def _chat_chars(req: p.ChatCompletionRequest) -> int:
+    """Characters the template will at least write: contents, tool-call arguments, tool definitions."""
+    chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(t.text) for t in m.content or [])
+                for m in req.messages)
+    chars += sum(len(c.function.arguments) for m in req.messages for c in m.tool_calls or [])
+    if req.tools and p.tool_choice_of(req) != "none":
+        chars += sum(len(json.dumps(t.function.parameters or {})) for t in req.tools)
+    return chars
+
+
 def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str | None, list[int]]:
     prompt = p.single_prompt(req)
     if isinstance(prompt, str):
@@ -152,26 +177,31 @@ def _completion_prompt(st: ServerState, req: p.CompletionRequest) -> tuple[str |
     return None, list(prompt)
 
 
-def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list]:
-    """Prompt text, prompt ids and the engine's core requests; raises APIError(400)."""
+def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | None, list[int], list, OutputReading]:
+    """Prompt text, prompt ids, the engine's core requests and how to read the output; raises APIError(400)."""
     if chat:
-        _check_text_length(st, sum(len(m.content) if isinstance(m.content, str) else
-                                   sum(len(t.text) for t in m.content or []) for m in req.messages), chat)
+        _check_text_length(st, _chat_chars(req), chat)
     elif isinstance(p.single_prompt(req), str):
         _check_text_length(st, len(p.single_prompt(req)), chat)
-    text, ids = chat_prompt(st, req) if chat else _completion_prompt(st, req)
+    plan = plan_chat(st.settings, req) if chat else None
+    text, ids = chat_prompt(st, req, plan.template_kwargs) if chat else _completion_prompt(st, req)
     # Without max_tokens chat may run to the end of the context; completions stop at 16 (as OpenAI and
     # vLLM do), or sooner when the context has less room, and the engine reports a full context.
     default = None if chat else max(1, min(p.COMPLETION_MAX_TOKENS, st.engine.max_model_len - len(ids)))
     params = p.to_sampling_params(req, default)
+    origin = structured_outputs_of(req)[1]
+    if chat:
+        params.structured_outputs, origin = output_grammar(st.engine.tokenizer, req, plan, text)
+        if plan.tool_parser is not None:  # the markers must reach the parser even where they are special
+            params.skip_special_tokens = False
     if params.max_tokens is not None and params.max_tokens > st.engine.max_model_len:
         field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         raise bad_request(f"{field} must be <= the model's maximum context length "
                           f"({st.engine.max_model_len}), got {params.max_tokens}", field)
+    reads = output_reading(st.settings, req, plan, text) if chat else OutputReading()
     try:
-        return text, ids, st.engine.prepare(rid, ids, params)
+        return text, ids, st.engine.prepare(rid, ids, params), reads
     except GrammarError as e:  # the schema, regex or grammar does not compile: name the field that sent it
-        origin = structured_outputs_of(req)[1]
         raise bad_request(f"{origin}: {e}", param=origin) from None
     except ValueError as e:
         if "context length" in str(e):
@@ -200,7 +230,7 @@ async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
         req = await st.off_loop(p.parse_body, raw, p.ChatCompletionRequest if chat else p.CompletionRequest,
                                 st.settings.limits)
         model = st.resolve_model(req.model, key)
-        text, ids, core_requests = await st.off_loop(_prepare, st, req, chat, rid)
+        text, ids, core_requests, reads = await st.off_loop(_prepare, st, req, chat, rid)
         max_tokens = core_requests[0].sampling_params.max_tokens
         adm = st.limiter.admit(key, len(ids) + max_tokens * req.n)
         try:
@@ -213,7 +243,8 @@ async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
                   status=e.status, error=e.message)
         raise
     st.in_flight += 1
-    return req, Generation(st, key, model, endpoint, rid, text, len(ids), adm, arrival, client), core_requests
+    gen = Generation(st, key, model, endpoint, rid, text, len(ids), adm, arrival, client, reads=reads)
+    return req, gen, core_requests
 
 
 async def run_request(request: Request, chat: bool) -> Response:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from deepserve.server.protocol import RequestLimits
 from deepserve.server.reasoning import PARSERS
+from deepserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ServerSettings:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = int(ssl.CERT_NONE)
     reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is allowed
+    tool_call_parser: str | None = None  # the model's tool-call markup: deepseek_v3 | deepseek_v31
+    default_chat_template_kwargs: dict = field(default_factory=dict)  # under each request's own
     shutdown_timeout: float = 30.0
     max_n: int = 16
     max_waiting_requests: int = 256
@@ -49,6 +53,13 @@ class ServerSettings:
             raise ValueError(f"--engine-stall-timeout must be > 0 seconds, got {self.engine_stall_timeout}")
         if self.reasoning_parser not in (None, *PARSERS):
             raise ValueError(f"--reasoning-parser must be one of {list(PARSERS)}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be one of {list(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (deepseek_v3 or deepseek_v31): "
+                             "the parser reads the model's tool calls out of its text")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking\": true}'")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required client certs)")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

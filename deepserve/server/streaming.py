@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 def _trackers(gen: Generation, req: Any, chat: bool) -> list[f.ChoiceTracker]:
     longest = max((len(s) for s in p.stop_list(req)), default=0)
     holdback = 0 if req.include_stop_str_in_output else max(longest - 1, 0)
-    reasoning = chat and gen.st.settings.reasoning_parser is not None
-    return [f.ChoiceTracker(i, holdback, reasoning) for i in range(req.n)]
+    reads = gen.reads  # completions: the default, plain text
+    return [f.ChoiceTracker(i, holdback, reads.reasoning, reads.tool_parser) for i in range(req.n)]
 
 
 def _deltas(trackers: list[f.ChoiceTracker], out: RequestOutput) -> list[f.Delta]:
@@ -80,9 +80,13 @@ async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
 
 
 def _chat_choice(a: f.Accumulated, top_n: int | None, trackers: list[f.ChoiceTracker]) -> dict:
+    tracker = trackers[a.index]
     message: dict = {"role": "assistant", "content": a.content}
-    if trackers[a.index].splitter is not None:
+    if tracker.splitter is not None:
         message = {"role": "assistant", "content": a.content or None, "reasoning_content": a.reasoning or None}
+    if tracker.tools is not None and tracker.tools.calls:
+        message["content"] = a.content or None
+        message["tool_calls"] = [call.to_openai() for call in tracker.tools.calls]
     lps = {"content": f.chat_logprobs(a.merged(), top_n)} if top_n is not None else None
     return {"index": a.index, "message": message, "logprobs": lps, "finish_reason": a.finish_reason,
             "stop_reason": a.stop_reason}
@@ -106,7 +110,7 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
             gen.observe(out)
             for d in _deltas(trackers, out):
                 first = chat and not started[d.index]
-                if not (first or d.content or d.reasoning or d.finish_reason or top_n is not None):
+                if not (first or d.content or d.reasoning or d.tool_calls or d.finish_reason or top_n is not None):
                     continue  # text held back: an empty delta tells the client nothing
                 if chat:
                     choice = f.chat_chunk_choice(d, first, top_n)

@@ -49,7 +49,7 @@ def test_limits_and_rules():
     assert error_param(json.dumps({"messages": MSGS, "stream_options": {"include_usage": True}}).encode(),
                        ChatCompletionRequest) == "stream_options"
     assert error_param(json.dumps({"messages": MSGS, "tools": [{"type": "function"}]}).encode(),
-                       ChatCompletionRequest) == "tools"
+                       ChatCompletionRequest) == "tools.0.function"
     assert error_param(json.dumps({"messages": MSGS, "logit_bias": {"1": 5}}).encode(),
                        ChatCompletionRequest) == "logit_bias"
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
@@ -60,6 +60,31 @@ def test_limits_and_rules():
     assert error_param(b'{"prompt": "x", "min_tokens": 5, "max_tokens": 2}') == "min_tokens"
     assert error_param(b'{"prompt": "x", "messages": []}', TokenizeRequest) == "messages"
     assert error_param(b'{}', TokenizeRequest) == "prompt"
+
+
+def test_tool_fields_name_what_is_wrong():
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [
+        ({"tools": [fn, fn]}, "tools.1.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [fn], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+        ({"tools": [fn], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+        ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs"),
+        ({"thinking_token_budget": -1}, "thinking_token_budget"),
+    ]
+    for extra, param in cases:
+        assert error_param(json.dumps({"messages": MSGS, **extra}).encode(), ChatCompletionRequest) == param, extra
+    history = [{"role": "user", "content": "x"}, {"role": "tool", "content": "result"}]
+    assert error_param(json.dumps({"messages": history}).encode(), ChatCompletionRequest) == "messages.1.tool_call_id"
+    history = [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+                                                                 "function": {"name": "f", "arguments": "{}"}}]}]
+    assert error_param(json.dumps({"messages": history}).encode(), ChatCompletionRequest) == "messages.0.tool_calls"
+    ok = {"messages": MSGS, "tools": [fn], "tool_choice": {"type": "function", "function": {"name": "f"}},
+          "chat_template_kwargs": {"thinking": True}, "thinking_token_budget": 0}
+    parse_body(json.dumps(ok).encode(), ChatCompletionRequest, RequestLimits())
 
 
 def test_malformed_json_and_utf8():

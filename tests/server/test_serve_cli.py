@@ -40,6 +40,16 @@ def test_vllm_flag_names():
     assert ns.func.__name__ == "cmd_serve"
 
 
+def test_tool_and_template_flags():
+    ns = parse(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31",
+                "--default-chat-template-kwargs", '{"thinking": true}'])
+    s = settings_from(ns)
+    assert (s.enable_auto_tool_choice, s.tool_call_parser, s.default_chat_template_kwargs) == \
+        (True, "deepseek_v31", {"thinking": True})
+    with pytest.raises(SystemExit):
+        parse(["serve", "--default-chat-template-kwargs", "[1]"])
+
+
 def test_config_file_fills_defaults_and_flags_win(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("port: 7000\nmax-model-len: 2048\nserved_model_name: r1\nmax_num_seqs: '16'\n"
@@ -67,6 +77,8 @@ def test_config_file_errors(tmp_path, text, message):
     ({"port": 0}, "--port"), ({"max_n": 0}, "--max-n"), ({"shutdown_timeout": -1}, "--shutdown-timeout"),
     ({"reasoning_parser": "qwen"}, "--reasoning-parser"), ({"ssl_cert_reqs": 2}, "--ssl-cert-reqs"),
     ({"ssl_keyfile": "k.pem"}, "--ssl-keyfile"), ({"api_keys": ["short"]}, "--api-key"),
+    ({"tool_call_parser": "hermes"}, "--tool-call-parser"), ({"enable_auto_tool_choice": True}, "--tool-call-parser"),
+    ({"default_chat_template_kwargs": ["thinking"]}, "--default-chat-template-kwargs"),
 ])
 def test_settings_errors_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):

@@ -1,0 +1,92 @@
+"""Grammars that enforce tool calls and a thinking budget, as llguidance Lark text for the existing
+structured-output path (StructuredOutputsParams(grammar=...), engine/grammar.py).
+
+- tool_choice "required" or a named function: the whole output is the model's tool-call markup
+  (tool_parsers.Format), each call's arguments constrained by `%json` to that function's parameter
+  schema, so the arguments always validate.
+- thinking_token_budget: the output starts inside the reasoning section; at most `budget` tokens of it
+  (llguidance's max_tokens on the thinking lexeme), then `</think>` is the only token allowed, then the
+  answer (free text, the tool-call markup, or the response_format schema).
+
+A marker that is one token of the tokenizer is written as that token (`<[id]>`), so the model cannot
+spell it out of smaller pieces and the parsers see exactly what the template writes; otherwise it is
+written as its text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deepserve.chat_markup import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, END_THINK, SEP, THINK
+from deepserve.sampling_params import StructuredOutputsParams
+from deepserve.server.tool_parsers import Format
+
+# The reasoning text never holds the closing tag itself: the grammar's own `</think>` closes it.
+_THINK_TEXT = "/(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/"
+_ANY_TEXT = "/(?s:.*)/"
+# OpenAI: a function defined without parameters takes none, so its arguments are {}.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def marker(tokenizer: Any, text: str) -> str:
+    """The Lark spelling of a markup string: its token when it is one, else its text."""
+    vocab = tokenizer.get_vocab()
+    token_id = vocab.get(text)
+    return f"<[{token_id}]>" if token_id is not None else _lit(text)
+
+
+def _json_rule(schema: dict) -> str:
+    # Compact JSON: a model (the demo's random weights most of all) may otherwise spend its tokens on spaces.
+    own = schema.get("x-guidance")
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, **(own if isinstance(own, dict) else {})}}
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], parallel: bool) -> list[str]:
+    """Rules ending in `tool_calls`: one call (parallel False) or several, of the given functions."""
+    mk = {m: marker(tokenizer, m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
+    rules = [f"tool_calls: {mk[CALLS_BEGIN]} call{'+' if parallel else ''} {mk[CALLS_END]}",
+             "call: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+    for i, fn in enumerate(functions):
+        if fmt.type_prefix:  # V3: "function" <sep> NAME "\n```json\n" ARGS "\n```"
+            head = f"{mk[CALL_BEGIN]} {_lit(fmt.type_prefix.removesuffix(SEP))} {mk[SEP]} " \
+                   f"{_lit(fn['name'] + fmt.args_open)}"
+        else:  # V3.1: NAME <sep> ARGS
+            head = f"{mk[CALL_BEGIN]} {_lit(fn['name'])} {mk[SEP]}"
+        tail = f"{_lit(fmt.args_close)} {mk[CALL_END]}" if fmt.args_close else mk[CALL_END]
+        rules.append(f"fn{i}: {head} args{i} {tail}")
+        rules.append(f"args{i}: {_json_rule(fn.get('parameters') or NO_PARAMETERS)}")
+    return rules
+
+
+def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
+    """Rules ending in `answer` for what follows the reasoning: free text or the response_format's JSON."""
+    if so is None:
+        return ["answer: ANSWER_TEXT", f"ANSWER_TEXT: {_ANY_TEXT}"]
+    if so.json is not None:
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        return [f"answer: {_json_rule(schema)}"]
+    if so.json_object:
+        return [f"answer: {_json_rule({'type': 'object'})}"]
+    raise ValueError("only a JSON response_format can follow a thinking budget")
+
+
+def thinking_rules(tokenizer: Any, budget: int, opened: bool) -> list[str]:
+    """Rules ending in `thinking`: [<think>] at most `budget` tokens of reasoning, then </think>.
+    opened: the prompt already ends inside the reasoning section (the template wrote <think>)."""
+    open_tag = "" if opened else marker(tokenizer, THINK) + " "
+    if budget == 0:
+        return [f"thinking: {open_tag}{marker(tokenizer, END_THINK)}"]
+    return [f"thinking: {open_tag}reasoning {marker(tokenizer, END_THINK)}",
+            f"reasoning[max_tokens={budget}]: REASONING_TEXT",
+            f"REASONING_TEXT: {_THINK_TEXT}"]
+
+
+def build(rules_by_part: list[list[str]], parts: list[str]) -> StructuredOutputsParams:
+    lines = ["start: " + " ".join(parts)] + [r for rules in rules_by_part for r in rules]
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")

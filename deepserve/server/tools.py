@@ -1,0 +1,114 @@
+"""What a chat request's tools, tool_choice, chat_template_kwargs and thinking_token_budget ask of the
+server: the template's variables, the grammar the output must follow, and whether tool calls are parsed
+out of the text (server/tool_parsers.py).
+
+tool_choice (OpenAI's default: "auto" with tools, else "none"):
+  none      the tools are not shown to the model and nothing is parsed;
+  auto      the model may call them (needs --enable-auto-tool-choice, as in vLLM); calls are parsed;
+  required  and a named function: the grammar (server/tool_grammar.py) makes the output tool calls whose
+            arguments match the function's schema; they are parsed like auto's.
+Every mode but none needs --tool-call-parser: it names the markup the model writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deepserve.chat_markup import END_THINK, THINK
+from deepserve.sampling_params import StructuredOutputsParams
+from deepserve.server import protocol as p
+from deepserve.server import tool_grammar as tg
+from deepserve.server.errors import bad_request
+from deepserve.server.settings import ServerSettings
+from deepserve.server.structured import structured_outputs_of
+from deepserve.server.tool_parsers import PARSERS
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    template_kwargs: dict[str, Any]  # variables for the chat template, tools among them
+    tool_parser: str | None  # parse tool calls out of the output with this parser
+    choice: str  # none | auto | required | named
+
+
+def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPlan:
+    """Raises APIError(400) naming the field or the server flag a request needs."""
+    choice = p.tool_choice_of(req)
+    kwargs = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    if choice == "none":
+        return ChatPlan(kwargs, None, choice)
+    if choice == "auto" and not settings.enable_auto_tool_choice:
+        raise bad_request('tool_choice "auto" (the default when tools are given) needs the server flags '
+                          "--enable-auto-tool-choice and --tool-call-parser; or send tool_choice \"required\", "
+                          "a named function, or \"none\"", param="tool_choice")
+    if settings.tool_call_parser is None:
+        raise bad_request("tools need the server flag --tool-call-parser (deepseek_v3 or deepseek_v31), which "
+                          "names the markup the model writes its calls in", param="tools")
+    for i, tool in enumerate(req.tools or []):
+        _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+    kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    return ChatPlan(kwargs, settings.tool_call_parser, choice)
+
+
+@dataclass(frozen=True)
+class OutputReading:
+    """How a request's output text is read: split into reasoning and content, tool calls parsed out."""
+
+    reasoning: bool = False
+    tool_parser: str | None = None
+
+
+def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan: ChatPlan,
+                   prompt_text: str) -> OutputReading:
+    # No reasoning section in the output: the prompt closed it (V3.1's non-thinking mode writes </think>),
+    # or the grammar makes the output tool calls from its first token.
+    closed = prompt_text.rstrip().endswith(END_THINK)
+    forced_calls = plan.choice in ("required", "named") and req.thinking_token_budget is None
+    return OutputReading(settings.reasoning_parser is not None and not (closed or forced_calls), plan.tool_parser)
+
+
+def _check_schema(schema: dict | None, field: str) -> None:
+    import llguidance
+
+    if schema is None:
+        return
+    try:
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
+        raise bad_request(f"{field} is not a usable JSON schema: {' '.join(error.split())[:400]}", param=field)
+
+
+def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
+                   prompt_text: str) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(what the output must match, the request field that asked for it) after tools and the thinking
+    budget are taken into account; None when the output is free."""
+    so, origin = structured_outputs_of(req)
+    answer_parts: list[list[str]] = []
+    answer = None
+    if plan.choice in ("required", "named"):
+        functions = [t.function for t in req.tools or []]
+        if plan.choice == "named":
+            functions = [f for f in functions if f.name == req.tool_choice.function.name]
+        parallel = plan.choice == "required" and req.parallel_tool_calls is not False
+        answer_parts.append(tg.tool_calls_rules(tokenizer, PARSERS[plan.tool_parser],
+                                                [f.model_dump() for f in functions], parallel))
+        answer, origin = "tool_calls", "tools"
+    budget = req.thinking_token_budget
+    prompt_end = prompt_text.rstrip()
+    if budget is None or prompt_end.endswith(END_THINK):  # no reasoning section to bound
+        if answer is None:
+            return so, origin
+        return tg.build(answer_parts, [answer]), origin
+    if answer is None:
+        try:
+            answer_parts.append(tg.answer_rules(so))
+        except ValueError:
+            raise bad_request(f"thinking_token_budget cannot be combined with {origin}; it can with a JSON "
+                              "response_format, tools, or free text", param="thinking_token_budget") from None
+        answer = "answer"
+        origin = origin or "thinking_token_budget"
+    thinking = tg.thinking_rules(tokenizer, budget, opened=prompt_end.endswith(THINK))
+    return tg.build([thinking, *answer_parts], ["thinking", answer]), origin

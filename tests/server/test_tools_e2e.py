@@ -1,0 +1,173 @@
+"""Tool calling and thinking controls end to end: the official openai client against a real `deepserve
+serve` of the demo model (random weights, so only the grammar makes the calls valid). Arguments are checked
+with jsonschema; the reasoning budget is counted in the demo tokenizer's own tokens (transformers)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from serverkit import ADMIN
+
+from deepserve import demo
+
+MODEL = "deepserve-demo"
+MSG = [{"role": "user", "content": "What is the weather in Paris for the next days?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["C", "F"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 5}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory(["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3",
+                           "--reasoning-parser", "deepseek_r1"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=ADMIN, max_retries=0, timeout=120)
+
+
+def _validate(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_always_gives_valid_calls(client):
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=400)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        _validate(choice.message.tool_calls)
+
+
+def test_named_function_gives_exactly_that_call(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice=named,
+                                           temperature=1.0, seed=seed, max_tokens=200)
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == ["get_time"]
+        _validate(calls)
+
+
+def test_stream_reassembles_into_the_same_calls(client):
+    kwargs = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7,
+                  max_tokens=400)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish, chunks_with_args = None, 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                if d.id is not None:  # the first delta of a call: id, type and the name
+                    assert d.index not in calls and d.type == "function" and d.function.name
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                if d.function.arguments:
+                    chunks_with_args += 1
+                    calls[d.index]["arguments"] += d.function.arguments
+    assert finish == "tool_calls"
+    assert chunks_with_args > len(calls)  # arguments arrived in fragments, not whole
+    got = [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+    assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_tool_history_renders_and_continues(client):
+    first = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=1, max_tokens=400).choices[0].message
+    history = [*MSG, first.model_dump(exclude_none=True)]
+    history += [{"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in first.tool_calls]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, seed=2, max_tokens=400)
+    _validate(r.choices[0].message.tool_calls)
+    # The prompt grew by the rendered calls and results: the template's markup, one token per marker.
+    base = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens > base.usage.prompt_tokens + 10
+
+
+def _prompt_tokens(c, **kwargs) -> int:
+    return c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, **kwargs).usage.prompt_tokens
+
+
+def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, client):
+    srv = server_factory(["--default-chat-template-kwargs", '{"thinking": true}'])
+    c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
+    # thinking (server default, or the request's own) adds the <think> token to the generation prompt.
+    base = _prompt_tokens(client)
+    assert _prompt_tokens(c) == base + 1
+    assert _prompt_tokens(client, extra_body={"chat_template_kwargs": {"thinking": True}}) == base + 1
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=4)
+    assert "--enable-auto-tool-choice" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=4)
+    assert "--tool-call-parser" in e.value.message
+
+
+def test_bad_tool_requests_are_400_naming_the_field(client):
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                             "properties": {"a": {"type": 7}}}}}]
+    cases = [
+        (dict(tools=bad_schema, tool_choice="required"), "tools.0.function.parameters"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+         "tool_choice.function.name"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}}), "chat_template_kwargs.tools"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=4, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_thinking_token_budget_is_respected(client):
+    for budget, seed in ((0, 0), (3, 1), (12, 2)):
+        for kwargs in ({"thinking": True}, {}):  # the template opens <think>, or the grammar writes it
+            r = client.chat.completions.create(
+                model=MODEL, messages=MSG, temperature=1.0, seed=seed, max_tokens=60, logprobs=True,
+                extra_body={"thinking_token_budget": budget, "chat_template_kwargs": kwargs})
+            # The sampled tokens themselves: </think> comes after at most `budget` reasoning tokens.
+            tokens = [t.token for t in r.choices[0].logprobs.content]
+            end = tokens.index(demo.END_THINK)
+            start = tokens.index(demo.THINK) + 1 if not kwargs else 0
+            assert end - start <= budget, (budget, kwargs, tokens)
+            assert demo.END_THINK not in (r.choices[0].message.reasoning_content or "")
+
+
+def test_reasoning_then_required_calls(client):
+    """A thinking budget and a required call in one grammar: reasoning, </think>, then the calls; the
+    reasoning parser and the tool parser each take their part, streamed and not."""
+    kwargs = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=5,
+                  max_tokens=400, extra_body={"thinking_token_budget": 4, "chat_template_kwargs": {"thinking": True}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _validate(choice.message.tool_calls)
+    assert choice.message.content is None and demo.END_THINK not in (choice.message.reasoning_content or "")
+    reasoning, names = "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            names += [d.function.name for d in c.delta.tool_calls or [] if d.id is not None]
+    assert reasoning == (choice.message.reasoning_content or "")
+    assert names == [c.function.name for c in choice.message.tool_calls]
