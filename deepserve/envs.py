@@ -48,6 +48,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "1: block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
                                        "torch._scaled_mm's block-wise scaling instead of Triton (off: on the H200 "
                                        "it refused M = 257 and gave wrong results for K = 11008)"),
+    "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 0),
+                                  "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
+                                  "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never"),
+    "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 0),
+                                    "int4 linears with at least this many tokens dequantize the weight and run "
+                                    "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never"),
     "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
                             or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
                             "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),

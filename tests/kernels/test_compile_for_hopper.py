@@ -247,6 +247,37 @@ def test_int4_gemm_kernels_compile(monkeypatch):
     _compile_all(_record(monkeypatch, int4, run))
 
 
+def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
+    # The decode GEMV (kernels/int4_gemv.py) and the prefill dequantization (kernels/int4_dequant.py) as
+    # w4a16_matmul launches them: default tiles, both GEMV numerics, split-K, act order, 8-bit, odd K.
+    from dataclasses import replace
+
+    int4 = import_kernels("deepserve.kernels.int4")
+    from deepserve.kernels import int4_dequant, int4_gemv
+    from deepserve.kernels.int4_ref import pack_rows
+
+    n, k = 192, 512
+    qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
+    scales, zeros = torch.rand(n, 4, dtype=torch.float16), torch.full((n, 4), 8.0, dtype=torch.float16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    g_idx = (torch.randperm(k) // 128).to(torch.int32)
+    odd = pack_rows(torch.randint(0, 16, (n, 200)), 4)
+    gemv, dequant = int4_gemv.Int4GemvConfig(), int4_dequant.Int4DequantConfig()
+
+    def run():
+        x = torch.randn(2, k, dtype=torch.bfloat16)
+        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), dequant,
+                    replace(dequant, reshape_unpack=False)):
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias, config=cfg)
+        for cfg in (gemv, replace(gemv, factored=True), dequant):
+            int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128, config=cfg)
+            int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias,
+                              config=cfg)
+
+    _compile_all(_record(monkeypatch, int4_gemv, run) + _record(monkeypatch, int4_dequant, run))
+
+
 def test_fused_moe_int4_kernels_compile(monkeypatch):
     fm = import_kernels("deepserve.kernels.fused_moe")
     from deepserve.kernels.int4_ref import pack_rows
