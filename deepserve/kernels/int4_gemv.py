@@ -14,10 +14,11 @@ it is meant for small M). Split-K partials are summed in order by fp8.py's secon
 Two numerics (a constexpr, FACTORED):
   exact     w = q * s - z * s per element (exact in fp32, int4_tile.py), rounded to x's dtype like
             int4_ref.w4a16_linear_ref, times x: the reference's weight exactly.
-  factored  where the tile lies in one group: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k),
-            two fp32 operations per element instead of four and a rounding; the weight is not rounded to
-            x's dtype, so the result differs from the reference by about bf16 rounding (tested within the
-            bf16 tolerance). Elsewhere (act order, groups narrower than BLOCK_K) exact is used.
+  factored  where a word lies in one group (no act order, groups a multiple of pack):
+            sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k) per word, one fma per element instead of
+            two and two conversions; the weight is not rounded to x's dtype, so the result differs from the
+            reference by about bf16 rounding (tested within the bf16 tolerance). Elsewhere (act order,
+            groups that split words) exact is used.
 No wrapper reads a device value on the host: every call can be captured in a CUDA graph.
 """
 
@@ -93,7 +94,11 @@ def _w4a16_gemv_kernel(
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
     MASK: tl.constexpr = (1 << BITS) - 1
-    ONE_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0  # a K tile lies in one group
+    # Where the groups fall: TILE_GROUP, a K tile inside one group (one scale per row and tile);
+    # WORD_GROUP, each word inside one group (a scale per row and word, the same for its PACK fields);
+    # otherwise (act order, groups that split words) a scale per input.
+    TILE_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
+    WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0
     pid = tl.program_id(0)
     row, pid_n = pid % M, pid // M
     split = tl.program_id(1)
@@ -112,11 +117,15 @@ def _w4a16_gemv_kernel(
             packed = tl.load(q_rows + words[None, :])
         else:  # K is a multiple of PACK: a word is in or out whole
             packed = tl.load(q_rows + words[None, :], mask=(words * PACK < K)[None, :], other=0)
-        if ONE_GROUP:
+        if TILE_GROUP:
             g0 = (t * BLOCK_K) // GROUP
-            s = tl.load(s_rows + g0).to(tl.float32)[:, None]
+            s = tl.load(s_rows + g0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
             zs = tl.load(z_rows + g0).to(tl.float32)[:, None] * s  # exact: fp16 times an integer < 2^9
-        if FACTORED and ONE_GROUP:
+        elif WORD_GROUP:
+            g_w = ((words * PACK) % K) // GROUP  # words past K (masked tail) read group 0's
+            s = tl.load(s_rows[:, None] + g_w[None, :]).to(tl.float32)  # [BLOCK_N, WORDS], from L1 mostly
+            zs = tl.load(z_rows[:, None] + g_w[None, :]).to(tl.float32) * s
+        if FACTORED and WORD_GROUP:
             qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
             sx = tl.zeros([WORDS], dtype=tl.float32)
         for f in tl.static_range(PACK):
@@ -126,11 +135,11 @@ def _w4a16_gemv_kernel(
             else:
                 x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             code = ((packed >> (f * BITS)) & MASK).to(tl.float32)
-            if FACTORED and ONE_GROUP:
+            if FACTORED and WORD_GROUP:
                 qx += code * x[None, :]
                 sx += x
             else:
-                if ONE_GROUP:
+                if WORD_GROUP:
                     w = code * s - zs
                 else:  # a scale and zero point per input
                     k_in = ks % K
@@ -140,7 +149,7 @@ def _w4a16_gemv_kernel(
                     w = code * s_k - z_k * s_k
                 w = w.to(a_ptr.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
                 acc += w * x[None, :]
-        if FACTORED and ONE_GROUP:
+        if FACTORED and WORD_GROUP:
             acc += qx * s - zs * sx[None, :]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     ok = cols < N

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.test_int4_gemm import TOLERANCE, random_weights, rel_err
-from tests.kernels.triton_setup import DEVICE, MARKS, import_kernels
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
 int4 = import_kernels("deepserve.kernels.int4")
 
@@ -56,9 +56,10 @@ def check(config, m: int, n: int, k: int, bits: int, group: int, dtype: torch.dt
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("m,bits,group", [(1, 4, 32), (3, 4, 16), (2, 8, 32)])
+@pytest.mark.parametrize("m,bits,group", [(1, 4, 32), (3, 4, 16), (2, 8, 32), (2, 4, 4)])
 def test_variants_match_the_reference(variant, m, bits, group):
-    # group 32 = block_k: one scale per row and K step; group 16: a scale per input (gathered)
+    # group 32 = block_k: one scale per row and K step; 16: one per word (two groups a step); 4 (narrower
+    # than a word of 8 codes): one per input
     check(VARIANTS[variant], m, 40, 96, bits, group, bias=m == 3)
 
 
@@ -150,3 +151,21 @@ def test_choose_config_switches_by_token_count():
     assert isinstance(int4.choose_config(9, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), int4.Int4GemmConfig)
     assert isinstance(int4.choose_config(1024, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), Int4DequantConfig)
 
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run is the lead's (bench/check_int4.py --variants)")
+def test_bench_variants_script_runs_on_tiny_shapes(tmp_path):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "variants.json"
+    done = subprocess.run([sys.executable, "bench/check_int4.py", "--variants", "--smoke", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ALL CORRECT" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    variants = {r["variant"] for r in report["variant_speed"]}
+    assert {"tile", "gemv n32 k256", "gemv-factored n32 k256", "dequant+cublas", "bf16 cublas"} <= variants
+    assert all(r["ok"] for r in report["variant_checks"])
