@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepserve.kernels.fp8 import _sum_splits
+from deepserve.kernels.int4_tile import gemv_rows
 
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight while others unpack
 
@@ -77,6 +77,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
+        from deepserve.kernels.fp8 import _sum_splits  # here: fp8 imports fused_moe, which imports this module
+
         _sum_splits(c, out, bias)
     return out
 
@@ -91,14 +93,6 @@ def _w4a16_gemv_kernel(
 ):
     # c[row, n] = sum_k a[row, k] * w[n, k], w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or
     # k // GROUP. Rows past N wrap around (modulo) so every load is in bounds; the store masks them.
-    PACK: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PACK
-    MASK: tl.constexpr = (1 << BITS) - 1
-    # Where the groups fall: TILE_GROUP, a K tile inside one group (one scale per row and tile);
-    # WORD_GROUP, each word inside one group (a scale per row and word, the same for its PACK fields);
-    # otherwise (act order, groups that split words) a scale per input.
-    TILE_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
-    WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0
     pid = tl.program_id(0)
     row, pid_n = pid % M, pid // M
     split = tl.program_id(1)
@@ -107,51 +101,9 @@ def _w4a16_gemv_kernel(
     first, last = split * per_split, tl.minimum((split + 1) * per_split, k_tiles)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n64 = (cols % N).to(tl.int64)
-    q_rows = q_ptr + n64[:, None] * stride_qn  # [BLOCK_N, 1]
-    s_rows, z_rows = s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn  # [BLOCK_N]
-    a_row = a_ptr + row.to(tl.int64) * stride_am
-    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-    for t in range(first, last):
-        words = t * WORDS + tl.arange(0, WORDS)
-        if EVEN_K:
-            packed = tl.load(q_rows + words[None, :])
-        else:  # K is a multiple of PACK: a word is in or out whole
-            packed = tl.load(q_rows + words[None, :], mask=(words * PACK < K)[None, :], other=0)
-        if TILE_GROUP:
-            g0 = (t * BLOCK_K) // GROUP
-            s = tl.load(s_rows + g0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
-            zs = tl.load(z_rows + g0).to(tl.float32)[:, None] * s  # exact: fp16 times an integer < 2^9
-        elif WORD_GROUP:
-            g_w = ((words * PACK) % K) // GROUP  # words past K (masked tail) read group 0's
-            s = tl.load(s_rows[:, None] + g_w[None, :]).to(tl.float32)  # [BLOCK_N, WORDS], from L1 mostly
-            zs = tl.load(z_rows[:, None] + g_w[None, :]).to(tl.float32) * s
-        if FACTORED and WORD_GROUP:
-            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-            sx = tl.zeros([WORDS], dtype=tl.float32)
-        for f in tl.static_range(PACK):
-            ks = words * PACK + f
-            if EVEN_K:
-                x = tl.load(a_row + ks).to(tl.float32)
-            else:
-                x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            code = ((packed >> (f * BITS)) & MASK).to(tl.float32)
-            if FACTORED and WORD_GROUP:
-                qx += code * x[None, :]
-                sx += x
-            else:
-                if WORD_GROUP:
-                    w = code * s - zs
-                else:  # a scale and zero point per input
-                    k_in = ks % K
-                    g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
-                    s_k = tl.load(s_rows[:, None] + g[None, :]).to(tl.float32)
-                    z_k = tl.load(z_rows[:, None] + g[None, :]).to(tl.float32)
-                    w = code * s_k - z_k * s_k
-                w = w.to(a_ptr.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
-                acc += w * x[None, :]
-        if FACTORED and WORD_GROUP:
-            acc += qx * s - zs * sx[None, :]
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    out = gemv_rows(a_ptr + row.to(tl.int64) * stride_am, q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn,
+                    z_ptr + n64 * stride_sn, g_ptr, first, last, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K,
+                    EVEN_K, FACTORED)
     ok = cols < N
     offsets = row.to(tl.int64) * N + cols
     if PARTIAL:

@@ -1,5 +1,6 @@
 """The one int4 / int8 weight-tile dequantization both W4A16 GEMMs share (kernels/int4.py for linear
-layers, kernels/fused_moe.py for the routed experts); int4_ref.py has the layout and the numerics.
+layers, kernels/fused_moe.py for the routed experts); int4_ref.py has the layout and the numerics. Also
+gemv_rows, the inner loop of the decode GEMVs (kernels/int4_gemv.py, kernels/int4_moe_gemv.py).
 
 Two ways to get the codes out of the packed int32 words, switched by a constexpr so bench/check_int4.py
 can time both (neither measured yet):
@@ -57,3 +58,64 @@ def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.
         s = tl.load(s_cols[None, :] + g[:, None]).to(tl.float32)
         z = tl.load(z_cols[None, :] + g[:, None]).to(tl.float32)
     return codes.to(tl.float32) * s - z * s
+
+
+@triton.jit
+def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+              HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              FACTORED: tl.constexpr):
+    """sum over the K tiles first .. last - 1 of a_row[k] * w[n, k] -> [BLOCK_N] fp32, for the BLOCK_N
+    output rows whose packed codes start at q_cols and scales / zero points at s_cols / z_cols ([BLOCK_N]
+    pointers), one token's inputs at a_row. kernels/int4_gemv.py's docstring has the loop and the two
+    numerics (FACTORED)."""
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    # Where the groups fall: TILE_GROUP, a K tile inside one group (one scale per row and tile);
+    # WORD_GROUP, each word inside one group (a scale per row and word, the same for its PACK fields);
+    # otherwise (act order, groups that split words) a scale per input.
+    TILE_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
+    WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0
+    q_rows = q_cols[:, None]  # [BLOCK_N, 1]
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    for t in range(first, last):
+        words = t * WORDS + tl.arange(0, WORDS)
+        if EVEN_K:
+            packed = tl.load(q_rows + words[None, :])
+        else:  # K is a multiple of PACK: a word is in or out whole
+            packed = tl.load(q_rows + words[None, :], mask=(words * PACK < K)[None, :], other=0)
+        if TILE_GROUP:
+            g0 = (t * BLOCK_K) // GROUP
+            s = tl.load(s_cols + g0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+            zs = tl.load(z_cols + g0).to(tl.float32)[:, None] * s  # exact: fp16 times an integer < 2^9
+        elif WORD_GROUP:
+            g_w = ((words * PACK) % K) // GROUP  # words past K (masked tail) read group 0's
+            s = tl.load(s_cols[:, None] + g_w[None, :]).to(tl.float32)  # [BLOCK_N, WORDS], from L1 mostly
+            zs = tl.load(z_cols[:, None] + g_w[None, :]).to(tl.float32) * s
+        if FACTORED and WORD_GROUP:
+            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+            sx = tl.zeros([WORDS], dtype=tl.float32)
+        for f in tl.static_range(PACK):
+            ks = words * PACK + f
+            if EVEN_K:
+                x = tl.load(a_row + ks).to(tl.float32)
+            else:
+                x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            code = ((packed >> (f * BITS)) & MASK).to(tl.float32)
+            if FACTORED and WORD_GROUP:
+                qx += code * x[None, :]
+                sx += x
+            else:
+                if WORD_GROUP:
+                    w = code * s - zs
+                else:  # a scale and zero point per input
+                    k_in = ks % K
+                    g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
+                    s_k = tl.load(s_cols[:, None] + g[None, :]).to(tl.float32)
+                    z_k = tl.load(z_cols[:, None] + g[None, :]).to(tl.float32)
+                    w = code * s_k - z_k * s_k
+                w = w.to(a_row.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
+                acc += w * x[None, :]
+        if FACTORED and WORD_GROUP:
+            acc += qx * s - zs * sx[None, :]
+    return tl.sum(acc, axis=1)

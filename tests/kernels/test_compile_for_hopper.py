@@ -303,3 +303,38 @@ def test_fused_moe_int4_kernels_compile(monkeypatch):
         fm.fused_moe(x, w13, w2, weights, ids, int4=act_order)
 
     _compile_all(_record(monkeypatch, fm, run))
+
+
+def test_int4_moe_gemv_kernels_compile(monkeypatch):
+    # The decode expert GEMVs (kernels/int4_moe_gemv.py) as fused_moe launches them: both numerics,
+    # act order, and an intermediate size that ends on a partial K step.
+    from dataclasses import replace
+
+    fm = import_kernels("deepserve.kernels.fused_moe")
+    from deepserve.kernels import int4_moe_gemv
+    from deepserve.kernels.int4_gemv import Int4GemvConfig
+    from deepserve.kernels.int4_ref import pack_rows
+
+    e, h = 8, 256
+
+    def experts(inter: int, act_order: bool):
+        w13 = pack_rows(torch.randint(0, 16, (e, 2 * inter, h)), 4)
+        w2 = pack_rows(torch.randint(0, 16, (e, h, inter)), 4)
+        groups2 = -(-inter // 128)
+        scales = [(torch.rand(e, 2 * inter, 2) * 1e-3).half(), (torch.rand(e, h, groups2) * 1e-3).half()]
+        zeros = [torch.full((e, 2 * inter, 2), 8.0, dtype=torch.float16),
+                 torch.full((e, h, groups2), 8.0, dtype=torch.float16)]
+        g_idx = [(torch.arange(h) // 128).repeat(e, 1).to(torch.int32),
+                 (torch.arange(inter) // 128).repeat(e, 1).to(torch.int32)] if act_order else [None, None]
+        return w13, w2, fm.Int4Experts(4, scales[0], zeros[0], scales[1], zeros[1], 128, 128, *g_idx)
+
+    x, ids, weights = torch.randn(2, h, dtype=torch.bfloat16), torch.randint(0, e, (2, 2)), torch.rand(2, 2)
+    cfg = Int4GemvConfig()
+
+    def run():
+        for inter, act_order, factored in ((256, False, False), (256, False, True), (256, True, False),
+                                           (176, False, False)):
+            w13, w2, int4 = experts(inter, act_order)
+            fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
+
+    _compile_all(_record(monkeypatch, int4_moe_gemv, run))
