@@ -279,6 +279,57 @@ def variant_configs(m: int, n: int, k: int, every: bool = True) -> dict:
     return out
 
 
+MOE_VARIANT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+MOE_VARIANT_CHECK_TOKENS = (1, 5, 33)
+
+
+def moe_variant_configs(t: int, cfg: dict) -> dict:
+    """The fused MoE's int4 variants at T tokens: its tiles (the default) and the expert GEMVs."""
+    out = {"moe tiles": fm.default_config(t, cfg["top_k"], cfg["experts"], DTYPE)}
+    for bn, bk in ((16, 256), (32, 256), (64, 128)):
+        out[f"moe gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
+    out["moe gemv-factored n32 k256"] = Int4GemvConfig(32, 256, factored=True)
+    return out
+
+
+def run_moe_variants(cfg: dict, check_tokens: tuple, tokens: tuple, device) -> tuple[list, list]:
+    """Each MoE variant against fused_moe_int4_ref at check_tokens, then timed (with bf16) at tokens."""
+    checks, speed = [], []
+    for t in check_tokens:
+        x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+        want = fm.fused_moe_int4_ref(x, w13, w2, tw, ids, experts)
+        for variant, mcfg in moe_variant_configs(t, cfg).items():
+            row = dict(shape="V2-Lite experts", variant=f"{variant} g128", m=t)
+            try:
+                row |= errors(fm.fused_moe(x, w13, w2, tw, ids, mcfg, int4=experts), want)
+                row["ok"] = ok(row)
+            except Exception as exc:
+                row |= dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+            checks.append(row)
+    w13b = torch.randn(cfg["experts"], 2 * cfg["inter"], cfg["hidden"], device=device, dtype=DTYPE)
+    w2b = torch.randn(cfg["experts"], cfg["hidden"], cfg["inter"], device=device, dtype=DTYPE)
+    for t in tokens:
+        x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+        fns = {v: functools.partial(fm.fused_moe, x, w13, w2, tw, ids, mcfg, int4=experts)
+               for v, mcfg in moe_variant_configs(t, cfg).items()}
+        fns["bf16"] = functools.partial(fm.fused_moe, x, w13b, w2b, tw, ids)  # bf16 experts, the same tiles
+        # the int4 bytes of the experts a step reads: at most T * top_k distinct experts' codes and scales
+        used = min(cfg["experts"], t * cfg["top_k"])
+        int4_bytes = used * (w13[0].numel() + w2[0].numel()) * 4 * (1 + 1 / 32)
+        for variant, fn in fns.items():
+            row = dict(shape="V2-Lite experts", m=t, variant=variant)
+            if elapsed() > VARIANTS_DEADLINE_S:
+                speed.append(row | dict(skipped=True))
+                continue
+            us = time_us(fn)
+            speed.append(row | dict(us=us, gbs=int4_bytes * (4 if variant == "bf16" else 1) / us / 1e3,
+                                    tflops=6 * t * cfg["top_k"] * cfg["hidden"] * cfg["inter"] / us / 1e6))
+        print(f"{'V2-Lite experts':>16} T={t:<5} " + " ".join(f"{r['variant']}={r['us']:.1f}" for r in speed
+                                                          if r["m"] == t and "us" in r), flush=True)
+    return checks, speed
+
+
 def run_variant_correctness(shapes: dict, ms: tuple, device) -> list[dict]:
     """Every variant at every (shape, M) it is timed at, groups of 128; act order and 8-bit on one shape."""
     rows = []
@@ -317,14 +368,14 @@ def run_variant_speed(shapes: dict, ms: tuple, device) -> list[dict]:
             flop = 2 * m * n * k
             fns = {v: functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128, config=cfg)
                    for v, cfg in variant_configs(m, n, k).items()}
-            fns["bf16 cublas"] = functools.partial(torch.nn.functional.linear, x, w)
+            fns["bf16"] = functools.partial(torch.nn.functional.linear, x, w)
             for variant, fn in fns.items():
                 row = dict(shape=name, n=n, k=k, m=m, variant=variant)
                 if elapsed() > VARIANTS_DEADLINE_S:
                     rows.append(row | dict(skipped=True))
                     continue
                 us = time_us(fn)
-                weight_bytes = n * k * 2 if variant == "bf16 cublas" else int4_bytes
+                weight_bytes = n * k * 2 if variant == "bf16" else int4_bytes
                 rows.append(row | dict(us=us, gbs=weight_bytes / us / 1e3, tflops=flop / us / 1e6))
             done = [r for r in rows if r["shape"] == name and r["m"] == m and "us" in r]
             if done:
@@ -342,23 +393,29 @@ def print_variant_tables(report: dict) -> bool:
         print("FAILED", _check_line(r))
     print(f"CUDA graph capture (each variant at M = 1 or 1024): {report['variant_graph']}")
     print("\n==== W4A16 variants: best per (shape, M), median us, L2 flushed; GB/s of int4 bytes read ====")
-    print(f"{'shape':>16} {'M':>5} {'best int4 variant':<24} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} {'tile us':>8} "
+    if not torch.cuda.is_available():
+        print("(CPU, Triton's interpreter: these times say nothing about the GPU)")
+    print("today: the default int4 kernel (tile; the MoE's tiles); bf16: F.linear (cuBLAS) on the dequantized "
+          "weight, the MoE: fused_moe with bf16 experts; M is T for the MoE")
+    print(f"{'shape':>16} {'M':>5} {'best int4 variant':<26} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} {'today us':>8} "
           f"{'bf16 us':>8} {'bf16/best':>9}")
-    won: dict[str, set] = {"gemv": set(), "dequant+cublas": set()}
+    won: dict[str, set] = {"gemv": set(), "dequant+cublas": set(), "moe gemv": set()}
     for (name, m) in dict.fromkeys((r["shape"], r["m"]) for r in speed):
         timed = {r["variant"]: r for r in speed if r["shape"] == name and r["m"] == m and "us" in r}
-        int4_rows = [r for v, r in timed.items() if v != "bf16 cublas"]
+        int4_rows = [r for v, r in timed.items() if v != "bf16"]
         if not int4_rows:
             continue
         best = min(int4_rows, key=lambda r: r["us"])
-        tile, bf16 = timed.get("tile", {}).get("us", float("nan")), timed.get("bf16 cublas", {}).get("us", float("nan"))
-        print(f"{name:>16} {m:>5} {best['variant']:<24} {best['us']:8.1f} {best['gbs']:6.0f} {best['tflops']:7.1f} "
-              f"{tile:8.1f} {bf16:8.1f} {bf16 / best['us']:9.2f}")
-        kind = "gemv" if best["variant"].startswith("gemv") else best["variant"]
+        today = timed.get("tile", timed.get("moe tiles", {})).get("us", float("nan"))  # the default kernel
+        bf16 = timed.get("bf16", {}).get("us", float("nan"))
+        print(f"{name:>16} {m:>5} {best['variant']:<26} {best['us']:8.1f} {best['gbs']:6.0f} {best['tflops']:7.1f} "
+              f"{today:8.1f} {bf16:8.1f} {bf16 / best['us']:9.2f}")
+        kind = next((k for k in ("gemv", "moe gemv") if best["variant"].startswith(k)), best["variant"])
         won.get(kind, set()).add(m)
     skipped = [r for r in speed if r.get("skipped")]
     print(f"\nthe GEMV was best at M in {sorted(won['gemv'])}; dequantize + cuBLAS at M in "
           f"{sorted(won['dequant+cublas'])} (DEEPSERVE_INT4_GEMV_MAX_M / DEEPSERVE_INT4_CUBLAS_MIN_M; 0 = off today)")
+    print(f"the expert GEMVs were best at T in {sorted(won['moe gemv'])} (DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS; 0 = off)")
     good = not failed and all(v.get("ok", True) for v in report["variant_graph"].values())
     print(f"wall {elapsed():.0f} s; {len(skipped)} timings skipped past {VARIANTS_DEADLINE_S:.0f} s; "
           + ("ALL CORRECT" if good else "CORRECTNESS FAILURES"))
@@ -393,7 +450,12 @@ def run_variants(args, device) -> int:
     report["variant_checks"] = run_variant_correctness(
         shapes, SMOKE_VARIANTS["check_ms"] if args.smoke else VARIANT_CHECK_MS, device)
     report["variant_graph"] = run_variant_graphs(device)
+    moe_checks, moe_speed = run_moe_variants(SMOKE["moe"] if args.smoke else MOE, (1, 3) if args.smoke
+                                             else MOE_VARIANT_CHECK_TOKENS, (1,) if args.smoke else MOE_VARIANT_TOKENS,
+                                             device)
+    report["variant_checks"] += moe_checks
     report["variant_speed"] = run_variant_speed(shapes, SMOKE_VARIANTS["ms"] if args.smoke else VARIANT_MS, device)
+    report["variant_speed"] += moe_speed
     report["wall_s"] = elapsed()
     good = print_variant_tables(report)
     if args.json:

@@ -167,5 +167,6 @@ def test_bench_variants_script_runs_on_tiny_shapes(tmp_path):
     assert done.returncode == 0 and "ALL CORRECT" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     variants = {r["variant"] for r in report["variant_speed"]}
-    assert {"tile", "gemv n32 k256", "gemv-factored n32 k256", "dequant+cublas", "bf16 cublas"} <= variants
+    assert {"tile", "gemv n32 k256", "gemv-factored n32 k256", "dequant+cublas", "bf16", "moe tiles",
+            "moe gemv n32 k256"} <= variants
     assert all(r["ok"] for r in report["variant_checks"])
