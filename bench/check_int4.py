@@ -274,6 +274,10 @@ def variant_configs(m: int, n: int, k: int, every: bool = True) -> dict:
             out[f"gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
         for bn, bk in ((32, 256), (16, 512)) if every else ((32, 256),):
             out[f"gemv-factored n{bn} k{bk}"] = Int4GemvConfig(bn, bk, factored=True)
+        for bm in (4, 8, 16) if every else (4,):  # several tokens a program: one unpacking for them all
+            if m >= 2 and bm <= max(4, m):
+                out[f"gemv m{bm} n16 k128"] = Int4GemvConfig(16, 128, block_m=bm)
+                out[f"gemv-factored m{bm} n16 k128"] = Int4GemvConfig(16, 128, block_m=bm, factored=True)
     if m >= 64:
         out["dequant+cublas"] = Int4DequantConfig()
     return out

@@ -266,7 +266,8 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
 
     def run():
         x = torch.randn(2, k, dtype=torch.bfloat16)
-        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), dequant,
+        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), replace(gemv, block_m=4),
+                    replace(gemv, block_m=4, block_n=16, block_k=128, factored=True), dequant,
                     replace(dequant, reshape_unpack=False)):
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias, config=cfg)

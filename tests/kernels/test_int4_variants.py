@@ -9,6 +9,8 @@ wrong row, group or bit field lands far past the tolerance (the wrong-zero test 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -35,7 +37,9 @@ GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # interpreter-sized
 FACTORED = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, factored=True)
 DEQUANT = Int4DequantConfig(block_n=16, block_k=32)
 GATHER = Int4DequantConfig(block_n=16, block_k=32, reshape_unpack=False)
-VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "dequant": DEQUANT, "dequant-gather": GATHER}
+BLOCK4 = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, block_m=4)  # 4 tokens a program
+VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-block4": BLOCK4,
+            "gemv-block4-factored": replace(BLOCK4, factored=True), "dequant": DEQUANT, "dequant-gather": GATHER}
 
 
 def on(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,7 +60,7 @@ def check(config, m: int, n: int, k: int, bits: int, group: int, dtype: torch.dt
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("m,bits,group", [(1, 4, 32), (3, 4, 16), (2, 8, 32), (2, 4, 4)])
+@pytest.mark.parametrize("m,bits,group", [(1, 4, 32), (3, 4, 16), (2, 8, 32), (2, 4, 4), (6, 4, 32)])
 def test_variants_match_the_reference(variant, m, bits, group):
     # group 32 = block_k: one scale per row and K step; 16: one per word (two groups a step); 4 (narrower
     # than a word of 8 codes): one per input
@@ -75,7 +79,7 @@ def test_variants_with_a_partial_last_k_step(variant, group):
     check(VARIANTS[variant], 2, 20, 80, 4, group)
 
 
-@pytest.mark.parametrize("variant", ["gemv", "gemv-factored", "dequant"])
+@pytest.mark.parametrize("variant", ["gemv", "gemv-factored", "gemv-block4", "dequant"])
 def test_variants_with_half_precision_activations_and_bias(variant):
     check(VARIANTS[variant], 5, 24, 64, 4, 32, dtype=torch.float16, bias=True)
 
@@ -85,6 +89,7 @@ def test_gemv_split_k_sums_the_partials_with_bias(split):
     # K 128 = 4 steps of 32: split 3 leaves the last split one step (its partial still written)
     check(Int4GemvConfig(16, 32, split_k=split, num_stages=2), 3, 24, 128, 4, 32, bias=True)
     check(Int4GemvConfig(16, 32, split_k=split, num_stages=2, factored=True), 3, 24, 128, 4, 32, bias=True)
+    check(replace(BLOCK4, split_k=split), 5, 24, 128, 4, 32, bias=True)  # two token blocks, one partial
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 22016, 4096), (8, 4096, 11008), (16, 576, 2048)])
