@@ -36,7 +36,7 @@ from deepserve import envs
 from deepserve.kernels.fp8 import _num_sms, _store_tile, _sum_splits, split_count
 from deepserve.kernels.fused_moe import _tile_ids
 from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
-from deepserve.kernels.int4_gemv import Int4GemvConfig, w4a16_gemv
+from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
 from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
@@ -82,7 +82,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132, gemv_max_m: int | 
     gemv_max_m = GEMV_MAX_M if gemv_max_m is None else gemv_max_m
     cublas_min_m = CUBLAS_MIN_M if cublas_min_m is None else cublas_min_m
     if 0 < m <= gemv_max_m:
-        return Int4GemvConfig()
+        return default_gemv_config(m)
     if 0 < cublas_min_m <= m:
         return Int4DequantConfig()
     return default_config(m, n, k, num_sms)

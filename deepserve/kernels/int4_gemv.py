@@ -49,6 +49,15 @@ class Int4GemvConfig:
     factored: bool = False
 
 
+def default_gemv_config(m: int) -> Int4GemvConfig:
+    """The GEMV's tiles by token count, unmeasured guesses to be set from bench/check_int4.py --variants:
+    one token a program at M = 1, else up to 16 tokens a program on narrower tiles (the 3-D product holds
+    block_m x block_n x block_k / pack fp32 values a program)."""
+    if m <= 1:
+        return Int4GemvConfig()
+    return Int4GemvConfig(block_n=16, block_k=128, block_m=min(16, triton.next_power_of_2(m)))
+
+
 def gemv_split_count(m: int, n: int, k: int, cfg: Int4GemvConfig, num_sms: int) -> int:
     """Splits along K that bring the programs to about PROGRAMS_PER_SM per SM, rounded so every split
     gets the same number of K tiles (an empty split would still write its zero partial)."""

@@ -152,7 +152,8 @@ def test_choose_config_switches_by_token_count():
     # both thresholds 0 (the defaults until measured): today's tile kernel for every M
     for m in (1, 16, 8192):
         assert isinstance(int4.choose_config(m, 4096, 4096, gemv_max_m=0, cublas_min_m=0), int4.Int4GemmConfig)
-    assert isinstance(int4.choose_config(8, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), Int4GemvConfig)
+    assert int4.choose_config(1, 4096, 4096, gemv_max_m=8, cublas_min_m=1024) == Int4GemvConfig()
+    assert int4.choose_config(8, 4096, 4096, gemv_max_m=8, cublas_min_m=1024).block_m == 8
     assert isinstance(int4.choose_config(9, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), int4.Int4GemmConfig)
     assert isinstance(int4.choose_config(1024, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), Int4DequantConfig)
 
