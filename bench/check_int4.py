@@ -395,7 +395,12 @@ def print_variant_tables(report: dict) -> bool:
           f"{max((r.get('max_rel', 0) for r in rows), default=0):.2e} (tolerance {TOLERANCE['max_rel']})")
     for r in failed:
         print("FAILED", _check_line(r))
-    print(f"CUDA graph capture (each variant at M = 1 or 1024): {report['variant_graph']}")
+    graphs = report["variant_graph"]
+    print(f"CUDA graph capture (each variant at M = 1 or 1024, the expert GEMVs at T = 1): "
+          f"{sum(g.get('ok', False) for g in graphs.values())}/{len(graphs)} ok")
+    for name, g in graphs.items():
+        if not g.get("ok"):
+            print("FAILED graph", name, g)
     print("\n==== W4A16 variants: best per (shape, M), median us, L2 flushed; GB/s of int4 bytes read ====")
     if not torch.cuda.is_available():
         print("(CPU, Triton's interpreter: these times say nothing about the GPU)")
@@ -445,6 +450,17 @@ def run_variant_graphs(device) -> dict:
                 out[f"{variant} M={m}"] = dict(ok=bool(torch.equal(got, want)))
             except Exception as exc:
                 out[f"{variant} M={m}"] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    x, w13, w2, tw, ids, experts = moe_case(1, MOE, device)
+    try:  # the expert GEMVs at one token
+        want = fm.fused_moe(x, w13, w2, tw, ids, Int4GemvConfig(), int4=experts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fm.fused_moe(x, w13, w2, tw, ids, Int4GemvConfig(), int4=experts)
+        graph.replay()
+        torch.cuda.synchronize()
+        out["moe gemv T=1"] = dict(ok=bool(torch.equal(got, want)))
+    except Exception as exc:
+        out["moe gemv T=1"] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
     return out
 
 
