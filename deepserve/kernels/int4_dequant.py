@@ -51,7 +51,7 @@ def w4a16_dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
                          cfg: Int4DequantConfig) -> torch.Tensor:
     """kernels/int4.w4a16_matmul's contract (inputs already checked there): dequantize, then cuBLAS."""
     w = dequantize_weight(qweight, scales, zeros, bits, group, g_idx, x.dtype, cfg)
-    return torch.nn.functional.linear(x, w, bias)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 @triton.jit
