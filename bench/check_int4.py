@@ -14,6 +14,14 @@ kernels/fused_moe.py), in one run on one H200.
 Tables come last; JSON to --json; exit code 1 on any wrong result. About 90 s on the H200.
     python bench/check_int4.py --json OUT.json     # the H200 run
     python bench/check_int4.py --smoke             # tiny shapes; CPU under TRITON_INTERPRET
+
+--variants instead checks and times every variant of the GEMM (kernels/int4.py's docstring: the tile
+kernel and its other unpacking, the split-K GEMV in several tiles and both numerics, dequantize + cuBLAS)
+on LLM-7B's and V2-Lite's shapes at M = 1 .. 8192, against bf16 cuBLAS; it ends with the best variant per
+(shape, M), its GB/s (int4 bytes read) and TFLOP/s, and what that suggests for DEEPSERVE_INT4_GEMV_MAX_M /
+DEEPSERVE_INT4_CUBLAS_MIN_M. Budgeted to stay under about 4 min on the H200 (later timings are skipped and
+listed past VARIANTS_DEADLINE_S).
+    python bench/check_int4.py --variants --json OUT.json
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import triton.testing  # noqa: E402
 from deepserve.kernels import fused_moe as fm  # noqa: E402
 from deepserve.kernels import int4  # noqa: E402
 from deepserve.kernels import int4_ref as ref  # noqa: E402
+from deepserve.kernels.int4_dequant import Int4DequantConfig  # noqa: E402
+from deepserve.kernels.int4_gemv import Int4GemvConfig  # noqa: E402
 
 START = time.perf_counter()
 DEADLINE_S = 100.0  # past this, remaining timings are skipped (and listed as skipped)
@@ -239,13 +249,252 @@ def print_tables(report: dict) -> bool:
     return good
 
 
+# --- --variants ----------------------------------------------------------------------------------------
+VARIANT_SHAPES = {  # name: (N, K): LLM-7B's projections, V2-Lite's attention, shared experts and dense MLP
+    "7B qkv/o": (4096, 4096), "7B gate_up": (22016, 4096), "7B down": (4096, 11008),
+    "Lite q": (3072, 2048), "Lite kv_a": (576, 2048), "Lite o": (2048, 2048),
+    "Lite shared up": (5632, 2048), "Lite dense down": (2048, 10944),
+}
+VARIANT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
+VARIANT_CHECK_MS = (1, 3, 16, 33, 64, 257, 1024)  # correctness: each variant at the M it is timed at
+VARIANTS_DEADLINE_S = 210.0
+GEMV_MAX_TIMED_M = 32  # the GEMV unpacks the weight once per token: past this it cannot win
+SMOKE_VARIANTS = dict(shapes={"odd": (200, 328), "even": (128, 256)}, ms=(1, 3, 40, 64), check_ms=(1, 3, 64))
+
+
+def variant_configs(m: int, n: int, k: int, every: bool = True) -> dict:
+    """The variants worth timing at M (name: config for int4.w4a16_matmul); every False: one of each kind
+    (the act-order and 8-bit checks: each config is one more compile)."""
+    tile = int4.default_config(m, n, k)
+    out = {"tile": tile}
+    if m <= 64 and every:
+        out["tile other-unpack"] = replace(tile, reshape_unpack=not tile.reshape_unpack)
+    if m <= GEMV_MAX_TIMED_M:
+        for bn, bk in ((16, 256), (32, 256), (64, 128), (32, 512)) if every else ((32, 256),):
+            out[f"gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
+        for bn, bk in ((32, 256), (16, 512)) if every else ((32, 256),):
+            out[f"gemv-factored n{bn} k{bk}"] = Int4GemvConfig(bn, bk, factored=True)
+        for bm in (4, 8, 16) if every else (4,):  # several tokens a program: one unpacking for them all
+            if m >= 2 and bm <= max(4, m):
+                out[f"gemv m{bm} n16 k128"] = Int4GemvConfig(16, 128, block_m=bm)
+                out[f"gemv-factored m{bm} n16 k128"] = Int4GemvConfig(16, 128, block_m=bm, factored=True)
+    if m >= 64:
+        out["dequant+cublas"] = Int4DequantConfig()
+    return out
+
+
+MOE_VARIANT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+MOE_VARIANT_CHECK_TOKENS = (1, 5, 33)
+
+
+def moe_variant_configs(t: int, cfg: dict) -> dict:
+    """The fused MoE's int4 variants at T tokens: its tiles (the default) and the expert GEMVs."""
+    out = {"moe tiles": fm.default_config(t, cfg["top_k"], cfg["experts"], DTYPE)}
+    for bn, bk in ((16, 256), (32, 256), (64, 128)):
+        out[f"moe gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
+    out["moe gemv-factored n32 k256"] = Int4GemvConfig(32, 256, factored=True)
+    return out
+
+
+def run_moe_variants(cfg: dict, check_tokens: tuple, tokens: tuple, device) -> tuple[list, list]:
+    """Each MoE variant against fused_moe_int4_ref at check_tokens, then timed (with bf16) at tokens."""
+    checks, speed = [], []
+    for t in check_tokens:
+        x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+        want = fm.fused_moe_int4_ref(x, w13, w2, tw, ids, experts)
+        for variant, mcfg in moe_variant_configs(t, cfg).items():
+            row = dict(shape="V2-Lite experts", variant=f"{variant} g128", m=t)
+            try:
+                row |= errors(fm.fused_moe(x, w13, w2, tw, ids, mcfg, int4=experts), want)
+                row["ok"] = ok(row)
+            except Exception as exc:
+                row |= dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+            checks.append(row)
+    w13b = torch.randn(cfg["experts"], 2 * cfg["inter"], cfg["hidden"], device=device, dtype=DTYPE)
+    w2b = torch.randn(cfg["experts"], cfg["hidden"], cfg["inter"], device=device, dtype=DTYPE)
+    for t in tokens:
+        x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
+        fns = {v: functools.partial(fm.fused_moe, x, w13, w2, tw, ids, mcfg, int4=experts)
+               for v, mcfg in moe_variant_configs(t, cfg).items()}
+        fns["bf16"] = functools.partial(fm.fused_moe, x, w13b, w2b, tw, ids)  # bf16 experts, the same tiles
+        # the int4 bytes of the experts a step reads: at most T * top_k distinct experts' codes and scales
+        used = min(cfg["experts"], t * cfg["top_k"])
+        int4_bytes = used * (w13[0].numel() + w2[0].numel()) * 4 * (1 + 1 / 32)
+        for variant, fn in fns.items():
+            row = dict(shape="V2-Lite experts", m=t, variant=variant)
+            if elapsed() > VARIANTS_DEADLINE_S:
+                speed.append(row | dict(skipped=True))
+                continue
+            us = time_us(fn)
+            speed.append(row | dict(us=us, gbs=int4_bytes * (4 if variant == "bf16" else 1) / us / 1e3,
+                                    tflops=6 * t * cfg["top_k"] * cfg["hidden"] * cfg["inter"] / us / 1e6))
+        print(f"{'V2-Lite experts':>16} T={t:<5} " + " ".join(f"{r['variant']}={r['us']:.1f}" for r in speed
+                                                          if r["m"] == t and "us" in r), flush=True)
+    return checks, speed
+
+
+def run_variant_correctness(shapes: dict, ms: tuple, device) -> list[dict]:
+    """Every variant at every (shape, M) it is timed at, groups of 128; act order and 8-bit on one shape."""
+    rows = []
+    formats = [("g128", 4, 128, False)]
+    for i, (name, (n, k)) in enumerate(shapes.items()):
+        for fmt, bits, group, act_order in formats + ([("act-order", 4, 128, True), ("8-bit", 8, 128, False)]
+                                                      if i == 0 else []):
+            qw, s, z, g = weights(n, k, bits, group, act_order, device, seed=n + k + bits)
+            w = ref.dequantize(qw, s, z, bits, group, g).to(DTYPE).float()  # [N, K]
+            for m in ms:
+                x = torch.randn(m, k, device=device, dtype=DTYPE)
+                want = torch.nn.functional.linear(x.float(), w)
+                for variant, cfg in variant_configs(m, n, k, every=fmt == "g128").items():
+                    row = dict(shape=name, variant=f"{variant} {fmt}", m=m)
+                    try:
+                        row |= errors(int4.w4a16_matmul(x, qw, s, z, bits, group, g, config=cfg), want)
+                        row["ok"] = ok(row)
+                    except Exception as exc:
+                        row |= dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+                        traceback.print_exc()
+                    rows.append(row)
+                    if not row["ok"]:
+                        print(_check_line(row), flush=True)
+    print(f"variant correctness: {sum(r['ok'] for r in rows)}/{len(rows)} ok ({elapsed():.0f} s)", flush=True)
+    return rows
+
+
+def run_variant_speed(shapes: dict, ms: tuple, device) -> list[dict]:
+    rows = []
+    for name, (n, k) in shapes.items():
+        qw, s, z, _ = weights(n, k, 4, 128, False, device, seed=7)
+        w = ref.dequantize(qw, s, z, 4, 128).to(DTYPE)
+        int4_bytes = qw.numel() * 4 + 2 * s.numel() * 2  # codes, scales and zeros
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=DTYPE)
+            flop = 2 * m * n * k
+            fns = {v: functools.partial(int4.w4a16_matmul, x, qw, s, z, 4, 128, config=cfg)
+                   for v, cfg in variant_configs(m, n, k).items()}
+            fns["bf16"] = functools.partial(torch.nn.functional.linear, x, w)
+            for variant, fn in fns.items():
+                row = dict(shape=name, n=n, k=k, m=m, variant=variant)
+                if elapsed() > VARIANTS_DEADLINE_S:
+                    rows.append(row | dict(skipped=True))
+                    continue
+                us = time_us(fn)
+                weight_bytes = n * k * 2 if variant == "bf16" else int4_bytes
+                rows.append(row | dict(us=us, gbs=weight_bytes / us / 1e3, tflops=flop / us / 1e6))
+            done = [r for r in rows if r["shape"] == name and r["m"] == m and "us" in r]
+            if done:
+                print(f"{name:>16} M={m:<5} " + " ".join(f"{r['variant']}={r['us']:.1f}" for r in done), flush=True)
+    return rows
+
+
+def print_variant_tables(report: dict) -> bool:
+    rows, speed = report["variant_checks"], report["variant_speed"]
+    failed = [r for r in rows if not r.get("ok")]
+    print("\n==== W4A16 variants: correctness against the dequantized weight in fp32 ====")
+    print(f"{len(rows) - len(failed)}/{len(rows)} cases ok; worst max_rel "
+          f"{max((r.get('max_rel', 0) for r in rows), default=0):.2e} (tolerance {TOLERANCE['max_rel']})")
+    for r in failed:
+        print("FAILED", _check_line(r))
+    graphs = report["variant_graph"]
+    print(f"CUDA graph capture (each variant at M = 1 or 1024, the expert GEMVs at T = 1): "
+          f"{sum(g.get('ok', False) for g in graphs.values())}/{len(graphs)} ok")
+    for name, g in graphs.items():
+        if not g.get("ok"):
+            print("FAILED graph", name, g)
+    print("\n==== W4A16 variants: best per (shape, M), median us, L2 flushed; GB/s of int4 bytes read ====")
+    if not torch.cuda.is_available():
+        print("(CPU, Triton's interpreter: these times say nothing about the GPU)")
+    print("today: the default int4 kernel (tile; the MoE's tiles); bf16: F.linear (cuBLAS) on the dequantized "
+          "weight, the MoE: fused_moe with bf16 experts; M is T for the MoE")
+    print(f"{'shape':>16} {'M':>5} {'best int4 variant':<26} {'us':>8} {'GB/s':>6} {'TFLOP/s':>7} {'today us':>8} "
+          f"{'bf16 us':>8} {'bf16/best':>9}")
+    won: dict[str, set] = {"gemv": set(), "dequant+cublas": set(), "moe gemv": set()}
+    for (name, m) in dict.fromkeys((r["shape"], r["m"]) for r in speed):
+        timed = {r["variant"]: r for r in speed if r["shape"] == name and r["m"] == m and "us" in r}
+        int4_rows = [r for v, r in timed.items() if v != "bf16"]
+        if not int4_rows:
+            continue
+        best = min(int4_rows, key=lambda r: r["us"])
+        today = timed.get("tile", timed.get("moe tiles", {})).get("us", float("nan"))  # the default kernel
+        bf16 = timed.get("bf16", {}).get("us", float("nan"))
+        print(f"{name:>16} {m:>5} {best['variant']:<26} {best['us']:8.1f} {best['gbs']:6.0f} {best['tflops']:7.1f} "
+              f"{today:8.1f} {bf16:8.1f} {bf16 / best['us']:9.2f}")
+        kind = next((k for k in ("gemv", "moe gemv") if best["variant"].startswith(k)), best["variant"])
+        won.get(kind, set()).add(m)
+    skipped = [r for r in speed if r.get("skipped")]
+    print(f"\nthe GEMV was best at M in {sorted(won['gemv'])}; dequantize + cuBLAS at M in "
+          f"{sorted(won['dequant+cublas'])} (DEEPSERVE_INT4_GEMV_MAX_M / DEEPSERVE_INT4_CUBLAS_MIN_M; 0 = off today)")
+    print(f"the expert GEMVs were best at T in {sorted(won['moe gemv'])} (DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS; 0 = off)")
+    good = not failed and all(v.get("ok", True) for v in report["variant_graph"].values())
+    print(f"wall {elapsed():.0f} s; {len(skipped)} timings skipped past {VARIANTS_DEADLINE_S:.0f} s; "
+          + ("ALL CORRECT" if good else "CORRECTNESS FAILURES"))
+    return good
+
+
+def run_variant_graphs(device) -> dict:
+    """Each variant's launch captured in a CUDA graph and replayed: no host sync, same result."""
+    if device.type != "cuda":
+        return {}
+    qw, s, z, _ = weights(4096, 4096, 4, 128, False, device, seed=3)
+    out = {}
+    for m in (1, 1024):
+        x = torch.randn(m, 4096, device=device, dtype=DTYPE)
+        for variant, cfg in variant_configs(m, 4096, 4096).items():
+            try:
+                want = int4.w4a16_matmul(x, qw, s, z, 4, 128, config=cfg)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    got = int4.w4a16_matmul(x, qw, s, z, 4, 128, config=cfg)
+                graph.replay()
+                torch.cuda.synchronize()
+                out[f"{variant} M={m}"] = dict(ok=bool(torch.equal(got, want)))
+            except Exception as exc:
+                out[f"{variant} M={m}"] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    x, w13, w2, tw, ids, experts = moe_case(1, MOE, device)
+    try:  # the expert GEMVs at one token
+        want = fm.fused_moe(x, w13, w2, tw, ids, Int4GemvConfig(), int4=experts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fm.fused_moe(x, w13, w2, tw, ids, Int4GemvConfig(), int4=experts)
+        graph.replay()
+        torch.cuda.synchronize()
+        out["moe gemv T=1"] = dict(ok=bool(torch.equal(got, want)))
+    except Exception as exc:
+        out["moe gemv T=1"] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+    return out
+
+
+def run_variants(args, device) -> int:
+    shapes = SMOKE_VARIANTS["shapes"] if args.smoke else VARIANT_SHAPES
+    report = dict(env=bench_env.environment(device))
+    report["variant_checks"] = run_variant_correctness(
+        shapes, SMOKE_VARIANTS["check_ms"] if args.smoke else VARIANT_CHECK_MS, device)
+    report["variant_graph"] = run_variant_graphs(device)
+    moe_checks, moe_speed = run_moe_variants(SMOKE["moe"] if args.smoke else MOE, (1, 3) if args.smoke
+                                             else MOE_VARIANT_CHECK_TOKENS, (1,) if args.smoke else MOE_VARIANT_TOKENS,
+                                             device)
+    report["variant_checks"] += moe_checks
+    report["variant_speed"] = run_variant_speed(shapes, SMOKE_VARIANTS["ms"] if args.smoke else VARIANT_MS, device)
+    report["variant_speed"] += moe_speed
+    report["wall_s"] = elapsed()
+    good = print_variant_tables(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0 if good else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--variants", action="store_true",
+                        help="check and time every GEMM variant (tile, GEMV, dequantize + cuBLAS) instead")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.variants:
+        return run_variants(args, device)
     shapes = SMOKE["shapes"] if args.smoke else SHAPES
     ms = SMOKE["ms"] if args.smoke else CHECK_MS
     moe_cfg = SMOKE["moe"] if args.smoke else MOE

@@ -51,6 +51,16 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 0),
                                  "FP8 linears with at most this many tokens (up to 16) stream the weight through "
                                  "kernels/fp8_gemv.py, activations unquantized; 0 (default): off until measured"),
+    "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 0),
+                                  "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
+                                  "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never"),
+    "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 0),
+                                    "int4 linears with at least this many tokens dequantize the weight and run "
+                                    "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never"),
+    "DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS": (_float("DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS", 0),
+                                           "int4 routed experts for at most this many tokens run one GEMV per "
+                                           "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
+                                           "0: never"),
     "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
                             or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
                             "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),

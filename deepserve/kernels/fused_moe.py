@@ -53,6 +53,8 @@ import triton.language as tl
 
 from deepserve import envs
 from deepserve.kernels import fp8_ref, int4_ref, int4_tile
+from deepserve.kernels.int4_gemv import Int4GemvConfig
+from deepserve.kernels.int4_moe_gemv import int4_moe_gemv
 from deepserve.kernels.int4_tile import dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
@@ -62,6 +64,9 @@ FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
 # How int4 codes leave their words in the expert GEMMs (kernels/int4_tile.py).
 RESHAPE_UNPACK = tl.constexpr(int4_tile.RESHAPE_UNPACK)
+# Int4 experts for at most this many tokens run as GEMVs (kernels/int4_moe_gemv.py) instead of the tiles;
+# 0, the default until measured on the H200 (bench/check_int4.py --variants): never. Read once, at import.
+INT4_GEMV_MAX_TOKENS = int(envs.DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -659,7 +664,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     FP8 weights (float8_e4m3fn w13 and w2) come with w13_scale [E, 2 ceil(I/bn), ceil(H/bk)] and w2_scale
     [E, ceil(H/bn), ceil(I/bk)] for block = (bn, bk): W8A8, fused_moe_fp8_ref's numerics.
     Int4 weights (int32 codes w13 [E, 2I, H/pack], w2 [E, H, I/pack]) come with int4=Int4Experts: W4A16,
-    fused_moe_int4_ref's numerics.
+    fused_moe_int4_ref's numerics; their config may be an Int4GemvConfig (the decode GEMVs,
+    kernels/int4_moe_gemv.py), else the tiles' MoEConfig.
     fp32 accumulation; no host sync (CUDA-graph safe); deterministic."""
     if w13.dtype == torch.int32:
         _check_int4(w13, w2, int4)
@@ -690,11 +696,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, config: MoEConfig | None, skips: bool, int4: Int4Experts) -> torch.Tensor:
-    """Both GEMMs with int4 weights dequantized in registers (the bf16 path's tiles and workspaces)."""
+                  topk_ids: torch.Tensor, config: MoEConfig | Int4GemvConfig | None, skips: bool,
+                  int4: Int4Experts) -> torch.Tensor:
+    """Both GEMMs with int4 weights dequantized in registers: the bf16 path's tiles and workspaces, or
+    at decode (an Int4GemvConfig, or at most INT4_GEMV_MAX_TOKENS tokens) one GEMV per assignment."""
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0:
         return x.new_empty(0, h)
+    if config is None and t <= INT4_GEMV_MAX_TOKENS:
+        config = Int4GemvConfig()
+    if isinstance(config, Int4GemvConfig):
+        return int4_moe_gemv(x, w13, w2, topk_weights, topk_ids, int4.bits, int4.operands("w13"),
+                             int4.operands("w2"), _workspace(t * k, two_i // 2, x), _output(t * k, h, x, skips),
+                             config)
     cfg = config or default_config(t, k, e, x.dtype)
     _require(cfg.block_k % (32 // int4.bits) == 0, f"block_k {cfg.block_k} must hold whole int32 words")
     align = moe_align(topk_ids, e, cfg.block_m)

@@ -12,6 +12,14 @@ the CPU path); this file must equal it.
   Decode (M <= 64) streams 0.5 byte per weight: narrow N tiles, and split-K when the tiles cannot fill
   the SMs (fp8.py's split-K: fp32 partials summed in order, deterministic).
 
+Three variants, chosen by the config's type (choose_config picks one per M; bench/check_int4.py
+--variants checks and times them all):
+  Int4GemmConfig     the tile kernel below (tl.dot); today's default for every M
+  Int4GemvConfig     int4_gemv.py: split-K GEMV without tensor cores, for decode; taken for
+                     M <= DEEPSERVE_INT4_GEMV_MAX_M (0, off, until measured on the H200)
+  Int4DequantConfig  int4_dequant.py: dequantize to a scratch weight, then cuBLAS, for prefill; taken for
+                     M >= DEEPSERVE_INT4_CUBLAS_MIN_M (0, off, until measured on the H200)
+
 No wrapper reads a device value on the host, so every call can be captured in a CUDA graph.
 Shapes: M tokens, N output features, K input features, G groups.
 """
@@ -27,11 +35,16 @@ import triton.language as tl
 from deepserve import envs
 from deepserve.kernels.fp8 import _num_sms, _store_tile, _sum_splits, split_count
 from deepserve.kernels.fused_moe import _tile_ids
+from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
+from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
 from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
 USE_SPLIT_K = True
+# Which variant a call takes by token count M (module docstring); read once, at import.
+GEMV_MAX_M = int(envs.DEEPSERVE_INT4_GEMV_MAX_M)
+CUBLAS_MIN_M = int(envs.DEEPSERVE_INT4_CUBLAS_MIN_M)
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,19 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> Int4GemmConfig
     return replace(cfg, split_k=split_count(tiles, triton.cdiv(k, cfg.block_k), num_sms))
 
 
+def choose_config(m: int, n: int, k: int, num_sms: int = 132, gemv_max_m: int | None = None,
+                  cublas_min_m: int | None = None) -> Int4GemmConfig | Int4GemvConfig | Int4DequantConfig:
+    """The variant and tiles for M tokens: the GEMV at M <= gemv_max_m, dequantize + cuBLAS at
+    M >= cublas_min_m (0 switches either off; None: the DEEPSERVE_INT4_* settings), else the tile kernel."""
+    gemv_max_m = GEMV_MAX_M if gemv_max_m is None else gemv_max_m
+    cublas_min_m = CUBLAS_MIN_M if cublas_min_m is None else cublas_min_m
+    if 0 < m <= gemv_max_m:
+        return default_gemv_config(m)
+    if 0 < cublas_min_m <= m:
+        return Int4DequantConfig()
+    return default_config(m, n, k, num_sms)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"int4: {message}")
@@ -86,15 +112,20 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 config: Int4GemmConfig | None = None) -> torch.Tensor:
+                 config: Int4GemmConfig | Int4GemvConfig | Int4DequantConfig | None = None) -> torch.Tensor:
     """x [M, K], qweight int32 [N, K/pack], scales / zeros fp16 [N, G], g_idx int32 [K] or None (input k
-    is in group k // group), bias [N] -> [M, N] in x's dtype: int4_ref.w4a16_linear_ref's numerics."""
+    is in group k // group), bias [N] -> [M, N] in x's dtype: int4_ref.w4a16_linear_ref's numerics.
+    config picks the variant (module docstring); None: choose_config's for M."""
     _check_inputs(x, qweight, scales, zeros, bits, g_idx, bias)
     (m, k), n = x.shape, qweight.shape[0]
+    cfg = config or choose_config(m, n, k, _num_sms(x.device))
+    if isinstance(cfg, Int4GemvConfig):
+        return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, _num_sms(x.device))
+    if isinstance(cfg, Int4DequantConfig):
+        return w4a16_dequant_matmul(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
     pack = 32 // bits
     _require(cfg.block_k >= 16 and cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k % pack == 0,
              f"block_k {cfg.block_k} must be a power of two >= 16")

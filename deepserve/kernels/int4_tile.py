@@ -1,5 +1,6 @@
 """The one int4 / int8 weight-tile dequantization both W4A16 GEMMs share (kernels/int4.py for linear
-layers, kernels/fused_moe.py for the routed experts); int4_ref.py has the layout and the numerics.
+layers, kernels/fused_moe.py for the routed experts); int4_ref.py has the layout and the numerics. Also
+gemv_rows, the inner loop of the decode GEMVs (kernels/int4_gemv.py, kernels/int4_moe_gemv.py).
 
 Two ways to get the codes out of the packed int32 words, switched by a constexpr so bench/check_int4.py
 can time both (neither measured yet):
@@ -57,3 +58,134 @@ def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.
         s = tl.load(s_cols[None, :] + g[:, None]).to(tl.float32)
         z = tl.load(z_cols[None, :] + g[:, None]).to(tl.float32)
     return codes.to(tl.float32) * s - z * s
+
+
+@triton.jit
+def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+              HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              FACTORED: tl.constexpr):
+    """sum over the K tiles first .. last - 1 of a_row[k] * w[n, k] -> [BLOCK_N] fp32, for the BLOCK_N
+    output rows whose packed codes start at q_cols and scales / zero points at s_cols / z_cols ([BLOCK_N]
+    pointers), one token's inputs at a_row. kernels/int4_gemv.py's docstring has the loop and the two
+    numerics (FACTORED)."""
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0  # _word_scales
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    for t in range(first, last):
+        words = t * WORDS + tl.arange(0, WORDS)
+        packed = _load_words(q_cols, words, K, PACK, EVEN_K)
+        if WORD_GROUP:
+            s, zs = _word_scales(s_cols, z_cols, t, words, K, PACK, GROUP, BLOCK_K)
+        if FACTORED and WORD_GROUP:
+            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+            sx = tl.zeros([WORDS], dtype=tl.float32)
+        for f in tl.static_range(PACK):
+            ks = words * PACK + f
+            if EVEN_K:
+                x = tl.load(a_row + ks).to(tl.float32)
+            else:
+                x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            code = _codes_to_float((packed >> (f * BITS)) & MASK)
+            if FACTORED and WORD_GROUP:
+                qx += code * x[None, :]
+                sx += x
+            else:
+                if WORD_GROUP:
+                    w = code * s - zs
+                else:
+                    s_k, zs_k = _input_scales(s_cols, z_cols, g_ptr, ks, K, GROUP, HAS_G_IDX)
+                    w = code * s_k - zs_k
+                w = w.to(a_row.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
+                acc += w * x[None, :]
+        if FACTORED and WORD_GROUP:
+            acc += qx * s - zs * sx[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def gemv_rows_block(a_rows, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr,
+                    GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr):
+    """gemv_rows for BLOCK_M tokens at once (a_rows: [BLOCK_M] pointers, every one in bounds) ->
+    [BLOCK_M, BLOCK_N] fp32: each weight tile is unpacked once for all of them (a 3-D product
+    [BLOCK_M, BLOCK_N, BLOCK_K / pack] per bit field, summed along K after the loop)."""
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0
+    acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
+    for t in range(first, last):
+        words = t * WORDS + tl.arange(0, WORDS)
+        packed = _load_words(q_cols, words, K, PACK, EVEN_K)
+        if WORD_GROUP:
+            s, zs = _word_scales(s_cols, z_cols, t, words, K, PACK, GROUP, BLOCK_K)
+        if FACTORED and WORD_GROUP:
+            qx = tl.zeros([BLOCK_M, BLOCK_N, WORDS], dtype=tl.float32)
+            sx = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
+        for f in tl.static_range(PACK):
+            ks = words * PACK + f
+            if EVEN_K:
+                x = tl.load(a_rows[:, None] + ks[None, :]).to(tl.float32)  # [BLOCK_M, WORDS]
+            else:
+                x = tl.load(a_rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+            code = _codes_to_float((packed >> (f * BITS)) & MASK)
+            if FACTORED and WORD_GROUP:
+                qx += code[None, :, :] * x[:, None, :]
+                sx += x
+            else:
+                if WORD_GROUP:
+                    w = code * s - zs
+                else:
+                    s_k, zs_k = _input_scales(s_cols, z_cols, g_ptr, ks, K, GROUP, HAS_G_IDX)
+                    w = code * s_k - zs_k
+                w = w.to(a_rows.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
+                acc += w[None, :, :] * x[:, None, :]
+        if FACTORED and WORD_GROUP:
+            acc += qx * s[None, :, :] - zs[None, :, :] * sx[:, None, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _load_words(q_cols, words, K, PACK: tl.constexpr, EVEN_K: tl.constexpr):
+    # [BLOCK_N, WORDS] packed words of the rows at q_cols; K is a multiple of PACK, so a word is in or
+    # out of K whole, and words past K read as 0
+    ptrs = q_cols[:, None] + words[None, :]
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(words * PACK < K)[None, :], other=0)
+
+
+@triton.jit
+def _word_scales(s_cols, z_cols, t, words, K, PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(s, z * s) in fp32 for K tile t when every word lies in one group (GROUP % PACK == 0, no act
+    order): [BLOCK_N, 1] when the tile lies in one group, else [BLOCK_N, WORDS] (a gather that L1 serves:
+    neighbouring words share a group). z * s is exact: an fp16 times an integer below 2^9."""
+    if GROUP % BLOCK_K == 0:
+        g0 = (t * BLOCK_K) // GROUP
+        s = tl.load(s_cols + g0).to(tl.float32)[:, None]
+        zs = tl.load(z_cols + g0).to(tl.float32)[:, None] * s
+    else:
+        g_w = ((words * PACK) % K) // GROUP  # words past K (the masked tail) read group 0's
+        s = tl.load(s_cols[:, None] + g_w[None, :]).to(tl.float32)
+        zs = tl.load(z_cols[:, None] + g_w[None, :]).to(tl.float32) * s
+    return s, zs
+
+
+@triton.jit
+def _input_scales(s_cols, z_cols, g_ptr, ks, K, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    # (s, z * s) [BLOCK_N, len(ks)] per input: act order (g_idx) or groups that split a word
+    k_in = ks % K  # in bounds for the masked tail
+    g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
+    s = tl.load(s_cols[:, None] + g[None, :]).to(tl.float32)
+    return s, tl.load(z_cols[:, None] + g[None, :]).to(tl.float32) * s
+
+
+@triton.jit
+def _codes_to_float(codes):
+    """Non-negative int32 codes below 2^23 -> exactly the same values in fp32, without an int-to-float
+    conversion instruction (the CUDA programming guide's throughput table lists conversions well below
+    fp32 fma, and the GEMV converts every code): the code in the mantissa of 2^23 (bits 0x4B000000),
+    minus 2^23, both steps exact. Whether it is faster is for bench/check_int4.py --variants to show."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0

@@ -270,6 +270,38 @@ def test_int4_gemm_kernels_compile(monkeypatch):
     _compile_all(_record(monkeypatch, int4, run))
 
 
+def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
+    # The decode GEMV (kernels/int4_gemv.py) and the prefill dequantization (kernels/int4_dequant.py) as
+    # w4a16_matmul launches them: default tiles, both GEMV numerics, split-K, act order, 8-bit, odd K.
+    from dataclasses import replace
+
+    int4 = import_kernels("deepserve.kernels.int4")
+    from deepserve.kernels import int4_dequant, int4_gemv
+    from deepserve.kernels.int4_ref import pack_rows
+
+    n, k = 192, 512
+    qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
+    scales, zeros = torch.rand(n, 4, dtype=torch.float16), torch.full((n, 4), 8.0, dtype=torch.float16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    g_idx = (torch.randperm(k) // 128).to(torch.int32)
+    odd = pack_rows(torch.randint(0, 16, (n, 200)), 4)
+    gemv, dequant = int4_gemv.Int4GemvConfig(), int4_dequant.Int4DequantConfig()
+
+    def run():
+        x = torch.randn(2, k, dtype=torch.bfloat16)
+        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), replace(gemv, block_m=4),
+                    replace(gemv, block_m=4, block_n=16, block_k=128, factored=True), dequant,
+                    replace(dequant, reshape_unpack=False)):
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias, config=cfg)
+        for cfg in (gemv, replace(gemv, factored=True), dequant):
+            int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128, config=cfg)
+            int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias,
+                              config=cfg)
+
+    _compile_all(_record(monkeypatch, int4_gemv, run) + _record(monkeypatch, int4_dequant, run))
+
+
 def test_fused_moe_int4_kernels_compile(monkeypatch):
     fm = import_kernels("deepserve.kernels.fused_moe")
     from deepserve.kernels.int4_ref import pack_rows
@@ -295,3 +327,38 @@ def test_fused_moe_int4_kernels_compile(monkeypatch):
         fm.fused_moe(x, w13, w2, weights, ids, int4=act_order)
 
     _compile_all(_record(monkeypatch, fm, run))
+
+
+def test_int4_moe_gemv_kernels_compile(monkeypatch):
+    # The decode expert GEMVs (kernels/int4_moe_gemv.py) as fused_moe launches them: both numerics,
+    # act order, and an intermediate size that ends on a partial K step.
+    from dataclasses import replace
+
+    fm = import_kernels("deepserve.kernels.fused_moe")
+    from deepserve.kernels import int4_moe_gemv
+    from deepserve.kernels.int4_gemv import Int4GemvConfig
+    from deepserve.kernels.int4_ref import pack_rows
+
+    e, h = 8, 256
+
+    def experts(inter: int, act_order: bool):
+        w13 = pack_rows(torch.randint(0, 16, (e, 2 * inter, h)), 4)
+        w2 = pack_rows(torch.randint(0, 16, (e, h, inter)), 4)
+        groups2 = -(-inter // 128)
+        scales = [(torch.rand(e, 2 * inter, 2) * 1e-3).half(), (torch.rand(e, h, groups2) * 1e-3).half()]
+        zeros = [torch.full((e, 2 * inter, 2), 8.0, dtype=torch.float16),
+                 torch.full((e, h, groups2), 8.0, dtype=torch.float16)]
+        g_idx = [(torch.arange(h) // 128).repeat(e, 1).to(torch.int32),
+                 (torch.arange(inter) // 128).repeat(e, 1).to(torch.int32)] if act_order else [None, None]
+        return w13, w2, fm.Int4Experts(4, scales[0], zeros[0], scales[1], zeros[1], 128, 128, *g_idx)
+
+    x, ids, weights = torch.randn(2, h, dtype=torch.bfloat16), torch.randint(0, e, (2, 2)), torch.rand(2, 2)
+    cfg = Int4GemvConfig()
+
+    def run():
+        for inter, act_order, factored in ((256, False, False), (256, False, True), (256, True, False),
+                                           (176, False, False)):
+            w13, w2, int4 = experts(inter, act_order)
+            fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
+
+    _compile_all(_record(monkeypatch, int4_moe_gemv, run))

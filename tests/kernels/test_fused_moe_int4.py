@@ -5,6 +5,8 @@ shows far past the tolerance; workspaces start as NaN (tests/kernels/test_fused_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from tests.kernels.triton_setup import DEVICE, MARKS, import_kernels
 fm = import_kernels("deepserve.kernels.fused_moe")
 
 from deepserve.kernels import int4_ref  # noqa: E402
+from deepserve.kernels.int4_gemv import Int4GemvConfig  # noqa: E402
 
 pytestmark = MARKS
 SMALL = fm.MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
@@ -56,6 +59,52 @@ def test_skipped_assignments_contribute_nothing():
     got = fm.fused_moe(x, w13, w2, weights, ids, SMALL, skips=True, int4=int4)
     want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, int4)
     assert rel_err(got, want) < 1e-4
+
+
+GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # the decode GEMVs (kernels/int4_moe_gemv.py)
+
+
+@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("tokens,bits,group,act_order", [(1, 4, 32, False), (7, 4, 16, True), (5, 8, 32, False),
+                                                         (3, 4, 8, False)])
+def test_int4_expert_gemvs_match_the_reference(tokens, bits, group, act_order, factored):
+    # groups of 32 = block_k (a scale per K step), 16 and 8 (a scale per word), act order (per input)
+    x, w13, w2, weights, ids, int4 = make_case(tokens, 8, 2, 64, 48, bits, group, act_order, seed=tokens)
+    got = fm.fused_moe(x, w13, w2, weights, ids, replace(GEMV, factored=factored), int4=int4)
+    want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, int4)
+    assert rel_err(got, want) < 1e-4, rel_err(got, want)
+
+
+def test_int4_expert_gemvs_with_a_partial_k_step_and_half_precision():
+    # H 80 and I 40: both GEMMs end on a partial K step of 32 (masked)
+    x, w13, w2, weights, ids, int4 = make_case(3, 8, 2, 80, 40, 4, 16, False, seed=9)
+    x = x.half()
+    got = fm.fused_moe(x, w13, w2, weights, ids, GEMV, int4=int4)
+    want = fm.fused_moe_int4_ref(x.float(), w13, w2, weights, ids, int4)
+    assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3, rel_err(got, want)
+
+
+def test_int4_expert_gemvs_skip_other_ranks_experts():
+    x, w13, w2, weights, ids, int4 = make_case(5, 8, 2, 64, 32, 4, 32, False, seed=3)
+    ids[0, 1] = 8  # another rank's expert (expert parallelism)
+    got = fm.fused_moe(x, w13, w2, weights, ids, GEMV, skips=True, int4=int4)
+    want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, int4)
+    assert rel_err(got, want) < 1e-4
+
+
+def test_int4_expert_gemvs_catch_a_wrong_zero_point():
+    x, w13, w2, weights, ids, int4 = make_case(2, 8, 2, 64, 64, 4, 32, False, seed=4)
+    want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, int4)
+    zeros = int4.w2_zeros.clone()
+    zeros[:, :, 1] += 1  # the second group of every expert's down rows, one code off
+    got = fm.fused_moe(x, w13, w2, weights, ids, GEMV, int4=replace(int4, w2_zeros=zeros))
+    assert rel_err(got, want) > 1e-2
+
+
+def test_int4_expert_gemvs_refuse_split_k():
+    x, w13, w2, weights, ids, int4 = make_case(1, 4, 1, 64, 32, 4, 32, False, seed=1)
+    with pytest.raises(ValueError, match="split_k"):
+        fm.fused_moe(x, w13, w2, weights, ids, replace(GEMV, split_k=2), int4=int4)
 
 
 def test_int4_weights_without_their_scales_are_refused():

@@ -1,0 +1,178 @@
+"""The decode GEMV (kernels/int4_gemv.py) and the prefill dequantize + cuBLAS path (kernels/int4_dequant.py)
+against the torch reference (kernels/int4_ref.py) and against AWQ / GPTQ checkpoint tensors packed by
+tests/loader/int4_pack.py (written from the formats' description, not from our unpacking).
+
+Interpreter on CPU (tiny shapes), the GPU where there is one. Scales differ in magnitude per row and
+group (tests/kernels/test_int4_gemm.py's random_weights), so a code, scale or zero point read from the
+wrong row, group or bit field lands far past the tolerance (the wrong-zero test shows it per variant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.kernels.test_int4_gemm import TOLERANCE, random_weights, rel_err
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
+
+int4 = import_kernels("deepserve.kernels.int4")
+
+from deepserve.kernels import int4_ref  # noqa: E402
+from deepserve.kernels.int4_dequant import Int4DequantConfig, dequantize_weight  # noqa: E402
+from deepserve.kernels.int4_gemv import Int4GemvConfig, gemv_split_count  # noqa: E402
+from deepserve.layers.quantization import Int4Config  # noqa: E402
+from deepserve.loader.int4 import checkpoint_slice  # noqa: E402
+from tests.loader.int4_pack import (  # noqa: E402
+    awq_tensors,
+    dequantize,
+    gptq_tensors,
+    group_index,
+    quantize_groups,
+)
+
+pytestmark = MARKS
+GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # interpreter-sized tiles
+FACTORED = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, factored=True)
+DEQUANT = Int4DequantConfig(block_n=16, block_k=32)
+GATHER = Int4DequantConfig(block_n=16, block_k=32, reshape_unpack=False)
+BLOCK4 = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, block_m=4)  # 4 tokens a program
+VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-block4": BLOCK4,
+            "gemv-block4-factored": replace(BLOCK4, factored=True), "dequant": DEQUANT, "dequant-gather": GATHER}
+
+
+def on(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
+
+
+def check(config, m: int, n: int, k: int, bits: int, group: int, dtype: torch.dtype = torch.float32,
+          act_order: bool = False, bias: bool = False, seed: int = 0) -> None:
+    qweight, scales, zeros, g_idx = map(on, random_weights(n, k, bits, group, act_order, seed))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    b = torch.randn(n).to(DEVICE, dtype) if bias else None
+    # the reference in fp32 on the weight rounded to x's dtype (int4_ref's numerics)
+    w = int4_ref.dequantize(qweight, scales, zeros, bits, group, g_idx).to(dtype).float()
+    want = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    got = int4.w4a16_matmul(x, qweight, scales, zeros, bits, group, g_idx, b, config=config)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert rel_err(got, want) < TOLERANCE[dtype], rel_err(got, want)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("m,bits,group", [(1, 4, 32), (3, 4, 16), (2, 8, 32), (2, 4, 4), (6, 4, 32)])
+def test_variants_match_the_reference(variant, m, bits, group):
+    # group 32 = block_k: one scale per row and K step; 16: one per word (two groups a step); 4 (narrower
+    # than a word of 8 codes): one per input
+    check(VARIANTS[variant], m, 40, 96, bits, group, bias=m == 3)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_with_act_order(variant):
+    check(VARIANTS[variant], 3, 24, 64, 4, 16, act_order=True)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("group", [8, 32])
+def test_variants_with_a_partial_last_k_step(variant, group):
+    # K 80: the last K step of 32 is half empty (masked); group 32 keeps one group per step, 8 gathers
+    check(VARIANTS[variant], 2, 20, 80, 4, group)
+
+
+@pytest.mark.parametrize("variant", ["gemv", "gemv-factored", "gemv-block4", "dequant"])
+def test_variants_with_half_precision_activations_and_bias(variant):
+    check(VARIANTS[variant], 5, 24, 64, 4, 32, dtype=torch.float16, bias=True)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_gemv_split_k_sums_the_partials_with_bias(split):
+    # K 128 = 4 steps of 32: split 3 leaves the last split one step (its partial still written)
+    check(Int4GemvConfig(16, 32, split_k=split, num_stages=2), 3, 24, 128, 4, 32, bias=True)
+    check(Int4GemvConfig(16, 32, split_k=split, num_stages=2, factored=True), 3, 24, 128, 4, 32, bias=True)
+    check(replace(BLOCK4, split_k=split), 5, 24, 128, 4, 32, bias=True)  # two token blocks, one partial
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 22016, 4096), (8, 4096, 11008), (16, 576, 2048)])
+def test_gemv_split_count_fills_the_sms_with_no_empty_split(m, n, k):
+    cfg = Int4GemvConfig()
+    split = gemv_split_count(m, n, k, cfg, num_sms=132)
+    k_tiles = -(-k // cfg.block_k)
+    per_split = -(-k_tiles // split)
+    assert 1 <= split <= k_tiles and (split - 1) * per_split < k_tiles  # every split has K steps
+    programs = m * -(-n // cfg.block_n) * split
+    assert programs >= 132 or split == k_tiles  # the SMs are busy unless K cannot be split further
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_wrong_zero_point_is_caught(variant):
+    qweight, scales, zeros, _ = map(on, random_weights(16, 64, 4, 32, False, 0))
+    x = torch.randn(3, 64).to(DEVICE)
+    want = int4_ref.w4a16_linear_ref(x, qweight, scales, zeros, 4, 32)
+    shifted = zeros.clone()
+    shifted[:, 1] += 1  # one group's zero point off by one code
+    got = int4.w4a16_matmul(x, qweight, scales, shifted, 4, 32, config=VARIANTS[variant])
+    assert rel_err(got, want) > 100 * TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("bits,group,act_order,dtype", [(4, 32, False, torch.float16), (4, 8, True, torch.float32),
+                                                        (8, 16, False, torch.float16)])
+def test_dequantized_weight_is_the_reference_bit_for_bit(bits, group, act_order, dtype):
+    # q * s - z * s in fp32 is exact, so the scratch weight equals int4_ref's rounded to dtype exactly
+    qweight, scales, zeros, g_idx = map(on, random_weights(40, 72, bits, group, act_order, 5))
+    want = int4_ref.dequantize(qweight, scales, zeros, bits, group, g_idx).to(dtype)
+    for cfg in (DEQUANT, GATHER):
+        got = dequantize_weight(qweight, scales, zeros, bits, group, g_idx, dtype, cfg)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+CHECKPOINTS = [("awq", 4, 32, False), ("gptq", 4, 32, False), ("gptq", 4, 16, True), ("gptq", 8, 32, False)]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("method,bits,group,desc_act", CHECKPOINTS)
+def test_variants_on_awq_and_gptq_checkpoint_tensors(variant, method, bits, group, desc_act):
+    # The checkpoint's tensors through the loader into our layout, then each variant, against the packer's
+    # own dequantization (tests/loader/int4_pack.py) of the codes it packed.
+    n, k = 32, 64
+    gen = torch.Generator().manual_seed(n + bits + group)
+    w = torch.randn(n, k, generator=gen)
+    g_idx = group_index(k, group, desc_act, seed=4)
+    codes, scales, zeros = quantize_groups(w, bits, group, False, g_idx, min_zero=int(method == "gptq"))
+    packed = awq_tensors(codes, scales, zeros) if method == "awq" else gptq_tensors(codes, scales, zeros, bits, g_idx)
+    cfg = Int4Config(method, bits, group, desc_act, zero_offset=method == "gptq")
+    ours = {kind: on(checkpoint_slice(kind, t, cfg)) for kind, t in packed.items()}
+    x = torch.randn(3, k, generator=gen).to(DEVICE)
+    want = x @ dequantize(codes, scales, zeros, g_idx).to(DEVICE).T
+    got = int4.w4a16_matmul(x, ours["qweight"], ours["scales"], ours["qzeros"], bits, group,
+                            ours["g_idx"] if desc_act else None, config=VARIANTS[variant])
+    assert rel_err(got, want) < TOLERANCE[torch.float32], rel_err(got, want)
+
+
+def test_choose_config_switches_by_token_count():
+    # both thresholds 0 (the defaults until measured): today's tile kernel for every M
+    for m in (1, 16, 8192):
+        assert isinstance(int4.choose_config(m, 4096, 4096, gemv_max_m=0, cublas_min_m=0), int4.Int4GemmConfig)
+    assert int4.choose_config(1, 4096, 4096, gemv_max_m=8, cublas_min_m=1024) == Int4GemvConfig()
+    assert int4.choose_config(8, 4096, 4096, gemv_max_m=8, cublas_min_m=1024).block_m == 8
+    assert isinstance(int4.choose_config(9, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), int4.Int4GemmConfig)
+    assert isinstance(int4.choose_config(1024, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), Int4DequantConfig)
+
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU run is the lead's (bench/check_int4.py --variants)")
+def test_bench_variants_script_runs_on_tiny_shapes(tmp_path):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "variants.json"
+    done = subprocess.run([sys.executable, "bench/check_int4.py", "--variants", "--smoke", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ALL CORRECT" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    variants = {r["variant"] for r in report["variant_speed"]}
+    assert {"tile", "gemv n32 k256", "gemv-factored n32 k256", "dequant+cublas", "bf16", "moe tiles",
+            "moe gemv n32 k256"} <= variants
+    assert all(r["ok"] for r in report["variant_checks"])
