@@ -129,6 +129,9 @@ class _Completion:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With skip_special_tokens off (tool-call parsing keeps DeepSeek's markers): the eos ids whose text
+    # the output leaves out when the request ends on one (as it is, with the markers skipped, by default).
+    hidden_eos: frozenset[int] = frozenset()
 
     def output(self) -> CompletionOutput:
         text = self.detokenizer.output_text if self.detokenizer else ""
@@ -176,7 +179,8 @@ class OutputProcessor:
                               [None] if params.prompt_logprobs is not None else None, final_only=final_only)
         for index, core in enumerate(core_requests):
             logprobs = [] if params.logprobs is not None else None
-            completion = _Completion(index, self._detokenizer(core), logprobs=logprobs)
+            hidden = frozenset(core.eos_token_ids) if not core.sampling_params.skip_special_tokens else frozenset()
+            completion = _Completion(index, self._detokenizer(core), logprobs=logprobs, hidden_eos=hidden)
             state.completions.append(completion)
             self.child_to_parent[core.request_id] = (state, completion)
         self.states[request_id] = state
@@ -239,7 +243,10 @@ class OutputProcessor:
         detokenizer = completion.detokenizer
         if detokenizer is None:
             return False
-        stop = detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+        new = out.new_token_ids
+        if new and out.finish_reason == "stop" and out.stop_reason is None and new[-1] in completion.hidden_eos:
+            new = new[:-1]  # the eos that ended it: its token stays in token_ids, its text stays out
+        stop = detokenizer.update(new) if new else None
         if out.finish_reason is not None and stop is None:
             stop = detokenizer.finish()  # flush a dangling partial character into the final text
         if stop is None:

@@ -295,6 +295,10 @@ def _check_tools(req: ChatCompletionRequest) -> None:
     if tool_choice_of(req) in ("required", "named") and structured_outputs_of(req)[1] is not None:
         raise bad_request("a required or named tool_choice cannot be combined with "
                           f"{structured_outputs_of(req)[1]}: the output is the tool calls", "tool_choice")
+    if tool_choice_of(req) in ("required", "named") and stop_list(req):
+        # A stop string could cut the enforced arguments mid-JSON: the calls would no longer validate.
+        raise bad_request("stop cannot be combined with a required or named tool_choice (it could end the "
+                          "output inside a call's arguments); leave stop out", "stop")
 
 
 def tool_choice_of(req: ChatCompletionRequest) -> str:

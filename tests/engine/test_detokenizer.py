@@ -270,3 +270,25 @@ def test_a_step_of_several_tokens_is_cut_at_the_one_completing_a_stop_string(tok
     assert c.text == "paged attention " and c.finish_reason == "stop" and to_abort == ["r"]
     assert c.token_ids == ids[:keep] and len(c.logprobs) == keep
     assert abs(c.cumulative_logprob - sum(-0.5 - i for i in range(keep))) < 1e-9
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_eos_that_ends_a_request_adds_no_text(tok, skip_special):
+    # Tool calling decodes with skip_special_tokens off (the call markers must reach the parser); the eos
+    # that ends an answer must still not show up in its text, as it does not by default.
+    from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
+    from deepserve.engine.processors import OutputProcessor
+    from deepserve.sampling_params import SamplingParams
+
+    eos = tok.convert_tokens_to_ids(SPECIAL_TOKENS[0])
+    ids = tok.encode("paged attention", add_special_tokens=False)
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=50, skip_special_tokens=skip_special)
+    proc.add_request("r", None, [EngineCoreRequest("r", [1, 2], params, [eos], 0.0)])
+    (out,), _ = proc.process([EngineCoreOutput("r", ids + [eos], finish_reason="stop")])
+    c = out.outputs[0]
+    assert c.text == "paged attention" and c.token_ids == ids + [eos]
+    # A special token that does not end the request keeps its text where special tokens are kept.
+    proc.add_request("s", None, [EngineCoreRequest("s", [1, 2], params, [], 0.0)])
+    (out,), _ = proc.process([EngineCoreOutput("s", ids + [eos], finish_reason="length")])
+    assert out.outputs[0].text == "paged attention" + ("" if skip_special else SPECIAL_TOKENS[0])

@@ -134,6 +134,8 @@ def test_bad_tool_requests_are_400_naming_the_field(client):
          "tool_choice.function.name"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=TOOLS, extra_body={"chat_template_kwargs": {"tools": []}}), "chat_template_kwargs.tools"),
+        # a stop string could end the output inside an enforced call's arguments
+        (dict(tools=TOOLS, tool_choice="required", stop=["}"]), "stop"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
