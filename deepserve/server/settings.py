@@ -5,7 +5,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
-from deepserve.server.protocol import RequestLimits
+from deepserve.server.protocol import RESERVED_TEMPLATE_KWARGS, RequestLimits
 from deepserve.server.reasoning import PARSERS
 from deepserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -60,6 +60,10 @@ class ServerSettings:
                              "the parser reads the model's tool calls out of its text")
         if not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. '{\"thinking\": true}'")
+        reserved = sorted(set(self.default_chat_template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:  # else every chat request would fail in the template, far from the cause
+            raise ValueError(f"--default-chat-template-kwargs: {', '.join(reserved)} are set by the server itself; "
+                             "leave them out")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required client certs)")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

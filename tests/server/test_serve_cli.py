@@ -79,6 +79,7 @@ def test_config_file_errors(tmp_path, text, message):
     ({"ssl_keyfile": "k.pem"}, "--ssl-keyfile"), ({"api_keys": ["short"]}, "--api-key"),
     ({"tool_call_parser": "hermes"}, "--tool-call-parser"), ({"enable_auto_tool_choice": True}, "--tool-call-parser"),
     ({"default_chat_template_kwargs": ["thinking"]}, "--default-chat-template-kwargs"),
+    ({"default_chat_template_kwargs": {"add_generation_prompt": False}}, "--default-chat-template-kwargs: add_gen"),
 ])
 def test_settings_errors_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
