@@ -69,7 +69,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
     cfg = config or default_gemv_config(m, n, k)
     if cfg.numerics not in NUMERICS:
         raise ValueError(f"fp8 gemv: numerics must be one of {NUMERICS}, got {cfg.numerics!r}")
-    group_n, group_k = block if block is not None else (1, k)
+    group_n, group_k = block if block is not None else (1, 1)  # unread per channel: no compile per K
     if block is not None and group_k % cfg.block_k:
         raise ValueError(f"fp8 gemv: block_k {cfg.block_k} must divide the weight's scale block {group_k}")
     splits = gemv_splits(n, k, cfg, _num_sms(x.device))
