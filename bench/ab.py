@@ -7,6 +7,11 @@ cannot judge a W1 step of a few % on them; this can.
     bash bench/ab_trees.sh BASE NEW            # here: the trees, in .ab/ (carried to the device)
     bash bench/gate.sh ab [--runs r1-distill-qwen-7b,deepseek-llm-7b] [--repeats 2]   # device, carry .ab
     python bench/ab.py --trees A B --runs demo --smoke --out DIR                        # CPU plumbing
+    bash bench/gate.sh ab --trees . --env warm:DEEPSERVE_PREFILL_WARMUP=1               # a switch, one tree
+
+--env LABEL:VAR=VALUE[,VAR=VALUE] (repeatable) adds the last tree run with those variables as one more
+variant, judged against the base like a tree: how a switch that is off by default is measured before it
+is turned on. Time to ready and the kernels compiled inside W1 are shown beside, not judged.
 
 A new tree's figure is a REGRESSION when its median is more than its tolerance worse than the base's
 (AB_TOLERANCE; TTFT the gate's 15 %) and none of its repeats is as good as the base's worst (the two
@@ -22,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,30 +41,58 @@ METRICS = {"w1": True, "tpot": False, "ttft": False}  # metric -> higher is bett
 TOLERANCE = {"w1": AB_TOLERANCE, "tpot": AB_TOLERANCE, "ttft": gate.TTFT_TOLERANCE}
 
 
-def run_ab(trees: list[Path], runs: list[gate.ModelRun], repeats: int, out: Path, smoke: bool) -> dict:
-    """{run: {tree: {metric: [values per repeat]}}}; a step past its timeout or the budget is left out."""
+INFO = ("ready", "w1_compiles")  # shown, not judged: time to ready; Triton kernels compiled inside W1
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    tree: Path
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def variants_of(trees: list[Path], env_specs: list[str]) -> list[Variant]:
+    """One variant per tree, then the last tree once per --env spec 'LABEL:VAR=VALUE[,VAR=VALUE]'."""
+    found = [Variant(t.name, t) for t in trees]
+    for spec in env_specs:
+        label, sep, assignments = spec.partition(":")
+        pairs = [a.partition("=") for a in assignments.split(",") if a]
+        if not sep or not label or not pairs or any(not name or not eq for name, eq, _ in pairs):
+            raise SystemExit(f"--env {spec!r}: expected LABEL:VAR=VALUE[,VAR=VALUE]")
+        found.append(Variant(f"{trees[-1].name}+{label}", trees[-1], tuple((n, v) for n, _, v in pairs)))
+    if len({v.name for v in found}) != len(found):
+        raise SystemExit("two variants share a name: give each --env its own label")
+    return found
+
+
+def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out: Path, smoke: bool) -> dict:
+    """{run: {variant: {metric: [values per repeat]}}}; a step past its timeout or the budget is left out."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    values: dict = {r.name: {t.name: {} for t in trees} for r in runs}
+    values: dict = {r.name: {v.name: {} for v in variants} for r in runs}
     for rep in range(repeats):
         for run in runs:
-            for tree in trees if rep % 2 == 0 else trees[::-1]:
+            for variant in variants if rep % 2 == 0 else variants[::-1]:
+                name = variant.name
                 if not smoke and time.perf_counter() - gate.PROCESS_START + run.timeout_s > gate.BUDGET_S:
-                    print(f"skipped {run.name} on {tree.name}, repeat {rep + 1}: past the {gate.BUDGET_S} s budget")
+                    print(f"skipped {run.name} on {name}, repeat {rep + 1}: past the {gate.BUDGET_S} s budget")
                     continue
-                path = out / f"{run.name}-{tree.name}-{rep}.json"
+                path = out / f"{run.name}-{name}-{rep}.json"
                 cmd = [sys.executable, str(gate.ROOT / "bench" / "gate.py"), "model", run.name, "--json", str(path),
-                       "--tree", str(tree)] + (["--smoke"] if smoke else [])
-                path_env = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)  # wheels stay
-                rc, tail = gate._step(cmd, run.timeout_s, out / f"{run.name}-{tree.name}-{rep}.log",
-                                      {**env, "PYTHONPATH": path_env})
+                       "--tree", str(variant.tree)] + (["--smoke"] if smoke else [])
+                path_env = os.pathsep.join(p for p in (str(variant.tree), env.get("PYTHONPATH", "")) if p)  # wheels
+                rc, tail = gate._step(cmd, run.timeout_s, out / f"{run.name}-{name}-{rep}.log",
+                                      {**env, **dict(variant.env), "PYTHONPATH": path_env})
                 if rc != 0 or not path.exists():
-                    print(f"{run.name} on {tree.name}, repeat {rep + 1}: FAILED (rc={rc})\n{tail}")
+                    print(f"{run.name} on {name}, repeat {rep + 1}: FAILED (rc={rc})\n{tail}")
                     continue
                 data = json.loads(path.read_text())
-                for metric in METRICS:
+                compiles = (data.get("w1_detail") or {}).get("kernel_compiles_during_run")  # older trees: none
+                if compiles is not None:
+                    data["w1_compiles"] = compiles["triton_compiles"]
+                for metric in (*METRICS, *INFO):
                     if metric in data:
-                        values[run.name][tree.name].setdefault(metric, []).append(data[metric])
+                        values[run.name][name].setdefault(metric, []).append(data[metric])
     return values
 
 
@@ -96,6 +130,12 @@ def table(values: dict, trees: list[str]) -> tuple[list[str], bool]:
                 ok = ok and verdict not in ("REGRESSION", "MISSING")
                 lines.append(f"{run:26} {metric:6} {tree:18} {_median(got):>9} {shown:28} "
                              f"{100 * change:+7.1f}%  {verdict}")
+        for metric in INFO:
+            for tree in trees:
+                got = per_tree[tree].get(metric, [])
+                if got:
+                    shown = " ".join(gate._num(v) for v in got)
+                    lines.append(f"{run:26} {metric[:6]:6} {tree:18} {_median(got):>9} {shown:28} {'':>8}  (shown)")
     lines.append("A/B PASSED" if ok else "A/B FAILED")
     return lines, ok
 
@@ -111,19 +151,25 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: the demo model and a tiny workload")
+    ap.add_argument("--env", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                    help="the last tree again with these environment variables, as one more variant")
     ns = ap.parse_args()
     trees = ([Path(t).resolve() for t in ns.trees] if ns.trees  # ab_trees.sh's order prefix, numerically
              else sorted((gate.ROOT / ".ab").glob("*"), key=lambda p: int(p.name.split("-")[0])))
-    if len(trees) < 2:
-        raise SystemExit("ab needs a base tree and at least one more (bash bench/ab_trees.sh BASE NEW)")
+    variants = variants_of(trees, ns.env)
+    if len(variants) < 2:
+        raise SystemExit("ab needs a base and at least one more variant (bash bench/ab_trees.sh BASE NEW, "
+                         "or --env)")
     known = {r.name: r for r in gate.ALL_RUNS} | {"demo": gate.ModelRun("demo", None, w2=True, timeout_s=300)}
     unknown = [n for n in ns.runs.split(",") if n not in known]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; known: {', '.join(known)}")
     runs = [known[n] for n in ns.runs.split(",")]
-    values = run_ab(trees, runs, ns.repeats, Path(ns.out), ns.smoke)
-    (Path(ns.out) / "ab.json").write_text(json.dumps({"trees": [t.name for t in trees], "values": values}, indent=1))
-    lines, ok = table(values, [t.name for t in trees])
+    values = run_ab(variants, runs, ns.repeats, Path(ns.out), ns.smoke)
+    names = [v.name for v in variants]
+    (Path(ns.out) / "ab.json").write_text(json.dumps(
+        {"trees": names, "env": {v.name: dict(v.env) for v in variants}, "values": values}, indent=1))
+    lines, ok = table(values, names)
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -210,7 +210,8 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
 
     result = {"ready": time.perf_counter() - PROCESS_START,
               "startup_s": getattr(llm.llm_engine.core, "startup_s", None),  # older trees have none
-              "tree": str(Path(deepserve.__file__).resolve().parents[1])}  # where deepserve came from (ab.py)
+              "tree": str(Path(deepserve.__file__).resolve().parents[1]),  # where deepserve came from (ab.py)
+              "deepserve_env": {k: v for k, v in os.environ.items() if k.startswith("DEEPSERVE_")}}  # switches
     workload = workloads.w1()
     if run.long_context:
         workload = workloads.fixed(**LONG_CONTEXT)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gate", ROOT / "bench" / "gate.py")
 gate = importlib.util.module_from_spec(spec)
@@ -100,6 +102,7 @@ def test_the_int4_suite_judges_the_issue_targets():
 def _ab():
     spec = importlib.util.spec_from_file_location("ab", ROOT / "bench" / "ab.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["ab"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -131,13 +134,38 @@ def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     shutil.copytree(ROOT / "deepserve", new / "deepserve", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ab.py"), "--trees", str(base), str(new),
-                           "--runs", "demo", "--repeats", "1", "--smoke", "--out", str(out)],
+                           "--runs", "demo", "--repeats", "1", "--smoke", "--out", str(out),
+                           "--env", "warm:DEEPSERVE_PREFILL_WARMUP=1,DEEPSERVE_FUSED_SAMPLING=0"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert "A/B" in proc.stdout, proc.stdout + proc.stderr
-    values = json.loads((out / "ab.json").read_text())["values"]["demo"]
+    result = json.loads((out / "ab.json").read_text())
+    values = result["values"]["demo"]
     assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
+    assert values["1-new+warm"]["w1"][0] > 0 and values["1-new+warm"]["ready"][0] > 0
+    assert result["env"]["1-new+warm"] == {"DEEPSERVE_PREFILL_WARMUP": "1", "DEEPSERVE_FUSED_SAMPLING": "0"}
     assert json.loads((out / "demo-1-new-0.json").read_text())["tree"] == str(new.resolve())
     assert json.loads((out / "demo-0-base-0.json").read_text())["tree"] == str(ROOT)  # through its link
+    # The variant is the last tree run with its variables; the others run without them.
+    warm = json.loads((out / "demo-1-new+warm-0.json").read_text())
+    assert warm["tree"] == str(new.resolve())
+    assert warm["deepserve_env"] == {"DEEPSERVE_PREFILL_WARMUP": "1", "DEEPSERVE_FUSED_SAMPLING": "0"}
+    assert "DEEPSERVE_PREFILL_WARMUP" not in json.loads((out / "demo-1-new-0.json").read_text())["deepserve_env"]
+    assert any(line.split()[:3] == ["demo", "w1", "1-new+warm"] for line in proc.stdout.splitlines())
+
+
+def test_ab_env_variants_are_named_after_the_last_tree_and_checked():
+    ab = _ab()
+    from pathlib import Path as P
+
+    got = ab.variants_of([P("/x/0-a"), P("/x/1-b")], ["on:A=1,B=2"])
+    assert [(v.name, v.tree.name, v.env) for v in got] == [
+        ("0-a", "0-a", ()), ("1-b", "1-b", ()), ("1-b+on", "1-b", (("A", "1"), ("B", "2")))]
+    assert [v.name for v in ab.variants_of([P("/x/main")], ["on:A=1"])] == ["main", "main+on"]  # one tree
+    for bad in ("A=1", "on:", "on:A", ":A=1"):
+        with pytest.raises(SystemExit, match="LABEL:VAR=VALUE"):
+            ab.variants_of([P("/x/main")], [bad])
+    with pytest.raises(SystemExit, match="own label"):
+        ab.variants_of([P("/x/main")], ["on:A=1", "on:A=2"])
 
 
 def test_the_structured_suite_runs_plain_and_constrained_w1_side_by_side(tmp_path):

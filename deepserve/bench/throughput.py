@@ -13,6 +13,7 @@ from typing import Any
 from deepserve.bench.gpu_stats import EnergyMeter, device_name, peak_memory_gib
 from deepserve.bench.spec_stats import describe, spec_decode_summary
 from deepserve.bench.workloads import Workload
+from deepserve.compile_watch import compiles_between
 from deepserve.config import EngineArgs
 from deepserve.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
     parallel = llm.llm_engine.config.parallel
     meter = EnergyMeter(parallel.tensor_parallel_size * parallel.pipeline_parallel_size // parallel.nnodes)
     before = llm.llm_engine.stats()
+    compiles_before = llm.llm_engine.core.kernel_compiles()
     meter.start()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
@@ -64,6 +66,8 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         "enable_expert_parallel": parallel.enable_expert_parallel,
         "async_scheduling": llm.llm_engine.core.async_scheduling,
         "speculative": spec_decode_summary(llm.llm_engine, before),
+        # Kernels compiled inside the timed run (a shape start-up did not compile): their time is in it.
+        "kernel_compiles_during_run": compiles_between(compiles_before, llm.llm_engine.core.kernel_compiles()),
     }
 
 
@@ -74,4 +78,9 @@ def print_result(result: dict[str, Any]) -> None:
         f"({result['num_output_tokens']} tokens in {result['elapsed_time']:.2f} s, {result['device']})"
         + describe(result.get("speculative"))
     )
+    compiles = result.get("kernel_compiles_during_run") or {}
+    if compiles.get("triton_compiles") or compiles.get("dynamo_graphs"):
+        print(f"note: {compiles['triton_compiles']} Triton kernel variants ({compiles['triton_compile_s']:.1f} s) "
+              f"and {compiles['dynamo_graphs']} torch.compile graphs compiled inside the timed run "
+              "(DEEPSERVE_PREFILL_WARMUP=1 compiles prefill shapes at start-up)")
     print(json.dumps(result))

@@ -14,6 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
 from deepserve.engine.grammar import GrammarCompiler, fill_bitmasks
@@ -130,6 +131,7 @@ class EngineCore:
         self._compiling: list[tuple[Request, Future]] = []
         self._compile_pool: ThreadPoolExecutor | None = None
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
+        COMPILE_WATCH.arm()  # start-up is over: a kernel compiled from here on stalls a serving step
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -209,6 +211,11 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def kernel_compiles(self) -> dict[str, Any]:
+        """Kernel compiles in this process since start-up ended (compile_watch; under tensor parallelism
+        the workers' own are not counted)."""
+        return COMPILE_WATCH.snapshot()
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self._admit_compiled() if self._compiling else []

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepserve import envs
 from deepserve.compile_cache import configure_compile_caches
+from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
@@ -82,10 +84,27 @@ def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -
     return torch.where(input_ids < 0, previous_sampled[rows], input_ids)
 
 
+def prefill_warmup_lengths(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Prefill lengths whose forwards compile what serving's prefill steps can meet besides the KV-sizing
+    step's max_tokens (which that step runs): each power of two from `smallest` below max_tokens (the
+    thresholds kernels choose tiles by are powers of two or fall between them), and 8 less than each of
+    those and than max_tokens (not divisible by 16: Triton compiles separate variants for integer
+    arguments that are)."""
+    lengths = []
+    power = smallest
+    while power < max_tokens:
+        lengths += [power - 8, power] if power - 8 > 1 else [power]
+        power *= 2
+    if max_tokens - 8 > 1 and max_tokens > smallest:
+        lengths.append(max_tokens - 8)
+    return sorted(set(lengths))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.model.device == "cuda":  # before the first kernel compiles (every rank builds a runner)
             configure_compile_caches()
+            COMPILE_WATCH.install()  # counts compiles once the engine arms it (after start-up)
         self.config = config
         self.device = torch.device(config.model.device)
         self.dtype = getattr(torch, config.model.dtype)
@@ -176,9 +195,27 @@ class ModelRunner:
         request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
         request.block_ids = list(range(blocks_needed))
         self.execute(SchedulerOutput([ScheduledRequest(request, num_tokens, 0)]))
+        if envs.DEEPSERVE_PREFILL_WARMUP:  # on the profile's blocks; every rank runs the same lengths
+            self.warm_up_prefill(num_tokens)
         self.allocate_kv_cache(0)
         self.profile_sampling()
         torch.cuda.synchronize(self.device)
+
+    def warm_up_prefill(self, max_tokens: int) -> list[int]:
+        """One prefill forward per length of prefill_warmup_lengths(max_tokens), so the kernel variants
+        those steps pick (the fused MoE's tiles by tokens per expert, Triton's integer specializations)
+        compile at start-up instead of inside the first request that meets them (compile_watch counts
+        the ones that still do). Needs a KV cache of ceil(max_tokens / block_size) blocks; returns the
+        lengths run."""
+        from deepserve.engine.request import ScheduledRequest
+        from deepserve.sampling_params import SamplingParams
+
+        lengths = prefill_warmup_lengths(max_tokens)
+        for n in lengths:
+            request = Request(f"warmup-{n}", [0] * n, SamplingParams(max_tokens=1))
+            request.block_ids = list(range(-(-n // self.block_size)))
+            self.execute(SchedulerOutput([ScheduledRequest(request, n, 0)]))
+        return lengths
 
     def profile_sampling(self) -> int:
         """The largest step's sampling on dummy logits, so the memory profile counts its [rows, V] float32
