@@ -37,6 +37,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                     "how long node 0 waits for every rank to load its weights, in seconds"),
     "DEEPSERVE_TORCH_COMPILE": (_flag("DEEPSERVE_TORCH_COMPILE", True),
                                 "0: run the fused elementwise chains (norms, rope, SiLU-and-mul) eagerly"),
+    "DEEPSERVE_TRITON_ELEMENTWISE": (_flag("DEEPSERVE_TRITON_ELEMENTWISE", False),
+                                     "1: RMSNorm, SiLU-and-mul and rope run as the Triton kernels of "
+                                     "kernels/elementwise.py instead of torch.compile (no dynamo at start-up); "
+                                     "off until timed on the H200"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel"),
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),

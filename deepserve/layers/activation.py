@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepserve.layers.fusion import compiled_on_cuda
+from deepserve.layers.fusion import triton_on_cuda
 
 
 class SiluAndMul(nn.Module):
@@ -12,7 +12,7 @@ class SiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
-@compiled_on_cuda
+@triton_on_cuda("silu_and_mul")
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # x: [T, 2 * I] (gate then up) -> [T, I]
     gate, up = x.chunk(2, dim=-1)

@@ -1,4 +1,5 @@
-"""Elementwise chains (RMSNorm, rope, SiLU-and-mul) fused into single GPU kernels by torch.compile.
+"""Elementwise chains (RMSNorm, rope, SiLU-and-mul) fused into single GPU kernels by torch.compile, or by
+the hand-written Triton kernels of kernels/elementwise.py with DEEPSERVE_TRITON_ELEMENTWISE=1.
 
 In eager mode each of these is 5-20 tiny kernels; a decode step of a 30-layer model launches over a
 thousand of them, and even inside a CUDA graph each costs a few microseconds. Compiled, each chain is
@@ -46,6 +47,36 @@ def compiled_on_cuda(fn: F) -> F:
             return fn(*args)
 
     return wrapper  # type: ignore[return-value]
+
+
+def triton_on_cuda(kernel_name: str) -> Callable[[F], F]:
+    """`fn` as kernels/elementwise.py's `kernel_name` where uses_triton_elementwise (a GPU tensor first and
+    DEEPSERVE_TRITON_ELEMENTWISE on: no dynamo at start-up), else as compiled_on_cuda(fn). The kernel takes
+    fn's arguments and computes fn's result (fn is its reference, `wrapper.__wrapped__`)."""
+
+    def decorate(fn: F) -> F:
+        compiled = compiled_on_cuda(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: object) -> object:
+            if uses_triton_elementwise(args[0]):
+                from deepserve.kernels import elementwise  # Triton is imported where it runs, not by the layers
+
+                return getattr(elementwise, kernel_name)(*args)
+            return compiled(*args)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+TRITON_ELEMENTWISE = envs.DEEPSERVE_TRITON_ELEMENTWISE  # read once: the layers' per-call switch
+
+
+def uses_triton_elementwise(first: object) -> bool:
+    """Whether the chains run as kernels/elementwise.py's Triton kernels for this first argument; one place,
+    so a CPU test can route the model through them (Triton's interpreter)."""
+    return TRITON_ELEMENTWISE and isinstance(first, torch.Tensor) and first.is_cuda
 
 
 @functools.cache

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepserve.layers.fusion import compiled_on_cuda
+from deepserve.layers.fusion import triton_on_cuda
 from deepserve.layers.linear import default_weight_loader
 
 
@@ -23,14 +23,14 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-@compiled_on_cuda
+@triton_on_cuda("rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-@compiled_on_cuda
+@triton_on_cuda("add_rms_norm")
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepserve.layers.fusion import compiled_on_cuda
+from deepserve.layers.fusion import triton_on_cuda
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -133,7 +133,7 @@ class RotaryEmbedding(nn.Module):
         return _apply_rope(positions, q, k, self.cos_sin, self.rotary_dim, self.interleaved)
 
 
-@compiled_on_cuda
+@triton_on_cuda("apply_rope")
 def _apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
                 interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2] each

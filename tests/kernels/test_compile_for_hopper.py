@@ -362,3 +362,23 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
             fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
 
     _compile_all(_record(monkeypatch, int4_moe_gemv, run))
+
+
+def test_elementwise_kernels_compile(monkeypatch):
+    ew = import_kernels("deepserve.kernels.elementwise")
+    monkeypatch.setattr(ew, "INTERPRET", False)  # the GPU's launches: no interpreter rounding
+
+    def run():
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(5, 2 * 1030).to(dtype)
+            ew.silu_and_mul(x)
+            w = torch.ones(1000, dtype=dtype)
+            ew.rms_norm(x[:, :1000], w, 1e-6)
+            ew.add_rms_norm(torch.randn(3, 1000).to(dtype), torch.randn(3, 1000).to(dtype), w, 1e-6)
+            cos_sin = torch.randn(16, 64)
+            q, k = torch.randn(3, 4, 80).to(dtype), torch.randn(3, 2, 80).to(dtype)
+            for interleaved in (False, True):
+                ew.apply_rope(torch.tensor([0, 3, 15]), q, k, cos_sin, 64, interleaved)
+            ew.apply_rope(torch.tensor([1, 2, 3]), q[..., :64], k[..., :64], cos_sin, 64, True)  # no rest
+
+    _compile_all(_record(monkeypatch, ew, run))
