@@ -42,3 +42,29 @@ def test_unwritable_cache_dir_leaves_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(blocker))
     assert configure_compile_caches() == {}
     assert "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_packages_without_cached_bytecode_are_named(tmp_path, monkeypatch, caplog):
+    import importlib
+    import sys
+
+    from deepserve import compile_cache
+
+    for name, cached in (("fresh_pkg", False), ("cached_pkg", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("VALUE = 1\n")
+        if cached:
+            import py_compile
+
+            py_compile.compile(str(tmp_path / name / "__init__.py"), cfile=importlib.util.cache_from_source(
+                str(tmp_path / name / "__init__.py")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as PYTHONDONTWRITEBYTECODE=1: nothing written now
+    for name in ("fresh_pkg", "cached_pkg"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        importlib.import_module(name)
+    assert compile_cache.packages_without_bytecode(("fresh_pkg", "cached_pkg", "not_imported")) == ["fresh_pkg"]
+    with caplog.at_level("WARNING", logger="deepserve.compile_cache"):
+        assert compile_cache.warn_if_imports_compile(("fresh_pkg", "cached_pkg")) == ["fresh_pkg"]
+    message = caplog.records[-1].getMessage()
+    assert "fresh_pkg" in message and f"compileall -q {tmp_path}" in message and "PYTHONDONTWRITEBYTECODE" in message

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepserve import envs
-from deepserve.compile_cache import configure_compile_caches
+from deepserve.compile_cache import configure_compile_caches, warn_if_imports_compile
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
@@ -104,6 +104,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.model.device == "cuda":  # before the first kernel compiles (every rank builds a runner)
             configure_compile_caches()
+            warn_if_imports_compile()
             COMPILE_WATCH.install()  # counts compiles once the engine arms it (after start-up)
         self.config = config
         self.device = torch.device(config.model.device)
