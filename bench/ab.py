@@ -41,7 +41,9 @@ METRICS = {"w1": True, "tpot": False, "ttft": False}  # metric -> higher is bett
 TOLERANCE = {"w1": AB_TOLERANCE, "tpot": AB_TOLERANCE, "ttft": gate.TTFT_TOLERANCE}
 
 
-INFO = ("ready", "w1_compiles")  # shown, not judged: time to ready; Triton kernels compiled inside W1
+# Shown, not judged: time to ready; Triton kernels compiled inside W1; with --w1-repeats, W1 run again in
+# the same engine (w1_2nd) and its compiles.
+INFO = ("ready", "w1_compiles", "w1_2nd", "w1_2nd_compiles")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def variants_of(trees: list[Path], env_specs: list[str]) -> list[Variant]:
     return found
 
 
-def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out: Path, smoke: bool) -> dict:
+def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out: Path, smoke: bool,
+           w1_repeats: int = 1) -> dict:
     """{run: {variant: {metric: [values per repeat]}}}; a step past its timeout or the budget is left out."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -80,6 +83,8 @@ def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out
                 path = out / f"{run.name}-{name}-{rep}.json"
                 cmd = [sys.executable, str(gate.ROOT / "bench" / "gate.py"), "model", run.name, "--json", str(path),
                        "--tree", str(variant.tree)] + (["--smoke"] if smoke else [])
+                if w1_repeats > 1:  # this checkout's gate.py runs every tree, so older trees take it too
+                    cmd += ["--w1-repeats", str(w1_repeats)]
                 path_env = os.pathsep.join(p for p in (str(variant.tree), env.get("PYTHONPATH", "")) if p)  # wheels
                 rc, tail = gate._step(cmd, run.timeout_s, out / f"{run.name}-{name}-{rep}.log",
                                       {**env, **dict(variant.env), "PYTHONPATH": path_env})
@@ -90,6 +95,10 @@ def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out
                 compiles = (data.get("w1_detail") or {}).get("kernel_compiles_during_run")  # older trees: none
                 if compiles is not None:
                     data["w1_compiles"] = compiles["triton_compiles"]
+                if len(data.get("w1_runs", [])) > 1:
+                    data["w1_2nd"] = data["w1_runs"][1]
+                    if data["w1_runs_compiles"][1] is not None:  # older trees count no compiles
+                        data["w1_2nd_compiles"] = data["w1_runs_compiles"][1]
                 for metric in (*METRICS, *INFO):
                     if metric in data:
                         values[run.name][name].setdefault(metric, []).append(data[metric])
@@ -151,6 +160,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: the demo model and a tiny workload")
+    ap.add_argument("--w1-repeats", type=int, default=1,
+                    help="W1 this many times in each engine; the second is shown beside (w1_2nd), not judged")
     ap.add_argument("--env", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="the last tree again with these environment variables, as one more variant")
     ns = ap.parse_args()
@@ -165,7 +176,7 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; known: {', '.join(known)}")
     runs = [known[n] for n in ns.runs.split(",")]
-    values = run_ab(variants, runs, ns.repeats, Path(ns.out), ns.smoke)
+    values = run_ab(variants, runs, ns.repeats, Path(ns.out), ns.smoke, ns.w1_repeats)
     names = [v.name for v in variants]
     (Path(ns.out) / "ab.json").write_text(json.dumps(
         {"trees": names, "env": {v.name: dict(v.env) for v in variants}, "values": values}, indent=1))

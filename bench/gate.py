@@ -182,8 +182,10 @@ SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS
 ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS + STRUCTURED_RUNS[1:]
 
 
-def run_model(run: ModelRun, smoke: bool) -> dict:
-    """One engine: time to ready, W1, then W2 (BENCHMARKS.md's definitions; smaller with smoke)."""
+def run_model(run: ModelRun, smoke: bool, w1_repeats: int = 1) -> dict:
+    """One engine: time to ready, W1, then W2 (BENCHMARKS.md's definitions; smaller with smoke).
+    w1_repeats > 1 runs W1 again in the same engine (figure: the first; w1_runs: all; w1_runs_compiles:
+    the Triton variants compiled inside each), to tell a first-run cost from the machine's spread."""
     from deepserve import LLM, SamplingParams
     from deepserve.bench import workloads
     from deepserve.bench.latency import measure_latency
@@ -222,6 +224,10 @@ def run_model(run: ModelRun, smoke: bool) -> dict:
         workload = workloads.with_json_schema(workload)
     w1 = measure_throughput(llm, workload)
     result.update(w1=w1["output_tokens_per_second"], w1_detail=w1)
+    if w1_repeats > 1:
+        runs = [w1] + [measure_throughput(llm, workload) for _ in range(w1_repeats - 1)]
+        compiles = [(r.get("kernel_compiles_during_run") or {}).get("triton_compiles") for r in runs]
+        result.update(w1_runs=[r["output_tokens_per_second"] for r in runs], w1_runs_compiles=compiles)
     if run.w2:
         w2 = measure_latency(llm, 32, 8, 1, 2, vocab_size=1000) if smoke else measure_latency(llm)
         result.update(tpot=w2["tpot_ms_median"], ttft=w2["ttft_ms_median"], w2_detail=w2)
@@ -360,6 +366,7 @@ def main() -> int:
     m.add_argument("--json", required=True)
     m.add_argument("--smoke", action="store_true")
     m.add_argument("--tree", help="import deepserve from this tree instead (bench/ab.py's A/B of commits)")
+    m.add_argument("--w1-repeats", type=int, default=1, help="W1 this many times in the one engine")
     c = sub.add_parser("compare")
     c.add_argument("result")
     c.add_argument("--baseline", default=str(ROOT / "bench" / "baseline.json"))
@@ -372,7 +379,7 @@ def main() -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run = next((r for r in ALL_RUNS if r.name == ns.name), ModelRun("demo", None, w2=True))
-        Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke)))
+        Path(ns.json).write_text(json.dumps(run_model(run, ns.smoke, ns.w1_repeats)))
         return 0
     result = (run_all(Path(ns.out), ns.smoke, ns.cmd) if ns.cmd in SUITES
               else json.loads(Path(ns.result).read_text()))

@@ -135,13 +135,15 @@ def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ab.py"), "--trees", str(base), str(new),
                            "--runs", "demo", "--repeats", "1", "--smoke", "--out", str(out),
-                           "--env", "warm:DEEPSERVE_PREFILL_WARMUP=1,DEEPSERVE_FUSED_SAMPLING=0"],
+                           "--env", "warm:DEEPSERVE_PREFILL_WARMUP=1,DEEPSERVE_FUSED_SAMPLING=0", "--w1-repeats", "2"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert "A/B" in proc.stdout, proc.stdout + proc.stderr
     result = json.loads((out / "ab.json").read_text())
     values = result["values"]["demo"]
     assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
     assert values["1-new+warm"]["w1"][0] > 0 and values["1-new+warm"]["ready"][0] > 0
+    assert values["1-new"]["w1_2nd"][0] > 0 and values["1-new"]["w1_2nd_compiles"] == [0]  # CPU: no Triton
+    assert values["1-new"]["w1_compiles"] == [0]
     assert result["env"]["1-new+warm"] == {"DEEPSERVE_PREFILL_WARMUP": "1", "DEEPSERVE_FUSED_SAMPLING": "0"}
     assert json.loads((out / "demo-1-new-0.json").read_text())["tree"] == str(new.resolve())
     assert json.loads((out / "demo-0-base-0.json").read_text())["tree"] == str(ROOT)  # through its link
