@@ -27,6 +27,7 @@ import triton.language as tl
 from deepserve import envs
 from deepserve.kernels.fp8_ref import AMAX_FLOOR, FP8, FP8_MAX, channel_fp8_linear_ref
 from deepserve.kernels.fused_moe import _tile_ids  # the same grouped tile order as the MoE GEMMs
+from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -37,8 +38,6 @@ INV_FP8_MAX = 1.0 / FP8_MAX  # rounds to the same fp32 as torch's 1.0f / 448.0f 
 QUANT_ELEMENTS = 1024  # elements of one row per quantization program: 8 per thread, 16-byte loads of bf16
 QUANT_MAX_CHUNK = 4096  # wider groups (one scale per token) are read in chunks of this, twice
 USE_SPLIT_K = True  # split K when the output tiles cannot fill the GPU (decode); bench/check_fp8.py times both
-MIN_K_TILES_PER_SPLIT = 4  # so each split's loop still has loads to pipeline
-MAX_SPLIT_K = 16
 CHANNEL_BK = 128  # K slice of the Triton per-channel fallback (its scales are constant along K)
 
 
@@ -73,20 +72,6 @@ def default_config(m: int, n: int, k: int, block: tuple[int, int], num_sms: int 
         return cfg
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     return replace(cfg, split_k=split_count(tiles, triton.cdiv(k, block_k), num_sms))
-
-
-def split_count(tiles: int, k_tiles: int, num_sms: int) -> int:
-    """Splits along K that bring tiles * splits to about one program per SM, each split keeping
-    MIN_K_TILES_PER_SPLIT iterations or more."""
-    if tiles >= num_sms:
-        return 1
-    return max(1, min(triton.cdiv(num_sms, tiles), k_tiles // MIN_K_TILES_PER_SPLIT, MAX_SPLIT_K))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    # On CPU (the interpreter tests) the H200's count, so tests walk the GPU's decisions.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _require(ok: bool, message: str) -> None:
@@ -209,7 +194,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or default_config(m, n, k, block, _num_sms(x_q.device))
+    cfg = config or default_config(m, n, k, block, sm_count(x_q.device))
     _require(block[1] % cfg.block_k == 0 and cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_k >= 16,
              f"block_k {cfg.block_k} must be a power of two >= 16 dividing bk {block[1]}")
     partial = cfg.split_k > 1
@@ -224,7 +209,7 @@ def block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
-        _sum_splits(c, out, bias)
+        sum_splits(c, out, bias)
     return out
 
 
@@ -294,45 +279,7 @@ def _block_fp8_gemm_kernel(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    _store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
-
-
-@triton.jit
-def _store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # PARTIAL: fp32 into slice `split` of the [split_k, M, N] workspace (the bias is added once, when
-    # the splits are summed); otherwise bias, cast, out [M, N].
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offsets = rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    if PARTIAL:
-        tl.store(c_ptr + split.to(tl.int64) * M * N + offsets, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + offsets, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-def _sum_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """partials [S, M, N] fp32 -> out [M, N] (contiguous) = their sum in split order (+ bias): the
-    result does not depend on scheduling."""
-    numel, block = out.numel(), 1024
-    _sum_splits_kernel[(triton.cdiv(numel, block),)](
-        partials, out, out if bias is None else bias, numel, out.shape[1], partials.shape[0],
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-
-
-@triton.jit(do_not_specialize=["numel", "split_k"])
-def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(split_k):
-        acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
 
 
 # --- linear layers ----------------------------------------------------------------------------------

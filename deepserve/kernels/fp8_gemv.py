@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deepserve.kernels.fp8 import INTERPRET, _num_sms, _sum_splits
+from deepserve.kernels.fp8 import INTERPRET
+from deepserve.kernels.split_k import sm_count, sum_splits
 
 NUMERICS = ("dot", "fma")
 
@@ -79,7 +80,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
     group_n, group_k = block if block is not None else (1, 1)  # unread per channel: no compile per K
     if block is not None and group_k % cfg.block_k:
         raise ValueError(f"fp8 gemv: block_k {cfg.block_k} must divide the weight's scale block {group_k}")
-    splits = gemv_splits(n, k, cfg, _num_sms(x.device))
+    splits = gemv_splits(n, k, cfg, sm_count(x.device))
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -92,7 +93,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
         IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _sum_splits(partials, out, bias)
+    sum_splits(partials, out, bias)
     return out
 
 

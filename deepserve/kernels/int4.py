@@ -33,11 +33,11 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels.fp8 import _num_sms, _store_tile, _sum_splits, split_count
 from deepserve.kernels.fused_moe import _tile_ids
 from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
 from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
+from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -118,9 +118,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     config picks the variant (module docstring); None: choose_config's for M."""
     _check_inputs(x, qweight, scales, zeros, bits, g_idx, bias)
     (m, k), n = x.shape, qweight.shape[0]
-    cfg = config or choose_config(m, n, k, _num_sms(x.device))
+    cfg = config or choose_config(m, n, k, sm_count(x.device))
     if isinstance(cfg, Int4GemvConfig):
-        return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, _num_sms(x.device))
+        return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, sm_count(x.device))
     if isinstance(cfg, Int4DequantConfig):
         return w4a16_dequant_matmul(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -142,7 +142,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         DOT_UPCAST=x.dtype != torch.float32 and INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
-        _sum_splits(c, out, bias)
+        sum_splits(c, out, bias)
     return out
 
 
@@ -186,7 +186,7 @@ def _w4a16_gemm_kernel(
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    _store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
+    store_tile(c_ptr, bias_ptr, acc, pid_m, pid_n, split, M, N, stride_cm, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ layout of the loaded tile; the tile is summed along K once, after the loop.
 The programs of one N tile (its token blocks) are adjacent in the grid: they read the same weight tile
 at about the same time, so HBM serves it once and L2 the rest (each program unpacks the tile again,
 which is why BLOCK_M > 1 exists and why the GEMV is meant for small M). Split-K partials are summed in
-order by fp8.py's second pass (deterministic).
+order by split_k.sum_splits (deterministic).
 
 Two numerics (a constexpr, FACTORED):
   exact     w = q * s - z * s per element (exact in fp32, int4_tile.py), rounded to x's dtype like
@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from deepserve.kernels.int4_tile import gemv_rows, gemv_rows_block
+from deepserve.kernels.split_k import store_tile, sum_splits
 
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight while others unpack
 
@@ -93,9 +94,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
-        from deepserve.kernels.fp8 import _sum_splits  # here: fp8 imports fused_moe, which imports this module
-
-        _sum_splits(c, out, bias)
+        sum_splits(c, out, bias)
     return out
 
 
@@ -126,12 +125,4 @@ def _w4a16_gemv_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = gemv_rows_block(a_ptr + (rows % M).to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first,
                               last, K, BITS, GROUP, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
-    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
-    if PARTIAL:
-        tl.store(c_ptr + split.to(tl.int64) * M * N + offsets, out, mask=ok)
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + offsets, out.to(c_ptr.dtype.element_ty), mask=ok)
+    store_tile(c_ptr, bias_ptr, out, pid_m, pid_n, split, M, N, N, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)  # out: [M, N]

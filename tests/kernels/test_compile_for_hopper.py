@@ -221,7 +221,6 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
 
 def test_fp8_gemv_kernels_compile(monkeypatch):
     gemv = import_kernels("deepserve.kernels.fp8_gemv")
-    fp8 = import_kernels("deepserve.kernels.fp8")
     from deepserve.kernels.fp8_ref import quantize_weight_block, quantize_weight_per_channel
 
     # The GPU's launch: a bf16 dot (the interpreter takes an fp32 one; its products are not checked here).
@@ -237,7 +236,8 @@ def test_fp8_gemv_kernels_compile(monkeypatch):
             gemv.fp8_gemv(torch.randn(m, 256, dtype=torch.bfloat16), c_q, c_scale, None, None, cfg)
 
     launches = _record(monkeypatch, gemv, run)
-    launches += _record(monkeypatch, fp8, lambda: fp8._sum_splits(torch.zeros(2, 3, 200), torch.empty(
+    split_k = import_kernels("deepserve.kernels.split_k")
+    launches += _record(monkeypatch, split_k, lambda: split_k.sum_splits(torch.zeros(2, 3, 200), torch.empty(
         3, 200, dtype=torch.bfloat16), bias))
     _compile_all(launches)
 
