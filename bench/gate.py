@@ -176,9 +176,20 @@ KV_CHECKS = [
     ("paged decode over a bf16 cache = torch reference (the FP8 rows' comparison)",
      [sys.executable, "bench/check_kernels.py", "--no-variants"], 120),
 ]
+# The switches that land off until measured, checked for correctness on the GPU before an A/B times them
+# (bash bench/gate.sh ab --trees . --env LABEL:VAR=1): the Triton elementwise kernels against their
+# references, and the engine's greedy checks with each switch on.
+SWITCH_CHECKS = [
+    ("elementwise kernels = references, timed against torch.compile",
+     [sys.executable, "bench/check_elementwise.py", "--json", "{out}/elementwise.json"], 150),
+    ("greedy = CPU reference with DEEPSERVE_TRITON_ELEMENTWISE=1",
+     ["env", "DEEPSERVE_TRITON_ELEMENTWISE=1", sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
+    ("greedy = CPU reference with DEEPSERVE_PREFILL_WARMUP=1",
+     ["env", "DEEPSERVE_PREFILL_WARMUP=1", sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
+]
 # Two device calls: "kv" (kernels and W1/W2 with an FP8 cache) and "kv-long" (the long-context point).
 SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS),
-          "int4": (INT4_CHECKS, INT4_RUNS), "structured": ([], STRUCTURED_RUNS)}
+          "int4": (INT4_CHECKS, INT4_RUNS), "structured": ([], STRUCTURED_RUNS), "switches": (SWITCH_CHECKS, [])}
 ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS + STRUCTURED_RUNS[1:]
 
 

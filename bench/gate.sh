@@ -15,7 +15,7 @@ if [ "$1" = ab ]; then  # same-machine A/B of the trees bench/ab_trees.sh export
   cp /tmp/gate/ab.json "$OUT"/ 2>/dev/null; tar -czf "$OUT/ab-logs.tgz" -C /tmp/gate . 2>/dev/null; exit $rc
 fi
 SUITE=all
-case "$1" in all|fp8|kv|kv-long|int4|structured) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8 | int4 | kv ...: that suite (bench/gate.py)
+case "$1" in all|fp8|kv|kv-long|int4|structured|switches) SUITE=$1; shift;; esac  # bash bench/gate.sh fp8 | int4 | kv ...: that suite (bench/gate.py)
 python3 bench/gate.py "$SUITE" --out /tmp/gate "$@"
 rc=$?
 cp /tmp/gate/gate.json /tmp/gate/baseline-candidate.json "$OUT"/ 2>/dev/null

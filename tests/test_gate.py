@@ -185,3 +185,17 @@ def test_the_structured_suite_runs_plain_and_constrained_w1_side_by_side(tmp_pat
     # The constrained engine runs on CPU: the demo model's own tokenizer, a schema on every request.
     got = gate.run_model(gate.ModelRun("demo", None, w2=False, json_schema=True), smoke=True)
     assert got["w1"] > 0 and got["w1_detail"]["num_requests"] == 8  # workloads.fixed(32, 8, 8)
+
+
+def test_every_suite_is_reachable_from_gate_sh_and_its_check_scripts_exist():
+    text = (ROOT / "bench" / "gate.sh").read_text()
+    case = next(line for line in text.splitlines() if line.startswith('case "$1" in all|'))
+    names = case.split(" in ", 1)[1].split(")", 1)[0].split("|")
+    assert sorted(names) == sorted(gate.SUITES)
+    for checks, _ in gate.SUITES.values():
+        for _name, cmd, _timeout in checks:
+            script = next(part for part in cmd if part.startswith("bench/"))
+            assert (ROOT / script).is_file(), script
+    switches = [cmd for _, cmd, _ in gate.SUITES["switches"][0]]
+    assert ["env", "DEEPSERVE_TRITON_ELEMENTWISE=1"] == switches[1][:2]
+    assert ["env", "DEEPSERVE_PREFILL_WARMUP=1"] == switches[2][:2]
