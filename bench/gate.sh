@@ -10,6 +10,13 @@ OUT=${OUT:-/tmp/gate-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+# Start-up trace 1 spent 8.6 s of a 40 s start compiling imports from source: this machine's Python
+# environment has no cached bytecode for most packages and the processes wrote none. An installed server
+# has it (pip byte-compiles; deploy/Dockerfile), so the gate's processes get a writable bytecode cache:
+# the first process of a call compiles, the later ones read. Printed first: what the machine had.
+python3 -c 'import os, sys, torch, importlib.util as u; print("bytecode before the gate: PYTHONDONTWRITEBYTECODE =", os.environ.get("PYTHONDONTWRITEBYTECODE"), "| site-packages writable:", os.access(os.path.dirname(os.path.dirname(torch.__file__)), os.W_OK), "| torch bytecode cached:", os.path.exists(u.cache_from_source(torch.__file__)))'
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/deepserve-pycache}
+unset PYTHONDONTWRITEBYTECODE
 if [ "$1" = ab ]; then  # same-machine A/B of the trees bench/ab_trees.sh exported (carry .ab): bench/ab.py
   shift; python3 bench/ab.py --out /tmp/gate "$@"; rc=$?
   cp /tmp/gate/ab.json "$OUT"/ 2>/dev/null; tar -czf "$OUT/ab-logs.tgz" -C /tmp/gate . 2>/dev/null; exit $rc
