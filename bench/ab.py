@@ -44,6 +44,7 @@ TOLERANCE = {"w1": AB_TOLERANCE, "tpot": AB_TOLERANCE, "ttft": gate.TTFT_TOLERAN
 # Shown, not judged: time to ready; Triton kernels compiled inside W1; with --w1-repeats, W1 run again in
 # the same engine (w1_2nd) and its compiles.
 INFO = ("ready", "w1_compiles", "w1_2nd", "w1_2nd_compiles")
+INFO_LABELS = {"ready": "ready s", "w1_compiles": "w1 jit", "w1_2nd": "w1 2nd", "w1_2nd_compiles": "2nd jit"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out
                     continue
                 data = json.loads(path.read_text())
                 compiles = (data.get("w1_detail") or {}).get("kernel_compiles_during_run")  # older trees: none
-                if compiles is not None:
+                if compiles is not None and compiles.get("watching", True):  # CPU: nothing watched, no count
                     data["w1_compiles"] = compiles["triton_compiles"]
                 if len(data.get("w1_runs", [])) > 1:
                     data["w1_2nd"] = data["w1_runs"][1]
@@ -123,7 +124,7 @@ def judge(base: list[float], new: list[float], higher_is_better: bool,
 
 def table(values: dict, trees: list[str]) -> tuple[list[str], bool]:
     base, ok = trees[0], True
-    lines = [f"A/B on one machine; base {base}", f"{'run':26} {'metric':6} {'tree':18} {'median':>9} "
+    lines = [f"A/B on one machine; base {base}", f"{'run':26} {'metric':7} {'tree':18} {'median':>9} "
              f"{'repeats':28} {'change':>8}  verdict"]
     for run, per_tree in values.items():
         for metric, higher in METRICS.items():
@@ -133,18 +134,19 @@ def table(values: dict, trees: list[str]) -> tuple[list[str], bool]:
                 got = per_tree[tree].get(metric, [])
                 shown = " ".join(gate._num(v) for v in got)
                 if tree == base:
-                    lines.append(f"{run:26} {metric:6} {tree:18} {_median(got):>9} {shown:28} {'':>8}  base")
+                    lines.append(f"{run:26} {metric:7} {tree:18} {_median(got):>9} {shown:28} {'':>8}  base")
                     continue
                 verdict, change = judge(per_tree[base][metric], got, higher, TOLERANCE[metric])
                 ok = ok and verdict not in ("REGRESSION", "MISSING")
-                lines.append(f"{run:26} {metric:6} {tree:18} {_median(got):>9} {shown:28} "
+                lines.append(f"{run:26} {metric:7} {tree:18} {_median(got):>9} {shown:28} "
                              f"{100 * change:+7.1f}%  {verdict}")
         for metric in INFO:
             for tree in trees:
                 got = per_tree[tree].get(metric, [])
                 if got:
                     shown = " ".join(gate._num(v) for v in got)
-                    lines.append(f"{run:26} {metric[:6]:6} {tree:18} {_median(got):>9} {shown:28} {'':>8}  (shown)")
+                    label = INFO_LABELS[metric]
+                    lines.append(f"{run:26} {label:7} {tree:18} {_median(got):>9} {shown:28} {'':>8}  (shown)")
     lines.append("A/B PASSED" if ok else "A/B FAILED")
     return lines, ok
 

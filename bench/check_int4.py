@@ -157,7 +157,7 @@ def _check_line(row: dict) -> str:
 def time_us(fn) -> float:
     """Median microseconds of one call on the GPU: the call captured in a CUDA graph and the replays timed
     by do_bench with L2 flushed (weights from HBM), so the wrapper's Python is not in the figure, as in a
-    decode step's graph. Int4 runs 1-2 timed the calls directly and read 60-90 us even for V2-Lite's kv_a
+    decode step's graph. Int4 runs 1-2 timed the calls directly and read 60-113 us even for V2-Lite's kv_a
     (0.6 MB of codes; bf16 9 us): most likely the wrappers' host time, which a decode graph does not pay;
     this separates the two. A call that cannot be captured is timed directly (TIMED_IN_GRAPHS counts)."""
     if not torch.cuda.is_available():

@@ -71,8 +71,8 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(25)  # where the time itself is spent
     print(text.getvalue()[-16000:])
     print("engine phases:", {k: round(v, 2) for k, v in llm.llm_engine.core.startup_s.items()})
-    # Start-up trace 1 (gVisor H200 machine) spent 8.6 s in builtins.compile over 3,939 calls: modules
-    # compiled from source because no bytecode cache could be read or written. What decides that:
+    # Start-up trace 1 (gVisor H200 machine) spent 8.6 s in builtins.compile over 3,939 calls, by their
+    # number mostly modules compiled from source (no bytecode cache read or written). What decides that:
     site = os.path.dirname(os.path.dirname(torch.__file__))
     print(f"bytecode: dont_write_bytecode={sys.dont_write_bytecode} pycache_prefix={sys.pycache_prefix} "
           f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE')} site-packages {site} "

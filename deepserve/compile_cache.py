@@ -42,8 +42,9 @@ def configure_compile_caches() -> dict[str, str]:
 
 # Large packages every start imports: each one's bytecode either comes from a cache or is compiled from
 # source again at every start. Start-up trace 1 on an H200 machine (bench/RESULTS.md) spent 8.6 s of a
-# 40 s start in Python's compile() over 3,939 modules: an environment installed without bytecode
-# (e.g. `uv pip install` without --compile-bytecode) that the process may not write to.
+# 40 s start in 3,939 calls of Python's compile(), by their number mostly imports compiled from source:
+# an environment installed without bytecode (e.g. `uv pip install` without --compile-bytecode) that the
+# process does not write to.
 HEAVY_PACKAGES = ("torch", "transformers", "triton", "sympy")
 
 
@@ -68,8 +69,8 @@ def warn_if_imports_compile(names: tuple[str, ...] = HEAVY_PACKAGES) -> list[str
     if missing:
         where = sorted({os.path.dirname(os.path.dirname(sys.modules[n].__file__)) for n in missing})
         logger.warning(
-            "no cached bytecode for %s: every start compiles them from source (seconds; 8.6 s of a 40 s start "
-            "on one H200 machine). Compile once where they are installed: python -m compileall -q %s%s",
+            "no cached bytecode for %s: every start compiles them from source (seconds; up to 8.6 s of a 40 s "
+            "start on one H200 machine). Compile once where they are installed: python -m compileall -q %s%s",
             ", ".join(missing), " ".join(where),
             " (or let Python write it: PYTHONDONTWRITEBYTECODE is set)" if sys.dont_write_bytecode else "")
     return missing

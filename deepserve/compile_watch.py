@@ -63,8 +63,8 @@ class CompileWatch:
 
     def snapshot(self) -> dict[str, Any]:
         """Since arm(): Triton kernel variants first loaded (count, by kernel) and dynamo graphs compiled."""
-        with self._lock:
-            return {"triton_compiles": self.count, "triton_kernels": dict(self.kernels),
+        with self._lock:  # watching False: no hook installed (CPU, or a Triton without the hook): counts unknown
+            return {"watching": self._installed, "triton_compiles": self.count, "triton_kernels": dict(self.kernels),
                     "dynamo_graphs": _dynamo_graphs() - self._dynamo_at_arm if self._armed else 0}
 
     def _loaded(self, module: Any, function: Any, name: str, metadata_group: Any, hash: Any) -> None:
@@ -82,7 +82,7 @@ class CompileWatch:
 def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What two snapshots differ by: the compiles that happened between them."""
     kernels = {name: n - before["triton_kernels"].get(name, 0) for name, n in after["triton_kernels"].items()}
-    return {"triton_compiles": after["triton_compiles"] - before["triton_compiles"],
+    return {"watching": after["watching"], "triton_compiles": after["triton_compiles"] - before["triton_compiles"],
             "triton_kernels": {name: n for name, n in kernels.items() if n},
             "dynamo_graphs": after["dynamo_graphs"] - before["dynamo_graphs"]}
 

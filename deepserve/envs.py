@@ -54,9 +54,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "it refused M = 257 and gave wrong results for K = 11008)"),
     "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 0),
                                  "FP8 linears with at most this many tokens (up to 16) stream the weight through "
-                                 "kernels/fp8_gemv.py, activations unquantized; 0 (default): off. Measured per "
-                                 "GEMM on the H200: faster than the W8A8 path at 1 token only, so 1 is the value "
-                                 "to try; engine figures with it not measured yet"),
+                                 "kernels/fp8_gemv.py, activations unquantized; 0 (default): off. Per GEMM on the "
+                                 "H200 faster than the W8A8 path on every shape at 1 token, on some at 2, mostly "
+                                 "slower above: 1 is the value to try; engine figures not measured yet"),
     "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 0),
                                   "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
                                   "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never"),
@@ -68,9 +68,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
                                            "0: never"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
-                                 "1: start-up also runs prefill forwards of 16..max_num_batched_tokens/2 tokens "
-                                 "(ModelRunner.warm_up_prefill), so their kernel variants compile before the "
-                                 "first request; off until measured on the H200"),
+                                 "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
+                                 "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "
+                                 "variants compile before the first request; off until measured on the H200. Set "
+                                 "it alike on every node (each rank reads its own environment)"),
     "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
                             or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
                             "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),

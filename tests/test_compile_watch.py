@@ -42,8 +42,8 @@ def test_counts_only_after_arm_and_names_the_kernels(chain, caplog):
     assert after["triton_kernels"] == {"_fused_moe_gemm_kernel": 2, "_moe_align_kernel": 1}
     delta = compiles_between(before, after)
     assert delta["triton_compiles"] == 3 and delta["triton_kernels"] == after["triton_kernels"]
-    assert compiles_between(after, watch.snapshot()) == {"triton_compiles": 0, "triton_kernels": {},
-                                                          "dynamo_graphs": 0}
+    assert compiles_between(after, watch.snapshot()) == {"watching": True, "triton_compiles": 0,
+                                                          "triton_kernels": {}, "dynamo_graphs": 0}
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2  # once per kernel
     assert any("_moe_align_kernel" in m and "after start-up" in m for m in warned)
@@ -66,3 +66,11 @@ def test_rearming_starts_the_count_again(chain):
     _load(chain, "a")
     watch.arm()  # a second engine in the same process
     assert watch.snapshot()["triton_compiles"] == 0
+
+
+def test_a_watch_that_could_not_install_says_so(monkeypatch):
+    monkeypatch.setattr(knobs.runtime, "kernel_load_end_hook", None)  # a Triton without the hook chain
+    watch = CompileWatch()
+    assert not watch.install()
+    watch.arm()
+    assert watch.snapshot()["watching"] is False  # zero compiles here means "not counted", not "none"

@@ -142,8 +142,9 @@ def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     values = result["values"]["demo"]
     assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
     assert values["1-new+warm"]["w1"][0] > 0 and values["1-new+warm"]["ready"][0] > 0
-    assert values["1-new"]["w1_2nd"][0] > 0 and values["1-new"]["w1_2nd_compiles"] == [0]  # CPU: no Triton
-    assert values["1-new"]["w1_compiles"] == [0]
+    assert values["1-new"]["w1_2nd"][0] > 0
+    # On CPU no Triton kernel is compiled or watched: no compile counts rather than zeros.
+    assert "w1_compiles" not in values["1-new"] and "w1_2nd_compiles" not in values["1-new"]
     assert result["env"]["1-new+warm"] == {"DEEPSERVE_PREFILL_WARMUP": "1", "DEEPSERVE_FUSED_SAMPLING": "0"}
     assert json.loads((out / "demo-1-new-0.json").read_text())["tree"] == str(new.resolve())
     assert json.loads((out / "demo-0-base-0.json").read_text())["tree"] == str(ROOT)  # through its link

@@ -79,7 +79,7 @@ def print_result(result: dict[str, Any]) -> None:
         + describe(result.get("speculative"))
     )
     compiles = result.get("kernel_compiles_during_run") or {}
-    if compiles.get("triton_compiles") or compiles.get("dynamo_graphs"):
+    if compiles.get("watching") and (compiles.get("triton_compiles") or compiles.get("dynamo_graphs")):
         print(f"note: {compiles['triton_compiles']} Triton kernel variants and {compiles['dynamo_graphs']} "
               "torch.compile graphs were compiled (or read from the disk cache) inside the timed run "
               "(DEEPSERVE_PREFILL_WARMUP=1 compiles prefill shapes at start-up)")

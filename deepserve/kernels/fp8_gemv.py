@@ -47,14 +47,15 @@ class Fp8GemvConfig:
 
 def default_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     """The configs with the best geometric-mean time over the 7B and V3 shapes on the H200
-    (bench/results/2026-12-01/fp8gemv1-e2bfcbb.json, 24 configs each): one row on the CUDA cores with
-    128-wide N tiles (1.07x the per-shape best; the old guess, 32-wide, 1.19x), more rows on the tensor
-    cores with 64-wide tiles and 2 warps (1.06x at M = 2, 1.05x at M = 4-16; fma was 1.46x at M = 2).
-    Against the W8A8 Triton path the GEMV won only at M = 1 (0.64-0.99x its time), so
-    DEEPSERVE_FP8_GEMV_MAX_M = 1 is the setting to try; engine figures with it are not measured yet."""
+    (bench/results/2026-12-01/fp8gemv1-e2bfcbb.json; its keys are numerics-block_n-block_k-waves-warps):
+    one row on the CUDA cores with 128-wide N tiles, 4 waves (fma-128-128-4-4: 1.07x the per-shape best;
+    the old guess, 32-wide, 1.19x), more rows on the tensor cores with 64-wide tiles and 2 waves
+    (dot-64-128-2-4: 1.06x at M = 2, 1.05x at M = 4-16; fma-32 was 1.46x at M = 2). Against the W8A8 Triton
+    path this config took 0.64-0.99x its time at M = 1 (every shape), 0.82-1.11x at M = 2 and up to 1.36x
+    above, so DEEPSERVE_FP8_GEMV_MAX_M = 1 is the setting to try; engine figures with it not measured yet."""
     if m == 1:
-        return Fp8GemvConfig(numerics="fma", block_n=128, num_warps=4)
-    return Fp8GemvConfig(numerics="dot", block_n=64, num_warps=2)
+        return Fp8GemvConfig(numerics="fma", block_n=128, waves=4, num_warps=4)
+    return Fp8GemvConfig(numerics="dot", block_n=64, waves=2, num_warps=4)
 
 
 def gemv_splits(n: int, k: int, config: Fp8GemvConfig, num_sms: int) -> int:

@@ -87,16 +87,17 @@ def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -
 def prefill_warmup_lengths(max_tokens: int, smallest: int = 16) -> list[int]:
     """Prefill lengths whose forwards compile what serving's prefill steps can meet besides the KV-sizing
     step's max_tokens (which that step runs): each power of two from `smallest` below max_tokens (the
-    thresholds kernels choose tiles by are powers of two or fall between them), and 8 less than each of
-    those and than max_tokens (not divisible by 16: Triton compiles separate variants for integer
-    arguments that are)."""
-    lengths = []
+    thresholds kernels choose tiles by are powers of two or fall between them), one less than each of
+    those and than max_tokens, and 1. Triton compiles separate variants for integer arguments equal to 1
+    and divisible by 16; an odd length keeps the token count and its multiples by an even top_k (the MoE's
+    assignments) off that divisibility, which a power of two minus 8 would not."""
+    lengths = [1] if max_tokens > 1 else []
     power = smallest
     while power < max_tokens:
-        lengths += [power - 8, power] if power - 8 > 1 else [power]
+        lengths += [power - 1, power]
         power *= 2
-    if max_tokens - 8 > 1 and max_tokens > smallest:
-        lengths.append(max_tokens - 8)
+    if max_tokens > smallest:
+        lengths.append(max_tokens - 1)
     return sorted(set(lengths))
 
 

@@ -85,3 +85,30 @@ def test_bad_shapes_are_refused_naming_what_to_pass():
         gemv.fp8_gemv(torch.randn(1, 128).to(DEVICE), w_q, scale[:, :0], BLOCK)
     with pytest.raises(ValueError, match="block_k 256 must divide"):
         gemv.fp8_gemv(torch.randn(1, 128).to(DEVICE), w_q, scale, BLOCK, config=gemv.Fp8GemvConfig(block_k=256))
+
+
+def test_the_default_configs_are_the_sweeps_geometric_mean_winners():
+    # bench/fp8_decode_graphs.py's keys are numerics-block_n-block_k-waves-num_warps (GEMV_CONFIGS' order);
+    # the defaults must be the configs with the best geometric-mean time of FP8 GEMV sweep 1 (RESULTS.md).
+    import json
+    import math
+    from pathlib import Path
+
+    sweep = Path(__file__).parents[2] / "bench/results/2026-12-01/fp8gemv1-e2bfcbb.json"
+    rows = json.loads(sweep.read_text())["gemv"]
+
+    def winner(ms):
+        ratios: dict[str, list[float]] = {}
+        chosen = [r for r in rows if r["M"] in ms]
+        for r in chosen:
+            best = min(r["gemv"].values())
+            for key, us in r["gemv"].items():
+                ratios.setdefault(key, []).append(us / best)
+        full = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in ratios.items() if len(v) == len(chosen)}
+        return min(full, key=full.get)
+
+    for m, ms in ((1, (1,)), (2, (2, 4, 8, 16))):
+        numerics, block_n, block_k, waves, warps = winner(ms).split("-")
+        cfg = gemv.default_gemv_config(m, 4096, 4096)
+        assert (cfg.numerics, cfg.block_n, cfg.block_k, cfg.waves, cfg.num_warps) == (
+            numerics, int(block_n), int(block_k), int(waves), int(warps))

@@ -14,14 +14,19 @@ from tests.models.test_deepseek import make_runner, run_step, with_blocks
 from tests.parallel.conftest import llama_path  # noqa: F401  (fixture)
 
 
-def test_lengths_are_powers_of_two_and_eight_less_below_the_profile_step():
-    assert prefill_warmup_lengths(8192) == [
-        n for p in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) for n in (p - 8, p)] + [8184]
-    assert prefill_warmup_lengths(64) == [8, 16, 24, 32, 56]
-    assert prefill_warmup_lengths(16) == []  # the profile step itself is the only prefill length
-    assert prefill_warmup_lengths(20, smallest=8) == [8, 12, 16]  # 8 - 8 = 0 is no length; 16 - 8 = 8 once
+def test_lengths_are_one_and_powers_of_two_and_one_less_below_the_profile_step():
+    assert prefill_warmup_lengths(8192) == [1] + [
+        n for p in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) for n in (p - 1, p)] + [8191]
+    assert prefill_warmup_lengths(64) == [1, 15, 16, 31, 32, 63]
+    assert prefill_warmup_lengths(16) == [1]  # the profile step itself runs 16
+    assert prefill_warmup_lengths(1) == []
     lengths = prefill_warmup_lengths(4096)
-    assert all(n < 4096 for n in lengths) and any(n % 16 for n in lengths) and any(n % 16 == 0 for n in lengths)
+    assert all(n < 4096 for n in lengths)
+    # Triton's integer specializations: == 1, divisible by 16, neither; and for the MoE's assignments
+    # (tokens x top_k, top_k 6 or 8) both divisible by 16 and not.
+    assert 1 in lengths and any(n % 16 == 0 for n in lengths) and any(n % 16 and n > 1 for n in lengths)
+    for top_k in (6, 8):
+        assert any(n * top_k % 16 for n in lengths) and any(n * top_k % 16 == 0 for n in lengths)
 
 
 def _profile_calls(runner, monkeypatch) -> list:
@@ -72,7 +77,7 @@ def test_the_warmup_leaves_nothing_behind(llama_path):  # noqa: F811
         return logits, sampled.sampled
 
     before_logits, before_tokens = logits_and_tokens()
-    assert runner.warm_up_prefill(64) == [8, 16, 24, 32, 56]
+    assert runner.warm_up_prefill(64) == [1, 15, 16, 31, 32, 63]
     after_logits, after_tokens = logits_and_tokens()
     torch.testing.assert_close(after_logits, before_logits, rtol=0, atol=0)
     assert after_tokens == before_tokens
