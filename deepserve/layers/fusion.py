@@ -50,33 +50,35 @@ def compiled_on_cuda(fn: F) -> F:
 
 
 def triton_on_cuda(kernel_name: str) -> Callable[[F], F]:
-    """`fn` as kernels/elementwise.py's `kernel_name` where uses_triton_elementwise (a GPU tensor first and
-    DEEPSERVE_TRITON_ELEMENTWISE on: no dynamo at start-up), else as compiled_on_cuda(fn). The kernel takes
-    fn's arguments and computes fn's result (fn is its reference, `wrapper.__wrapped__`)."""
+    """`fn` as kernels/elementwise.py's `kernel_name` on GPU tensors when DEEPSERVE_TRITON_ELEMENTWISE is on
+    (no dynamo at start-up), else as compiled_on_cuda(fn). Decided once, at import: with the switch off
+    (the default) this returns compiled_on_cuda(fn) itself, so the default path gains no call. The
+    kernel takes fn's arguments and computes fn's result (fn is its reference, `__wrapped__`)."""
 
     def decorate(fn: F) -> F:
         compiled = compiled_on_cuda(fn)
+        if not TRITON_ELEMENTWISE:
+            return compiled
 
         @functools.wraps(fn)
         def wrapper(*args: object) -> object:
-            if uses_triton_elementwise(args[0]):
+            if _on_gpu(args[0]):
                 from deepserve.kernels import elementwise  # Triton is imported where it runs, not by the layers
 
                 return getattr(elementwise, kernel_name)(*args)
             return compiled(*args)
 
+        wrapper.triton_kernel = kernel_name  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate
 
 
-TRITON_ELEMENTWISE = envs.DEEPSERVE_TRITON_ELEMENTWISE  # read once: the layers' per-call switch
+TRITON_ELEMENTWISE = envs.DEEPSERVE_TRITON_ELEMENTWISE  # read once, when the layers are decorated
 
 
-def uses_triton_elementwise(first: object) -> bool:
-    """Whether the chains run as kernels/elementwise.py's Triton kernels for this first argument; one place,
-    so a CPU test can route the model through them (Triton's interpreter)."""
-    return TRITON_ELEMENTWISE and isinstance(first, torch.Tensor) and first.is_cuda
+def _on_gpu(first: object) -> bool:
+    return isinstance(first, torch.Tensor) and first.is_cuda
 
 
 @functools.cache

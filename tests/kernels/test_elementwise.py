@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepserve.layers import fusion
 from deepserve.layers.activation import silu_and_mul
 from deepserve.layers.norm import add_rms_norm, rms_norm
 from deepserve.layers.rotary import _apply_rope
@@ -83,20 +82,38 @@ def test_rope(dtype, interleaved, head_dim, rotary_dim):
     assert torch.equal(got_q[0], q[0])  # position 0 rotates by nothing (cos 1, sin 0)
 
 
-def test_the_switch_is_off_by_default_and_only_for_gpu_tensors():
-    assert fusion.TRITON_ELEMENTWISE is False
-    assert not fusion.uses_triton_elementwise(torch.zeros(2))
+def test_the_switch_is_decided_at_import_and_off_by_default():
+    # Off: the layers' functions are compiled_on_cuda's wrappers themselves (no added call on the default
+    # path). On: a wrapper that routes GPU tensors to the kernel and everything else to the compiled chain.
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch; from deepserve.layers import norm, fusion\n"
+             "print(fusion.TRITON_ELEMENTWISE, getattr(norm.rms_norm, 'triton_kernel', None))\n"
+             "fusion._on_gpu = lambda t: True  # route this CPU tensor as a GPU one would go\n"
+             "from deepserve.kernels import elementwise\n"
+             "elementwise.rms_norm = lambda *a: 'kernel'\n"
+             "print(norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6) == 'kernel')\n")
+    env = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_TRITON_ELEMENTWISE"}
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    on = subprocess.run([sys.executable, "-c", probe], env={**env, "DEEPSERVE_TRITON_ELEMENTWISE": "1"},
+                        capture_output=True, text=True, timeout=300)
+    assert off.stdout.split() == ["False", "None", "False"], off.stderr[-2000:]
+    assert on.stdout.split() == ["True", "rms_norm", "True"], on.stderr[-2000:]
 
 
 @pytest.fixture
 def through_the_kernels(monkeypatch):
-    """Route the layers' chains through kernels/elementwise.py on this device (CPU: Triton's interpreter),
-    counting the launches so a test can tell the kernels really ran."""
+    """Route the layers' chains through kernels/elementwise.py on this device (CPU: Triton's interpreter), as
+    the switch does on a GPU, counting the launches so a test can tell the kernels really ran."""
+    from deepserve.layers import activation, norm, rotary
+
     calls = []
-    monkeypatch.setattr(fusion, "uses_triton_elementwise", lambda first: isinstance(first, torch.Tensor))
-    for name in ("silu_and_mul", "rms_norm", "add_rms_norm", "apply_rope"):
-        real = getattr(ew, name)
-        monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    for module, name, kernel in ((activation, "silu_and_mul", "silu_and_mul"), (norm, "rms_norm", "rms_norm"),
+                                 (norm, "add_rms_norm", "add_rms_norm"), (rotary, "_apply_rope", "apply_rope")):
+        real = getattr(ew, kernel)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=kernel: (calls.append(_name), _real(*a))[1])
     return calls
 
 
