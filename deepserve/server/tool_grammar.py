@@ -68,14 +68,14 @@ def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], paralle
 
 
 def _calls(fmt: Format, parallel: bool) -> str:
-    """One call, or calls with the template's gap between them. The gap is optional (a model that chains
-    its calls directly stays valid) but never repeated, never free whitespace, and never before the
-    first call or after the last: after each CALL_END only the gap, the next call or CALLS_END may come,
-    so the markup still has to end in CALLS_END (a free run of whitespace once let the demo's random
-    model write newlines until max_tokens)."""
+    """One call, or calls with exactly the template's gap between each two (V3: one "\\n"; V3.1: nothing),
+    so a real model's second call is written as its template taught it. The gap is never optional free
+    whitespace: after each CALL_END only the gap (then, necessarily, the next call) or CALLS_END may
+    come, so the markup still has to end in CALLS_END. (A free run of whitespace there once let the
+    demo's random model write newlines until max_tokens.)"""
     if not parallel:
         return "call"
-    gap = f"{_lit(fmt.call_gap)}? " if fmt.call_gap else ""
+    gap = f"{_lit(fmt.call_gap)} " if fmt.call_gap else ""
     return f"call ({gap}call)*"
 
 

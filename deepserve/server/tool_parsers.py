@@ -10,7 +10,7 @@ The markup, as DeepSeek's chat templates render an assistant's calls (and as the
 (each second line follows its first directly). Between two calls DeepSeek-V3's published chat template
 writes one "\\n"; V3.1's writes nothing (its tool prompt asks for calls chained without separators).
 Format.call_gap holds that text; the parsers skip whatever stands between two calls, and the grammars
-(tool_grammar.py) allow the gap there, once at most, and nowhere else.
+(tool_grammar.py) write exactly the gap there, and nothing else anywhere between the markers.
 
 Text before the first `<｜tool▁calls▁begin｜>` is the message's content. Everything after it is calls.
 

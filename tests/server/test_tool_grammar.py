@@ -116,8 +116,8 @@ def _calls_grammar(tok, parser: str, parallel: bool = True, functions=FUNCTIONS)
     ("deepseek_v3", _calls("deepseek_v3", [PING]), "complete"),
     ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap="\n"), "complete"),  # as V3's template writes
     ("deepseek_v3", _calls("deepseek_v3", [WEATHER, PING, WEATHER], gap="\n"), "complete"),
-    ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER]), "complete"),  # chained without the gap
-    ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap="\n\n"), "refused"),  # one newline at most
+    ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER]), "refused"),  # V3 writes the newline
+    ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap="\n\n"), "refused"),  # one newline, not two
     ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap=" "), "refused"),
     ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap="\r\n"), "refused"),
     ("deepseek_v3", _calls("deepseek_v3", [PING, WEATHER], gap="\n "), "refused"),
@@ -135,7 +135,7 @@ def test_between_calls_exactly_what_the_template_writes(tok, parser, text, expec
 def test_the_markup_must_end(tok, parser):
     grammar = _calls_grammar(tok, parser)
     gap = PARSERS[parser].call_gap
-    # After a call: the gap (V3), the next call or the end; after the gap only the next call.
+    # After a call: the gap (then the next call) or the end.
     assert _read(tok, grammar, _calls(parser, [PING])[: -len(E)]) == "prefix"
     if gap:
         assert _read(tok, grammar, _calls(parser, [PING])[: -len(E)] + gap) == "prefix"

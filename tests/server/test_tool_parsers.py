@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from deepserve import demo
 from deepserve.engine.outputs import CompletionOutput
+from deepserve.loader.tokenizer import apply_chat_template
 from deepserve.server.openai_format import Accumulated, ChoiceTracker
 from deepserve.server.tool_parsers import PARSERS, ToolCallSplitter, split_tool_calls
 
@@ -127,3 +129,17 @@ def _calls_of(deltas) -> list[tuple[str, str]]:
             calls[d["index"]] = [d["function"]["name"], ""]
         calls[d["index"]][1] += d["function"]["arguments"]
     return [tuple(calls[k]) for k in sorted(calls)]
+
+
+def test_demo_template_writes_v3s_parallel_calls():
+    """The demo's chat template renders an assistant's calls as DeepSeek-V3's does: one "\\n" between two
+    calls (the text v3() writes here), and the deepseek_v3 parser reads them back."""
+    tok = demo.train_bpe_tokenizer(demo.CORPUS, demo.VOCAB_SIZE, demo.SPECIAL_TOKENS, demo.MARKER_TOKENS)
+    tok.chat_template = demo.CHAT_TEMPLATE
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+             for i, (n, a) in enumerate(CALLS)]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    text = apply_chat_template(tok, messages, add_generation_prompt=False)
+    turn = text.split(demo.ASSISTANT, 1)[1].removesuffix(demo.EOS)
+    assert turn == v3("", CALLS)
+    assert [(c.name, c.arguments) for c in split_tool_calls(turn, "deepseek_v3")[1]] == CALLS
