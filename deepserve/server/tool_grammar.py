@@ -69,10 +69,11 @@ def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], paralle
 
 def _calls(fmt: Format, parallel: bool) -> str:
     """One call, or calls with exactly the template's gap between each two (V3: one "\\n"; V3.1: nothing),
-    so a real model's second call is written as its template taught it. The gap is never optional free
-    whitespace: after each CALL_END only the gap (then, necessarily, the next call) or CALLS_END may
-    come, so the markup still has to end in CALLS_END. (A free run of whitespace there once let the
-    demo's random model write newlines until max_tokens.)"""
+    so a real model's second call is written as its template taught it. After each CALL_END only the
+    gap (then, necessarily, the next call) or CALLS_END may come, so the markup has to end in CALLS_END.
+    Required, not optional: an optional gap gives a model that does not know the format (the demo's
+    random one) two ways to go on and one to stop after each call, and its calls then ran on to
+    max_tokens in a test; free whitespace would be worse still."""
     if not parallel:
         return "call"
     gap = f"{_lit(fmt.call_gap)} " if fmt.call_gap else ""
