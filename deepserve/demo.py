@@ -45,12 +45,13 @@ SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]
 MARKER_TOKENS = [*TOOL_MARKERS, THINK, END_THINK]
 VOCAB_SIZE = 1000
 # Bump the suffix whenever the written bytes change, so stale caches are not reused.
-CACHE_NAME = "demo-model-v3"
+CACHE_NAME = "demo-model-v4"
 
 # System messages first, then the tools (when the request has any), then the turns; an assistant turn is
 # closed by the eos token, and the generation prompt opens a new assistant turn. An assistant's tool calls
-# and the tool results that answer them use DeepSeek-V3's markup; `thinking` (a chat_template_kwargs key,
-# as in DeepSeek-V3.1) opens the answer with <think> when true and closes thinking at once when false.
+# (one "\n" between two, as V3's template writes) and the tool results that answer them use DeepSeek-V3's
+# markup; `thinking` (a chat_template_kwargs key, as in DeepSeek-V3.1) opens the answer with <think> when
+# true and closes thinking at once when false.
 # Same shape as DeepSeek-V3's template, written anew.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -72,6 +73,7 @@ CHAT_TEMPLATE = (
     "{%- if message['tool_calls'] -%}"
     "{{- '" + CALLS_BEGIN + "' -}}"
     "{%- for call in message['tool_calls'] -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
     "{{- '" + CALL_BEGIN + "function" + SEP + "' + call['function']['name'] + '\\n```json\\n'"
     " + call['function']['arguments'] + '\\n```" + CALL_END + "' -}}"
     "{%- endfor -%}"

@@ -7,6 +7,9 @@ structured-output path (StructuredOutputsParams(grammar=...), engine/grammar.py)
 - thinking_token_budget: the output starts inside the reasoning section; at most `budget` tokens of it
   (llguidance's max_tokens on the thinking lexeme), then `</think>` is the only token allowed, then the
   answer (free text, the tool-call markup, or the response_format schema).
+- enforced tool calls after a prompt that opened the reasoning (DeepSeek-V3.1 with `thinking: true`, R1's
+  template): free reasoning first, then `</think>`, then the calls, so the calls are not forced into the
+  reasoning section.
 
 A marker that is one token of the tokenizer is written as that token (`<[id]>`), so the model cannot
 spell it out of smaller pieces and the parsers see exactly what the template writes; otherwise it is
@@ -50,7 +53,7 @@ def _json_rule(schema: dict) -> str:
 def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], parallel: bool) -> list[str]:
     """Rules ending in `tool_calls`: one call (parallel False) or several, of the given functions."""
     mk = {m: marker(tokenizer, m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
-    rules = [f"tool_calls: {mk[CALLS_BEGIN]} call{'+' if parallel else ''} {mk[CALLS_END]}",
+    rules = [f"tool_calls: {mk[CALLS_BEGIN]} {_calls(fmt, parallel)} {mk[CALLS_END]}",
              "call: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
     for i, fn in enumerate(functions):
         if fmt.type_prefix:  # V3: "function" <sep> NAME "\n```json\n" ARGS "\n```"
@@ -62,6 +65,19 @@ def tool_calls_rules(tokenizer: Any, fmt: Format, functions: list[dict], paralle
         rules.append(f"fn{i}: {head} args{i} {tail}")
         rules.append(f"args{i}: {_json_rule(fn.get('parameters') or NO_PARAMETERS)}")
     return rules
+
+
+def _calls(fmt: Format, parallel: bool) -> str:
+    """One call, or calls with exactly the template's gap between each two (V3: one "\\n"; V3.1: nothing),
+    so a real model's second call is written as its template taught it. After each CALL_END only the
+    gap (then, necessarily, the next call) or CALLS_END may come, so the markup has to end in CALLS_END.
+    Required, not optional: an optional gap gives a model that does not know the format (the demo's
+    random one) two ways to go on and one to stop after each call, and its calls then ran on to
+    max_tokens in a test; free whitespace would be worse still."""
+    if not parallel:
+        return "call"
+    gap = f"{_lit(fmt.call_gap)} " if fmt.call_gap else ""
+    return f"call ({gap}call)*"
 
 
 def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
@@ -76,14 +92,23 @@ def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
     raise ValueError("only a JSON response_format can follow a thinking budget")
 
 
-def thinking_rules(tokenizer: Any, budget: int, opened: bool) -> list[str]:
-    """Rules ending in `thinking`: [<think>] at most `budget` tokens of reasoning, then </think>.
+def thinking_rules(tokenizer: Any, budget: int | None, opened: bool) -> list[str]:
+    """Rules ending in `thinking`: [<think>] reasoning, then </think>; at most `budget` tokens of it, or
+    as many as max_tokens leaves when budget is None.
     opened: the prompt already ends inside the reasoning section (the template wrote <think>)."""
     open_tag = "" if opened else marker(tokenizer, THINK) + " "
     if budget == 0:
         return [f"thinking: {open_tag}{marker(tokenizer, END_THINK)}"]
-    return [f"thinking: {open_tag}reasoning {marker(tokenizer, END_THINK)}",
-            f"reasoning[max_tokens={budget}]: REASONING_TEXT",
+    end = marker(tokenizer, END_THINK)
+    if budget is None and not end.startswith("<["):
+        # </think> spelled as text: llguidance's lexer is greedy, so a reasoning lexeme followed by the
+        # text "</think>" could never end; a lazy lexeme with that suffix ends at its first </think>.
+        return [f"thinking: {open_tag}reasoning", f"reasoning[suffix={end}]: {_ANY_TEXT}"]
+    # A budget ends the lexeme after `budget` tokens, and </think> follows. (Spelled as text, </think>
+    # cannot end it sooner, for the reason above: the reasoning then always takes its whole budget.)
+    bound = "" if budget is None else f"[max_tokens={budget}]"
+    return [f"thinking: {open_tag}reasoning {end}",
+            f"reasoning{bound}: REASONING_TEXT",
             f"REASONING_TEXT: {_THINK_TEXT}"]
 
 

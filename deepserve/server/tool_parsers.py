@@ -3,8 +3,14 @@
 The markup, as DeepSeek's chat templates render an assistant's calls (and as the models write them):
 
   V3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>
-       ...more calls...<｜tool▁calls▁end｜>
-  V3.1 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+       \\n<｜tool▁call▁begin｜>...the next call...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+  V3.1 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
+       <｜tool▁call▁begin｜>...the next call...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+(each second line follows its first directly). Between two calls DeepSeek-V3's published chat template
+writes one "\\n"; V3.1's writes nothing (its tool prompt asks for calls chained without separators).
+Format.call_gap holds that text; the parsers skip whatever stands between two calls, and the grammars
+(tool_grammar.py) write exactly the gap there, and nothing else anywhere between the markers.
 
 Text before the first `<｜tool▁calls▁begin｜>` is the message's content. Everything after it is calls.
 
@@ -33,14 +39,15 @@ class Format:
     type_prefix: str  # written before SEP (V3: "function"); the name follows SEP
     args_open: str  # between the name and the arguments
     args_close: str  # between the arguments and CALL_END
+    call_gap: str  # what the model's chat template writes between one call's CALL_END and the next CALL_BEGIN
 
     def head_end(self) -> str:
         """What ends the name."""
         return self.args_open
 
 
-V3 = Format("deepseek_v3", "function" + SEP, V3_ARGS_OPEN, V3_ARGS_CLOSE)
-V31 = Format("deepseek_v31", "", SEP, "")
+V3 = Format("deepseek_v3", "function" + SEP, V3_ARGS_OPEN, V3_ARGS_CLOSE, "\n")
+V31 = Format("deepseek_v31", "", SEP, "", "")
 PARSERS = {f.name: f for f in (V3, V31)}
 
 
@@ -92,7 +99,8 @@ class ToolCallSplitter:
                     return content, deltas
                 content += buf[:i]
                 buf, self._state = buf[i + len(CALLS_BEGIN):], "between"
-            elif self._state == "between":  # expecting CALL_BEGIN or CALLS_END (anything else is dropped)
+            elif self._state == "between":  # expecting CALL_BEGIN or CALLS_END; anything else (V3's "\\n"
+                # between calls, stray text) is dropped
                 i, j = buf.find(CALL_BEGIN), buf.find(CALLS_END)
                 if j >= 0 and (i < 0 or j < i):
                     self._state = "done"

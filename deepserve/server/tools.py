@@ -59,13 +59,28 @@ class OutputReading:
     tool_parser: str | None = None
 
 
+def prompt_thinking(prompt_text: str) -> str | None:
+    """Where the prompt leaves the reasoning section: "closed" (it ends in </think>, as V3.1's template
+    writes with thinking off), "open" (it ends in <think>: V3.1 with thinking on, R1's newer template),
+    else None (the model opens it itself, or never)."""
+    end = prompt_text.rstrip()
+    return "closed" if end.endswith(END_THINK) else "open" if end.endswith(THINK) else None
+
+
+def _calls_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
+    # Enforced calls start the output unless a reasoning section comes first: one the prompt opened, or
+    # one a thinking budget asks for.
+    return (plan.choice in ("required", "named") and thinking != "open"
+            and (req.thinking_token_budget is None or thinking == "closed"))
+
+
 def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan: ChatPlan,
                    prompt_text: str) -> OutputReading:
-    # No reasoning section in the output: the prompt closed it (V3.1's non-thinking mode writes </think>),
-    # or the grammar makes the output tool calls from its first token.
-    closed = prompt_text.rstrip().endswith(END_THINK)
-    forced_calls = plan.choice in ("required", "named") and req.thinking_token_budget is None
-    return OutputReading(settings.reasoning_parser is not None and not (closed or forced_calls), plan.tool_parser)
+    # No reasoning section in the output: the prompt closed it, or the grammar makes the output tool
+    # calls from its first token.
+    thinking = prompt_thinking(prompt_text)
+    reasoning = thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
+    return OutputReading(settings.reasoning_parser is not None and reasoning, plan.tool_parser)
 
 
 def _check_schema(schema: dict | None, field: str) -> None:
@@ -97,11 +112,11 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
                                                 [f.model_dump() for f in functions], parallel))
         answer, origin = "tool_calls", "tools"
     budget = req.thinking_token_budget
-    prompt_end = prompt_text.rstrip()
-    if budget is None or prompt_end.endswith(END_THINK):  # no reasoning section to bound
-        if answer is None:
-            return so, origin
+    thinking = prompt_thinking(prompt_text)
+    if answer is not None and _calls_from_first_token(req, plan, thinking):
         return tg.build(answer_parts, [answer]), origin
+    if answer is None and (budget is None or thinking == "closed"):  # no reasoning section to bound
+        return so, origin
     if answer is None:
         try:
             answer_parts.append(tg.answer_rules(so))
@@ -110,5 +125,7 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
                               "response_format, tools, or free text", param="thinking_token_budget") from None
         answer = "answer"
         origin = origin or "thinking_token_budget"
-    thinking = tg.thinking_rules(tokenizer, budget, opened=prompt_end.endswith(THINK))
-    return tg.build([thinking, *answer_parts], ["thinking", answer]), origin
+    # The reasoning, bounded by the budget when there is one, then the answer. Unbounded only before
+    # enforced calls in a section the prompt opened: without it the calls would be forced inside the reasoning.
+    rules = tg.thinking_rules(tokenizer, budget, opened=thinking == "open")
+    return tg.build([rules, *answer_parts], ["thinking", answer]), origin

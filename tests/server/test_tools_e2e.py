@@ -173,3 +173,59 @@ def test_reasoning_then_required_calls(client):
             names += [d.function.name for d in c.delta.tool_calls or [] if d.id is not None]
     assert reasoning == (choice.message.reasoning_content or "")
     assert names == [c.function.name for c in choice.message.tool_calls]
+
+
+def test_parallel_calls_take_v3s_newline_and_still_end(client):
+    """The demo writes DeepSeek-V3's markup, whose template puts one "\\n" between two calls: the grammar
+    makes the model write exactly that between calls (read from the sampled tokens), the markup still
+    ends, and a streamed response with several calls reassembles into the same calls."""
+    several = None
+    for seed in range(6):
+        kwargs = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                      max_tokens=600)
+        choice = client.chat.completions.create(logprobs=True, **kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        _validate(choice.message.tool_calls)
+        tokens = [t.token for t in choice.logprobs.content]
+        ends = [i for i, t in enumerate(tokens) if t == demo.CALL_END]
+        assert len(ends) == len(choice.message.tool_calls)
+        for i in ends[:-1]:  # between two calls: exactly the newline
+            assert tokens[i + 1:i + 3] == ["\n", demo.CALL_BEGIN], tokens[i:i + 3]
+        assert tokens[ends[-1] + 1:] == [demo.CALLS_END]
+        if len(ends) > 1 and several is None:
+            several = kwargs, choice.message.tool_calls
+    assert several is not None, "no seed gave two calls: the gap was never exercised"
+    kwargs, calls = several
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for d in (d for c in chunk.choices for d in c.delta.tool_calls or []):
+            if d.id is not None:
+                streamed[d.index] = [d.function.name, ""]
+            streamed[d.index][1] += d.function.arguments or ""
+    assert [tuple(streamed[k]) for k in sorted(streamed)] == [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_thinking_on_with_required_calls_reasons_first(client):
+    """DeepSeek-V3.1's thinking mode (the template opens <think>) with tool_choice required and no budget:
+    the output starts in the reasoning, which the reasoning parser returns as reasoning_content; the calls
+    may only follow </think> (the random model rarely writes it, so the output runs to max_tokens here).
+    With thinking off (the prompt closes </think>) the calls come at once."""
+    base = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3)
+    thinking = client.chat.completions.create(max_tokens=24, logprobs=True,
+                                              extra_body={"chat_template_kwargs": {"thinking": True}}, **base)
+    choice = thinking.choices[0]
+    tokens = [t.token for t in choice.logprobs.content]
+    assert choice.finish_reason == "length" and demo.END_THINK not in tokens
+    assert not set(tokens) & {demo.CALLS_BEGIN, demo.CALL_BEGIN}  # no call inside the reasoning
+    assert choice.message.reasoning_content and not choice.message.tool_calls and choice.message.content is None
+    reasoning = ""
+    for chunk in client.chat.completions.create(max_tokens=24, stream=True,
+                                                extra_body={"chat_template_kwargs": {"thinking": True}}, **base):
+        for c in chunk.choices:
+            assert not c.delta.tool_calls and not c.delta.content
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning == choice.message.reasoning_content
+    off = client.chat.completions.create(max_tokens=400, extra_body={"chat_template_kwargs": {"thinking": False}},
+                                         **base).choices[0]
+    assert off.finish_reason == "tool_calls" and off.message.model_extra.get("reasoning_content") is None
+    _validate(off.message.tool_calls)
