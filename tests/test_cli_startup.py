@@ -29,3 +29,28 @@ def test_help_version_and_argument_errors_import_nothing_heavy(argv):
                           timeout=120)
     assert "HEAVY " in done.stdout, done.stderr[-2000:]
     assert done.stdout.split("HEAVY ")[-1].strip() == "", done.stdout
+
+
+def test_every_engine_flag_reaches_the_engine_args():
+    # Each EngineArgs field that add_engine_args gives a flag is read by name: set them all to values
+    # other than their defaults and every one must arrive (--decryption-key-file was once parsed and dropped).
+    import dataclasses
+
+    from deepserve.config import EngineArgs
+    from deepserve.entrypoints.cli import _engine_args, build_parser
+
+    ns = build_parser().parse_args([
+        "generate", "--decryption-key-file", "/k", "--hf-overrides", '{"num_hidden_layers": 2}', "--seed", "7",
+        "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--swap-space", "3", "--enable-expert-parallel",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--max-num-seqs", "5",
+        "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy", "--cpu-kv-cache-gib", "0.5", "hi"])
+    args = _engine_args(ns, "some-model")
+    assert (args.model, args.decryption_key_file, args.hf_overrides, args.seed) == (
+        "some-model", "/k", {"num_hidden_layers": 2}, 7)
+    assert (args.quantization, args.kv_cache_dtype, args.swap_space, args.enable_expert_parallel) == (
+        "fp8", "fp8", 3, True)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert (args.max_num_seqs, args.async_scheduling, args.enforce_eager, args.load_format) == (5, False, True, "dummy")
+    assert args.cpu_kv_cache_gib == 0.5
+    unflagged = {f.name for f in dataclasses.fields(EngineArgs) if not hasattr(ns, f.name)}
+    assert unflagged == {"skip_tokenizer_init"}  # every other engine setting has a flag, and arrives

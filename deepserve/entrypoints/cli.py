@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -122,23 +123,10 @@ def _run_worker_node(args: EngineArgs) -> int:
 
 
 def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
-    return EngineArgs(
-        model=model, tokenizer=ns.tokenizer, dtype=ns.dtype, seed=ns.seed, max_model_len=ns.max_model_len,
-        block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
-        num_gpu_blocks_override=ns.num_gpu_blocks_override, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, enable_chunked_prefill=ns.enable_chunked_prefill,
-        enable_prefix_caching=ns.enable_prefix_caching, swap_space=ns.swap_space,
-        kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
-        pipeline_parallel_size=ns.pipeline_parallel_size,
-        nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
-        enable_expert_parallel=getattr(ns, "enable_expert_parallel", False),
-        load_format=ns.load_format, quantization=getattr(ns, "quantization", None), device=ns.device,
-        cpu_kv_cache_gib=ns.cpu_kv_cache_gib,
-        enforce_eager=ns.enforce_eager, async_scheduling=getattr(ns, "async_scheduling", None),
-        skip_tokenizer_init=getattr(ns, "skip_tokenizer_init", False),
-        hf_overrides=getattr(ns, "hf_overrides", {}),
-        speculative_config=getattr(ns, "speculative_config", None),
-    )
+    """Every EngineArgs field a flag of add_engine_args set (the same names), and the model: read by name,
+    so a new engine flag cannot be parsed and then dropped (--decryption-key-file once was)."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    return EngineArgs(**(values | {"model": model}))
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -159,6 +159,11 @@ def test_an_encrypted_checkpoint_serves_what_transformers_computes(tmp_path, tok
 
     with pytest.raises(enc.DecryptionError, match="--decryption-key-file"):
         LLM(str(dst), dtype="float32", device="cpu", num_gpu_blocks_override=32)
+    # The command line passes the key on (it once parsed the flag and dropped it).
+    cli = ["generate", "--model", str(dst), "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "32",
+           "--max-tokens", "4", "hello"]
+    assert main(cli + ["--decryption-key-file", str(key)]) == 0
+    assert main(cli) == 2  # without it: "... is encrypted: pass its key with --decryption-key-file"
     other = tmp_path / "other-key"
     enc.new_key_file(other)
     with pytest.raises(enc.DecryptionError, match="another key"):
