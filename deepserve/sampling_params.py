@@ -86,8 +86,8 @@ class SamplingParams:
             setattr(self, name, value)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
         if isinstance(self.structured_outputs, dict):  # from EngineCoreRequest.from_dict (msgpack)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -143,6 +143,15 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+
+
+def _as_list(name: str, value: object, what: str) -> list:
+    """value as a list (None: empty); a scalar or a mapping is refused naming the field."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

@@ -91,3 +91,33 @@ def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):
     assert (spec["method"], spec["num_speculative_tokens"]) == ("ngram", 2)
     assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"] <= 2 * spec["num_drafts"]
     assert "acceptance rate" in capsys.readouterr().out
+
+
+def test_bench_runs_on_the_demo_models_small_vocabulary(tmp_path):
+    # The README's default model has 1,011 tokens; the workloads draw ids up to 10,000 (BENCHMARKS.md), so
+    # the commands take them modulo the vocabulary (a new-user trial found both commands refused here).
+    small = ["--device", "cpu", "--dtype", "float32"]
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", *small, "--fixed", "32,4,3", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_output_tokens"] == 12
+    assert main(["bench", "latency", *small, "--input-len", "32", "--output-len", "4", "--iters", "1",
+                 "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["input_len"] == 32
+
+
+def test_within_vocab_keeps_lengths_and_leaves_large_vocabularies_alone():
+    w = workloads.w1(8)
+    small = workloads.within_vocab(w, 1011)
+    assert [len(p) for p in small.prompts] == [len(p) for p in w.prompts] and small.params is w.params
+    assert max(max(p) for p in small.prompts) < 1011 and max(max(p) for p in w.prompts) >= 1011
+    assert workloads.within_vocab(w, 102_400) is w
+
+
+def test_bench_serve_names_the_flag_when_prompt_ids_exceed_the_servers_vocabulary(capsys):
+    from deepserve.bench import serve
+
+    outcome = serve.Outcome(input_len=4, error="HTTP 400: prompt token id 6311 is outside the vocabulary [0, 1011)")
+    serve.print_result(serve.summarize([outcome], 1.0, {}, [99.0]), [99.0])
+    assert "--random-vocab-size" in capsys.readouterr().out
+    prompts = serve.build_dataset("w1", 4, 0, 0, 0.0, 1000, 0)
+    assert max(max(p.token_ids) for p in prompts) < 1000  # w1's ids taken modulo the given vocabulary

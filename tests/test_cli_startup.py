@@ -54,3 +54,20 @@ def test_every_engine_flag_reaches_the_engine_args():
     assert args.cpu_kv_cache_gib == 0.5
     unflagged = {f.name for f in dataclasses.fields(EngineArgs) if not hasattr(ns, f.name)}
     assert unflagged == {"skip_tokenizer_init"}  # every other engine setting has a flag, and arrives
+
+
+def test_help_states_each_default_once():
+    # argparse's defaults formatter appended "(default: None)" after help texts that already said what the
+    # default is ("tokenizer folder (default: the model's) (default: None)").
+    import contextlib
+    import io
+
+    from deepserve.entrypoints.cli import build_parser
+
+    for argv in (["serve", "--help"], ["generate", "--help"], ["bench", "throughput", "--help"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            build_parser().parse_args(argv)
+        text = " ".join(out.getvalue().split())
+        assert "(default: None)" not in text and "tokenizer folder (default: the model's)" in text
+        assert "(default: the model's) (default" not in text

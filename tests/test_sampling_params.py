@@ -74,3 +74,11 @@ def test_n_children_get_distinct_seeds_that_stay_64_bit():
     assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]
     assert [c.sampling_params.seed for c in children] == [2**64 - 1, 0, 1]
     assert [c.wait_for for c in children] == [None, "0_r", "0_r"]
+
+
+@pytest.mark.parametrize("field, value", [("stop", 5), ("stop", {"a": 1}), ("stop_token_ids", 7),
+                                          ("stop_token_ids", "12")])
+def test_stop_fields_of_the_wrong_kind_name_the_field(field, value):
+    # Once a TypeError from list(5); the README promises a ValueError naming the field.
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -11,12 +11,12 @@ PROCESS_START = time.perf_counter()
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from deepserve.bench import workloads
-    from deepserve.entrypoints.cli import add_engine_args
+    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
 
     bench = sub.add_parser("bench", help="benchmarks: throughput (W1/W4), latency (W2), serve (W3, online)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=DefaultsHelp)
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
     tp.add_argument("--num-seqs", type=int, default=256)
     tp.add_argument("--max-input-len", type=int, default=1024)
@@ -33,7 +33,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(tp)
     tp.set_defaults(func=cmd_throughput)
     lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=DefaultsHelp)
     lat.add_argument("--model", default=None)
     lat.add_argument("--input-len", type=int, default=1024)
     lat.add_argument("--output-len", type=int, default=512)
@@ -62,7 +62,9 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--random-input-len", type=int, default=1024)
     sv.add_argument("--random-output-len", type=int, default=128)
     sv.add_argument("--random-range-ratio", type=float, default=0.0)
-    sv.add_argument("--random-vocab-size", type=int, default=10000, help="prompt token ids are drawn below this")
+    sv.add_argument("--random-vocab-size", type=int, default=10000,
+                    help="prompt token ids are drawn below this (w1: its ids taken modulo this when smaller); "
+                         "at most the served model's vocabulary (the demo model: 1000)")
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")

@@ -34,7 +34,8 @@ def run_latency(engine_args: EngineArgs, input_len: int = 1024, output_len: int 
     from deepserve.entrypoints.llm import LLM
 
     llm = LLM(**vars(engine_args))
-    return {"model": engine_args.model, **measure_latency(llm, input_len, output_len, warmups, iters)}
+    vocab_size = llm.llm_engine.config.model.hf_config.vocab_size  # prompt ids stay inside it (the demo: 1,011)
+    return {"model": engine_args.model, **measure_latency(llm, input_len, output_len, warmups, iters, vocab_size)}
 
 
 def _random_prompt(rng: random.Random, input_len: int, vocab_size: int) -> list[int]:

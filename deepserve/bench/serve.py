@@ -48,9 +48,9 @@ class Outcome:
 def build_dataset(name: str, n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
                   seed: int) -> list[Prompt]:
     if name == "w1":
-        from deepserve.bench.workloads import w1
+        from deepserve.bench.workloads import w1, within_vocab
 
-        wl = w1(n)
+        wl = within_vocab(w1(n), vocab)
         return [Prompt(p, sp.max_tokens, sp.temperature) for p, sp in zip(wl.prompts, wl.params, strict=True)]
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -211,6 +211,9 @@ def print_result(r: dict, percentiles: list[float]) -> None:
         print(f"{label:<40}{value:<20}")
     if errors := [e for e in r["errors"] if e]:
         print(f"first error ({len(errors)} failed): {errors[0]}")
+        if any("outside the vocabulary" in e for e in errors):
+            print("hint: the server's vocabulary is smaller than the prompt ids: pass --random-vocab-size N "
+                  "(N at most its size; the demo model: 1000)")
     print("=" * 60)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from deepserve.bench.gpu_stats import EnergyMeter, device_name, peak_memory_gib
 from deepserve.bench.spec_stats import describe, spec_decode_summary
-from deepserve.bench.workloads import Workload
+from deepserve.bench.workloads import Workload, within_vocab
 from deepserve.compile_watch import compiles_between
 from deepserve.config import EngineArgs
 from deepserve.sampling_params import SamplingParams
@@ -24,6 +24,7 @@ def run_throughput(engine_args: EngineArgs, workload: Workload, process_start: f
     llm = LLM(**vars(engine_args))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     time_to_ready = time.perf_counter() - process_start  # process start -> first token out
+    workload = within_vocab(workload, llm.llm_engine.config.model.hf_config.vocab_size)
     return {"model": engine_args.model, **measure_throughput(llm, workload), "time_to_ready_s": time_to_ready,
             "startup_s": llm.llm_engine.core.startup_s}
 

@@ -48,6 +48,16 @@ def fixed(input_len: int, output_len: int, num_requests: int, seed: int = 0) -> 
     return Workload(f"fixed-{input_len}-{output_len}", prompts, params)
 
 
+def within_vocab(workload: Workload, vocab_size: int) -> Workload:
+    """The workload for a model whose vocabulary is smaller than the ids BENCHMARKS.md draws (0..10,000):
+    each id taken modulo vocab_size (the demo model has 1,011 tokens). Lengths, and so the token totals,
+    stay the workload's; a vocabulary above 10,000 gets the workload unchanged."""
+    if vocab_size > 10_000:
+        return workload
+    prompts = [[t % vocab_size for t in p] for p in workload.prompts]
+    return Workload(workload.name, prompts, workload.params, workload.exact_output)
+
+
 W4_GRID = [(128, 128, 3000), (1000, 1000, 1000), (2048, 128, 1000), (128, 2048, 500)]
 
 

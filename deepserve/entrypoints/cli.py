@@ -122,6 +122,17 @@ def _run_worker_node(args: EngineArgs) -> int:
     leave_now(run_node(config.parallel, backend))  # never returns: no teardown of the process group
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in --help, except where the help text already says what the default is, or the
+    default is None (unset: the help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
     """Every EngineArgs field a flag of add_engine_args set (the same names), and the model: read by name,
     so a new engine flag cannot be parsed and then dropped (--decryption-key-file once was)."""
@@ -206,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts, offline",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=DefaultsHelp)
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
     _add_sampling_args(gen)
@@ -214,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="one chat turn through the checkpoint's chat template",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=DefaultsHelp)
     chat.add_argument("message")
     chat.add_argument("--model", default=None)
     _add_sampling_args(chat)

@@ -22,10 +22,10 @@ DEMO_MODEL_NAME = "deepserve-demo"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from deepserve.entrypoints.cli import add_engine_args
+    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultsHelp)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")
     d = ServerSettings()
