@@ -71,3 +71,16 @@ def test_help_states_each_default_once():
         text = " ".join(out.getvalue().split())
         assert "(default: None)" not in text and "tokenizer folder (default: the model's)" in text
         assert "(default: the model's) (default" not in text
+
+
+def test_generate_on_a_shape_preset_gets_the_vocabulary_tokenizer(tmp_path, monkeypatch, capsys):
+    # Once it loaded the whole preset and then refused: "text prompts need a tokenizer" (serve had the fix).
+    from deepserve.entrypoints.cli import main
+
+    monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(tmp_path))
+    overrides = ('{"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, '
+                 '"num_key_value_heads": 4}')
+    assert main(["generate", "--model", "deepseek-llm-7b", "--load-format", "dummy", "--device", "cpu",
+                 "--dtype", "float32", "--max-model-len", "128", "--hf-overrides", overrides, "--max-tokens", "3",
+                 "--json", "Hello"]) == 0
+    assert '"Hello"' in capsys.readouterr().out

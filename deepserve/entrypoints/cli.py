@@ -80,7 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='config.json fields to replace, e.g. \'{"num_hidden_layers": 8}\' (a slice of a model)')
     g.add_argument("--speculative-config", type=_json_object_flag("--speculative-config"), default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (n-gram prompt lookup, any model)')
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (n-gram prompt lookup, any model) or '
+                        '\'{"method": "mtp", "num_speculative_tokens": 1}\' (DeepSeek-V3/R1 checkpoints with their '
+                        'MTP layer; "deepseek_mtp" too)')
 
 
 def _json_object_flag(flag: str):
@@ -168,9 +170,24 @@ def _print_outputs(outputs, as_json: bool) -> None:
                 print(c.text)
 
 
+def preset_tokenizer(ns: argparse.Namespace) -> None:
+    """A shape preset with dummy weights has no tokenizer; give it one that covers its vocabulary
+    (loader/vocab_tokenizer.py) unless --tokenizer names one, so text prompts work (serve, generate, chat)."""
+    from deepserve.loader.presets import is_preset, resolve_hf_config
+
+    if ns.model and ns.load_format == "dummy" and not ns.tokenizer and is_preset(ns.model):
+        from deepserve.loader.vocab_tokenizer import vocab_tokenizer_dir
+
+        ns.tokenizer = vocab_tokenizer_dir(ns.model, resolve_hf_config(ns.model, ns.hf_overrides, "dummy"))
+        logging.getLogger(__name__).warning("preset %s with dummy weights: using the vocabulary-covering "
+                                            "tokenizer in %s (random text; token-id prompts work as usual)",
+                                            ns.model, ns.tokenizer)
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.llm import LLM
 
+    preset_tokenizer(ns)
     llm = LLM(**vars(engine_args_from(ns, ns.model)))
     _print_outputs(llm.generate(ns.prompts, _sampling_params(ns), use_tqdm=False), ns.json)
     return 0
@@ -179,6 +196,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.llm import LLM
 
+    preset_tokenizer(ns)
     llm = LLM(**vars(engine_args_from(ns, ns.model)))
     messages = [{"role": "user", "content": ns.message}]
     _print_outputs(llm.chat(messages, _sampling_params(ns), use_tqdm=False), ns.json)

@@ -8,7 +8,6 @@ a flag given on the command line wins over the file.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
@@ -124,7 +123,7 @@ def settings_from(ns: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from deepserve.entrypoints.cli import engine_args_from
+    from deepserve.entrypoints.cli import engine_args_from, preset_tokenizer
     from deepserve.server.api_server import bind_listener, run_server
     from deepserve.server.async_llm import AsyncLLM
     from deepserve.server.state import ServerState
@@ -134,7 +133,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.node_rank != 0:
         # A node k > 0 serves no HTTP: it runs its ranks until node 0 stops (engine_args_from exits).
         engine_args_from(ns, ns.model)
-    _preset_tokenizer(ns)
+    preset_tokenizer(ns)
     settings = settings_from(ns)
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
     sock = bind_listener(settings.host, settings.port)  # before the engine: a taken port fails fast
@@ -144,20 +143,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         sock.close()
         raise
     return run_server(ServerState(settings, engine, names), sock)
-
-
-def _preset_tokenizer(ns: argparse.Namespace) -> None:
-    """A shape preset with dummy weights has no tokenizer; serve it with one that covers its vocabulary
-    (loader/vocab_tokenizer.py) unless --tokenizer names one."""
-    from deepserve.loader.presets import is_preset, resolve_hf_config
-
-    if ns.model and ns.load_format == "dummy" and not ns.tokenizer and is_preset(ns.model):
-        from deepserve.loader.vocab_tokenizer import vocab_tokenizer_dir
-
-        ns.tokenizer = vocab_tokenizer_dir(ns.model, resolve_hf_config(ns.model, ns.hf_overrides, "dummy"))
-        logging.getLogger(__name__).warning("preset %s with dummy weights: serving with the vocabulary-covering "
-                                            "tokenizer in %s (random text; token-id prompts work as usual)",
-                                            ns.model, ns.tokenizer)
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
