@@ -74,12 +74,19 @@ def _calls_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinki
             and (req.thinking_token_budget is None or thinking == "closed"))
 
 
+def _structured_from_first_token(req: p.ChatCompletionRequest, thinking: str | None) -> bool:
+    # A response_format / structured_outputs grammar holds from the first token unless a thinking budget
+    # puts a bounded reasoning section before it (output_grammar's "no reasoning section to bound").
+    return structured_outputs_of(req)[0] is not None and (req.thinking_token_budget is None or thinking == "closed")
+
+
 def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan: ChatPlan,
                    prompt_text: str) -> OutputReading:
     # No reasoning section in the output: the prompt closed it, or the grammar makes the output tool
-    # calls from its first token.
+    # calls or the structured answer from its first token (the reply is then content, never reasoning).
     thinking = prompt_thinking(prompt_text)
-    reasoning = thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
+    reasoning = (thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
+                 and not _structured_from_first_token(req, thinking))
     return OutputReading(settings.reasoning_parser is not None and reasoning, plan.tool_parser)
 
 

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from serverkit import ADMIN
 
 from deepserve import demo
@@ -229,3 +230,41 @@ def test_thinking_on_with_required_calls_reasons_first(client):
                                          **base).choices[0]
     assert off.finish_reason == "tool_calls" and off.message.model_extra.get("reasoning_content") is None
     _validate(off.message.tool_calls)
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=6)
+    days: int = Field(ge=1, le=7)
+
+
+def test_structured_output_is_content_under_the_reasoning_parser(client):
+    """A response_format grammar holds from the first token (no thinking budget): the JSON is the answer, so
+    the reasoning parser leaves it in content and the openai client's parse() fills .parsed, streamed too.
+    With thinking off (the prompt closes </think>) it is content as before."""
+    for extra in ({}, {"chat_template_kwargs": {"thinking": False}}):
+        r = client.chat.completions.parse(model=MODEL, messages=MSG, temperature=1.0, seed=4, max_tokens=200,
+                                          response_format=Forecast, extra_body=extra)
+        message = r.choices[0].message
+        assert isinstance(message.parsed, Forecast), message
+        assert (message.model_extra or {}).get("reasoning_content") is None
+    rf = {"type": "json_object"}
+    whole = client.chat.completions.create(model=MODEL, messages=MSG, temperature=1.0, seed=6, max_tokens=200,
+                                           response_format=rf).choices[0]
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.message.content), dict)
+    content, reasoning = "", ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=MSG, temperature=1.0, seed=6, max_tokens=200,
+                                                response_format=rf, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+    assert (content, reasoning) == (whole.message.content, "")
+
+
+def test_thinking_budget_then_json_keeps_the_reasoning_apart(client):
+    """With a thinking budget the reasoning comes first (reasoning_content) and the JSON follows </think>
+    as content: that split stays."""
+    r = client.chat.completions.parse(model=MODEL, messages=MSG, temperature=1.0, seed=2, max_tokens=200,
+                                      response_format=Forecast, extra_body={"thinking_token_budget": 3})
+    message = r.choices[0].message
+    assert isinstance(message.parsed, Forecast), message
+    assert demo.THINK not in message.content and demo.END_THINK not in message.content
