@@ -268,3 +268,22 @@ def test_thinking_budget_then_json_keeps_the_reasoning_apart(client):
     message = r.choices[0].message
     assert isinstance(message.parsed, Forecast), message
     assert demo.THINK not in message.content and demo.END_THINK not in message.content
+
+
+def test_a_function_without_parameters_works_with_every_tool_choice(client):
+    """OpenAI lets a function leave out `parameters` (it takes none): the template and the grammar both
+    get an empty object schema, so required gives arguments {} and auto is not refused by the template."""
+    bare = [{"type": "function", "function": {"name": "ping"}}, *TOOLS]
+    named = {"type": "function", "function": {"name": "ping"}}
+    schemas = {**SCHEMAS, "ping": {"type": "object", "maxProperties": 0}}
+    for seed in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=bare, temperature=1.0, seed=seed,
+                                           max_tokens=400, tool_choice=named)
+        calls = r.choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("ping", {})]
+    for choice in ("required", "auto"):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=bare, tool_choice=choice, seed=1,
+                                           temperature=1.0, max_tokens=400)
+        assert r.choices[0].finish_reason in ("tool_calls", "stop", "length")
+        for call in r.choices[0].message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
