@@ -180,9 +180,17 @@ def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str],
         raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     allowed = (ROUTE_ROLES if route_roles is None else route_roles).get(route_path or "", frozenset())
     if key.role not in allowed:
-        raise APIError(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
-                       code="insufficient_role")
+        raise RoleDenied(key, route_path)
     return key
+
+
+class RoleDenied(APIError):
+    """A 403 for a known key whose role may not use the route; carries the key's name for the audit log."""
+
+    def __init__(self, key: ApiKey, route_path: str | None) -> None:
+        super().__init__(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
+                         code="insufficient_role")
+        self.key_name = key.name
 
 
 def add_key_to_file(path: str, name: str, role: str, models: list[str], limits: dict[str, int | None]) -> str:

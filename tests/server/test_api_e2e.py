@@ -420,6 +420,17 @@ def test_audit_log_is_chained(srv):
     assert any(r["outcome"] == "denied_401" for r in records)
 
 
+def test_audit_names_a_known_key_its_role_refuses(srv):
+    """A 403 for a key the server knows (its role may not use the route) is recorded under that key's
+    name; only an unknown or missing key (401) has none."""
+    before = len(open(srv.audit_path).readlines())
+    assert httpx.get(f"{srv.url}/admin/usage", headers=auth(METRICS), timeout=30).status_code == 403
+    assert httpx.get(f"{srv.url}/admin/usage", headers=auth("sk-nobody-0000"), timeout=30).status_code == 401
+    records = [json.loads(line) for line in open(srv.audit_path).readlines()[before:]]
+    denied = [r for r in records if r["endpoint"] == "/admin/usage"]
+    assert {(r["outcome"], r["key"]) for r in denied} == {("denied_403", "scraper"), ("denied_401", None)}
+
+
 def test_sighup_reloads_keys(srv):
     new_key = "sk-test-added-later-0000"
     assert httpx.get(f"{srv.url}/v1/models", headers=auth(new_key)).status_code == 401
