@@ -39,9 +39,7 @@ def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPla
     if choice == "none":
         return ChatPlan(kwargs, None, choice)
     if choice == "auto" and not settings.enable_auto_tool_choice:
-        raise bad_request('tool_choice "auto" (the default when tools are given) needs the server flags '
-                          "--enable-auto-tool-choice and --tool-call-parser; or send tool_choice \"required\", "
-                          "a named function, or \"none\"", param="tool_choice")
+        raise bad_request(_auto_refused(settings), param="tool_choice")
     if settings.tool_call_parser is None:
         raise bad_request("tools need the server flag --tool-call-parser (deepseek_v3 or deepseek_v31), which "
                           "names the markup the model writes its calls in", param="tools")
@@ -57,6 +55,15 @@ def _template_tool(tool: p.Tool) -> dict[str, Any]:
     d = tool.model_dump(exclude_none=True)
     d["function"].setdefault("parameters", dict(tg.NO_PARAMETERS))
     return d
+
+
+def _auto_refused(settings: ServerSettings) -> str:
+    # Only advise what this server would accept: required and named calls need a tool-call parser too.
+    needs = 'tool_choice "auto" (the default when tools are given) needs the server flags --enable-auto-tool-choice'
+    if settings.tool_call_parser is not None:
+        return f'{needs}; or send tool_choice "required", a named function, or "none"'
+    return (f"{needs} and --tool-call-parser (deepseek_v3 or deepseek_v31); \"required\" and a named function "
+            'need --tool-call-parser too; without them send tool_choice "none" (the tools are then not used)')
 
 
 @dataclass(frozen=True)

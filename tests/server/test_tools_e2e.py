@@ -120,7 +120,12 @@ def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(s
     assert _prompt_tokens(client, extra_body={"chat_template_kwargs": {"thinking": True}}) == base + 1
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=4)
-    assert "--enable-auto-tool-choice" in e.value.message
+    advice = e.value.message
+    assert "--enable-auto-tool-choice" in advice and "--tool-call-parser" in advice
+    # The advice holds on this server: each tool_choice it offers as an alternative without flags works.
+    offered = [choice for choice in ("required", "none") if f'send tool_choice "{choice}"' in advice]
+    assert offered == ["none"], advice
+    assert c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=2).choices
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=4)
     assert "--tool-call-parser" in e.value.message
