@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -214,6 +215,24 @@ def test_bad_numbers_name_the_field(srv, raw, param):
     r = post(srv, "/v1/completions", raw)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_like_prompt_ids(client):
+    """The vocabulary size comes from the prompt-id check; stop_token_ids is held to the same bound, on both
+    endpoints, and the largest id in the vocabulary is still accepted."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)
+    vocab = int(re.search(r"outside the vocabulary \[0, (\d+)\)", e.value.message).group(1))
+    for stop in ([vocab], [5, 999999]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"stop_token_ids": stop})
+        assert e.value.body["param"] == "stop_token_ids" and f"[0, {vocab})" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1,
+                                           extra_body={"stop_token_ids": stop})
+        assert e.value.body["param"] == "stop_token_ids"
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"stop_token_ids": [vocab - 1]})
+    assert ok.choices[0].finish_reason in ("length", "stop")
 
 
 def test_chat_validation(srv):
