@@ -32,10 +32,15 @@ class ChatPlan:
     choice: str  # none | auto | required | named
 
 
+def template_kwargs_of(settings: ServerSettings, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables: --default-chat-template-kwargs under the request's own."""
+    return {**settings.default_chat_template_kwargs, **(requested or {})}
+
+
 def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPlan:
     """Raises APIError(400) naming the field or the server flag a request needs."""
     choice = p.tool_choice_of(req)
-    kwargs = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    kwargs = template_kwargs_of(settings, req.chat_template_kwargs)
     if choice == "none":
         return ChatPlan(kwargs, None, choice)
     if choice == "auto" and not settings.enable_auto_tool_choice:

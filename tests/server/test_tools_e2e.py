@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -111,13 +112,26 @@ def _prompt_tokens(c, **kwargs) -> int:
     return c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, **kwargs).usage.prompt_tokens
 
 
-def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, client):
+def _tokenize(srv, **body) -> int:
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": MSG, **body}, headers={"Authorization": f"Bearer {ADMIN}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, server, client):
     srv = server_factory(["--default-chat-template-kwargs", '{"thinking": true}'])
     c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
     # thinking (server default, or the request's own) adds the <think> token to the generation prompt.
     base = _prompt_tokens(client)
     assert _prompt_tokens(c) == base + 1
     assert _prompt_tokens(client, extra_body={"chat_template_kwargs": {"thinking": True}}) == base + 1
+    # /tokenize counts the prompt a chat request gets: the server's defaults under the request's own kwargs.
+    assert _tokenize(server) == base and _tokenize(srv) == base + 1
+    assert _tokenize(server, chat_template_kwargs={"thinking": True}) == base + 1
+    assert _tokenize(srv, chat_template_kwargs={"thinking": False}) == _prompt_tokens(
+        c, extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert _tokenize(server, add_generation_prompt=False) < base
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=4)
     advice = e.value.message
