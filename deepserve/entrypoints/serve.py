@@ -14,6 +14,7 @@ from typing import Any
 
 from deepserve import envs
 from deepserve.entrypoints.cli import _json_object_flag
+from deepserve.entrypoints.help_format import DefaultsHelpFormatter
 from deepserve.server.settings import ServerSettings
 from deepserve.server.yaml_file import load_yaml
 
@@ -24,7 +25,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     from deepserve.entrypoints.cli import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultsHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")
     d = ServerSettings()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -142,3 +143,17 @@ def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith("deepserve: error: bad.yaml: not valid YAML (line 3"), run.stderr
+
+
+def test_serve_help_states_each_default_once(monkeypatch):
+    """A flag whose help says its default in words gets no second, literal "(default: None)" from argparse;
+    the others still get argparse's."""
+    monkeypatch.setenv("COLUMNS", "200")
+    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    text = serve.format_help()
+    options = re.split(r"\n(?=  \S)", text)
+    twice = [" ".join(o.split()) for o in options if len(re.findall(r"\(?default:", o, re.IGNORECASE)) > 1]
+    assert not twice, twice
+    flat = " ".join(text.split())
+    assert "(default: the built-in demo model)" in flat and "(default: the model's)" in flat
+    assert re.search(r"--port PORT TCP port to listen on \(default: 8000\)", flat)
