@@ -235,6 +235,17 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_like_prompt_ids(clien
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def test_completions_take_one_prompt_per_request(client):
+    """As documented: a list of one prompt (text or token ids) is that prompt; several are a 400 naming
+    prompt, not a silent answer to the first."""
+    for batch in (["Hello", "World"], [[5, 6], [7]]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=batch, max_tokens=1)
+        assert e.value.body["param"] == "prompt" and "one prompt per request" in e.value.message
+    for one in (["Hello"], [[5, 6]]):
+        assert len(client.completions.create(model=MODEL, prompt=one, max_tokens=1).choices) == 1
+
+
 def test_chat_validation(srv):
     bad = [({"messages": MSG, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
            ({"messages": MSG, "chat_template": "{{ evil }}"}, "chat_template"),
