@@ -11,11 +11,10 @@ import argparse
 import sys
 from typing import Any
 
-import yaml
-
 from deepserve import envs
 from deepserve.entrypoints.cli import _json_object_flag
 from deepserve.server.settings import ServerSettings
+from deepserve.server.yaml_file import load_yaml
 
 DEMO_MODEL_NAME = "deepserve-demo"
 
@@ -79,8 +78,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill flags left at their defaults from ns.config."""
-    with open(ns.config, encoding="utf-8") as f:
-        doc = yaml.safe_load(f) or {}
+    doc = load_yaml(ns.config) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{ns.config}: expected a mapping of flag names to values")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
@@ -135,6 +133,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         engine_args_from(ns, ns.model)
     preset_tokenizer(ns)
     settings = settings_from(ns)
+    if settings.api_keys_file:  # a bad key file fails now, not after the model has loaded
+        from deepserve.server.auth import load_key_file
+
+        load_key_file(settings.api_keys_file)
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
     sock = bind_listener(settings.host, settings.port)  # before the engine: a taken port fails fast
     try:

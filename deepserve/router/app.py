@@ -67,7 +67,7 @@ async def require_key(request: Request) -> None:
         request.state.api_key = authorize(st.keys, getattr(route, "path", None), auth_headers, ROUTER_ROUTE_ROLES)
     except APIError as e:
         if st.audit is not None:
-            st.audit.write(key=None, outcome=f"denied_{e.status}", endpoint=request.url.path,
+            st.audit.write(key=getattr(e, "key_name", None), outcome=f"denied_{e.status}", endpoint=request.url.path,
                            client=client_addr(request), status=e.status, error=e.message)
         raise
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from deepserve.server.errors import APIError
+from deepserve.server.yaml_file import load_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,7 @@ def parse_key_entry(i: int, entry: object) -> ApiKey:
 
 
 def load_key_file(path: str) -> list[ApiKey]:
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f) or {}
+    doc = load_yaml(path) or {}
     entries = doc.get("keys", []) if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a mapping with a 'keys' list")
@@ -180,9 +180,17 @@ def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str],
         raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     allowed = (ROUTE_ROLES if route_roles is None else route_roles).get(route_path or "", frozenset())
     if key.role not in allowed:
-        raise APIError(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
-                       code="insufficient_role")
+        raise RoleDenied(key, route_path)
     return key
+
+
+class RoleDenied(APIError):
+    """A 403 for a known key whose role may not use the route; carries the key's name for the audit log."""
+
+    def __init__(self, key: ApiKey, route_path: str | None) -> None:
+        super().__init__(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
+                         code="insufficient_role")
+        self.key_name = key.name
 
 
 def add_key_to_file(path: str, name: str, role: str, models: list[str], limits: dict[str, int | None]) -> str:
@@ -190,8 +198,7 @@ def add_key_to_file(path: str, name: str, role: str, models: list[str], limits: 
     keys_doc: dict = {"keys": []}
     if os.path.exists(path):
         load_key_file(path)  # refuse to extend a file that does not parse
-        with open(path, encoding="utf-8") as f:
-            keys_doc = yaml.safe_load(f) or {"keys": []}
+        keys_doc = load_yaml(path) or {"keys": []}
     if any(e.get("name") == name for e in keys_doc["keys"]):
         raise ValueError(f"a key named {name!r} already exists in {path}; pick another NAME")
     secret = generate_key()

@@ -175,6 +175,7 @@ class TokenizeRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: as a chat request's, over the server's
 
 
 class DetokenizeRequest(_Strict):
@@ -203,6 +204,8 @@ def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
         raise _validation_error(e) from None
     if isinstance(req, TokenizeRequest) and (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if isinstance(req, TokenizeRequest):
+        _check_template_kwargs(req.chat_template_kwargs)
     if not isinstance(req, _SamplingFields):
         return req
     _check_common(req, limits)
@@ -260,10 +263,7 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if req.chat_template is not None:
         raise bad_request("a chat template cannot be supplied by the request; the model's own is used "
                           "(its variables can be set with chat_template_kwargs)", "chat_template")
-    reserved = sorted(set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set: the server passes it to the "
-                          "template itself", param=f"chat_template_kwargs.{reserved[0]}")
+    _check_template_kwargs(req.chat_template_kwargs)
     _check_tools(req)
     for i, m in enumerate(req.messages):
         if m.tool_calls is not None and m.role != "assistant":
@@ -279,6 +279,13 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         if req.max_tokens != req.max_completion_tokens:
             raise bad_request("set max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs.{reserved[0]} cannot be set: the server passes it to the "
+                          "template itself", param=f"chat_template_kwargs.{reserved[0]}")
 
 
 def _check_tools(req: ChatCompletionRequest) -> None:

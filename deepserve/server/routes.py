@@ -15,6 +15,7 @@ from deepserve.server.httpio import read_body
 from deepserve.server.metrics import CONTENT_TYPE
 from deepserve.server.serving import chat_prompt, client_addr, run_request
 from deepserve.server.state import ServerState
+from deepserve.server.tools import template_kwargs_of
 
 router = APIRouter()
 
@@ -32,7 +33,7 @@ async def require_key(request: Request) -> None:
         request.state.api_key = authorize(st.keys, getattr(route, "path", None), auth_headers)
     except APIError as e:
         if st.audit is not None:
-            st.audit.write(key=None, outcome=f"denied_{e.status}", endpoint=request.url.path,
+            st.audit.write(key=getattr(e, "key_name", None), outcome=f"denied_{e.status}", endpoint=request.url.path,
                            client=client_addr(request), status=e.status, error=e.message)
         raise
 
@@ -88,8 +89,10 @@ async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.TokenizeRequest)
-    if req.messages is not None:
-        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages))
+    if req.messages is not None:  # the prompt a chat request with these messages and kwargs would get
+        kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs),
+                  "add_generation_prompt": req.add_generation_prompt}
+        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs)
     else:
         ids = await st.off_loop(lambda: list(st.engine.tokenizer.encode(req.prompt,
                                                                         add_special_tokens=req.add_special_tokens)))

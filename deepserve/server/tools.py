@@ -32,23 +32,43 @@ class ChatPlan:
     choice: str  # none | auto | required | named
 
 
+def template_kwargs_of(settings: ServerSettings, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables: --default-chat-template-kwargs under the request's own."""
+    return {**settings.default_chat_template_kwargs, **(requested or {})}
+
+
 def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPlan:
     """Raises APIError(400) naming the field or the server flag a request needs."""
     choice = p.tool_choice_of(req)
-    kwargs = {**settings.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    kwargs = template_kwargs_of(settings, req.chat_template_kwargs)
     if choice == "none":
         return ChatPlan(kwargs, None, choice)
     if choice == "auto" and not settings.enable_auto_tool_choice:
-        raise bad_request('tool_choice "auto" (the default when tools are given) needs the server flags '
-                          "--enable-auto-tool-choice and --tool-call-parser; or send tool_choice \"required\", "
-                          "a named function, or \"none\"", param="tool_choice")
+        raise bad_request(_auto_refused(settings), param="tool_choice")
     if settings.tool_call_parser is None:
         raise bad_request("tools need the server flag --tool-call-parser (deepseek_v3 or deepseek_v31), which "
                           "names the markup the model writes its calls in", param="tools")
     for i, tool in enumerate(req.tools or []):
         _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
-    kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    kwargs["tools"] = [_template_tool(t) for t in req.tools or []]
     return ChatPlan(kwargs, settings.tool_call_parser, choice)
+
+
+def _template_tool(tool: p.Tool) -> dict[str, Any]:
+    # A function without `parameters` takes none (OpenAI); templates read function.parameters
+    # unconditionally (tojson of an Undefined fails), so they get the schema the grammar enforces.
+    d = tool.model_dump(exclude_none=True)
+    d["function"].setdefault("parameters", dict(tg.NO_PARAMETERS))
+    return d
+
+
+def _auto_refused(settings: ServerSettings) -> str:
+    # Only advise what this server would accept: required and named calls need a tool-call parser too.
+    needs = 'tool_choice "auto" (the default when tools are given) needs the server flags --enable-auto-tool-choice'
+    if settings.tool_call_parser is not None:
+        return f'{needs}; or send tool_choice "required", a named function, or "none"'
+    return (f"{needs} and --tool-call-parser (deepseek_v3 or deepseek_v31); \"required\" and a named function "
+            'need --tool-call-parser too; without them send tool_choice "none" (the tools are then not used)')
 
 
 @dataclass(frozen=True)
@@ -74,12 +94,19 @@ def _calls_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinki
             and (req.thinking_token_budget is None or thinking == "closed"))
 
 
+def _structured_from_first_token(req: p.ChatCompletionRequest, thinking: str | None) -> bool:
+    # A response_format / structured_outputs grammar holds from the first token unless a thinking budget
+    # puts a bounded reasoning section before it (output_grammar's "no reasoning section to bound").
+    return structured_outputs_of(req)[0] is not None and (req.thinking_token_budget is None or thinking == "closed")
+
+
 def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan: ChatPlan,
                    prompt_text: str) -> OutputReading:
     # No reasoning section in the output: the prompt closed it, or the grammar makes the output tool
-    # calls from its first token.
+    # calls or the structured answer from its first token (the reply is then content, never reasoning).
     thinking = prompt_thinking(prompt_text)
-    reasoning = thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
+    reasoning = (thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
+                 and not _structured_from_first_token(req, thinking))
     return OutputReading(settings.reasoning_parser is not None and reasoning, plan.tool_parser)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -216,6 +217,35 @@ def test_bad_numbers_name_the_field(srv, raw, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_like_prompt_ids(client):
+    """The vocabulary size comes from the prompt-id check; stop_token_ids is held to the same bound, on both
+    endpoints, and the largest id in the vocabulary is still accepted."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)
+    vocab = int(re.search(r"outside the vocabulary \[0, (\d+)\)", e.value.message).group(1))
+    for stop in ([vocab], [5, 999999]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"stop_token_ids": stop})
+        assert e.value.body["param"] == "stop_token_ids" and f"[0, {vocab})" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1,
+                                           extra_body={"stop_token_ids": stop})
+        assert e.value.body["param"] == "stop_token_ids"
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"stop_token_ids": [vocab - 1]})
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_completions_take_one_prompt_per_request(client):
+    """As documented: a list of one prompt (text or token ids) is that prompt; several are a 400 naming
+    prompt, not a silent answer to the first."""
+    for batch in (["Hello", "World"], [[5, 6], [7]]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=batch, max_tokens=1)
+        assert e.value.body["param"] == "prompt" and "one prompt per request" in e.value.message
+    for one in (["Hello"], [[5, 6]]):
+        assert len(client.completions.create(model=MODEL, prompt=one, max_tokens=1).choices) == 1
+
+
 def test_chat_validation(srv):
     bad = [({"messages": MSG, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
            ({"messages": MSG, "chat_template": "{{ evil }}"}, "chat_template"),
@@ -418,6 +448,17 @@ def test_audit_log_is_chained(srv):
     assert any(r["key"] == "user" for r in ok) and any(r["key"] == "api-key" for r in ok)
     assert any("prompt" in r for r in ok)
     assert any(r["outcome"] == "denied_401" for r in records)
+
+
+def test_audit_names_a_known_key_its_role_refuses(srv):
+    """A 403 for a key the server knows (its role may not use the route) is recorded under that key's
+    name; only an unknown or missing key (401) has none."""
+    before = len(open(srv.audit_path).readlines())
+    assert httpx.get(f"{srv.url}/admin/usage", headers=auth(METRICS), timeout=30).status_code == 403
+    assert httpx.get(f"{srv.url}/admin/usage", headers=auth("sk-nobody-0000"), timeout=30).status_code == 401
+    records = [json.loads(line) for line in open(srv.audit_path).readlines()[before:]]
+    denied = [r for r in records if r["endpoint"] == "/admin/usage"]
+    assert {(r["outcome"], r["key"]) for r in denied} == {("denied_403", "scraper"), ("denied_401", None)}
 
 
 def test_sighup_reloads_keys(srv):

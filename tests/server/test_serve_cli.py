@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -128,3 +129,31 @@ def test_node_other_than_0_runs_its_ranks_without_binding_the_http_port(monkeypa
     with pytest.raises(SystemExit) as exit_info:
         ns.func(ns)
     assert exit_info.value.code == 0 and ran == [1]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--api-keys", "bad.yaml"], ["keys", "list", "--file", "bad.yaml"],
+                                  ["keys", "add", "bob", "--role", "user", "--file", "bad.yaml"],
+                                  ["serve", "--config", "bad.yaml"]])
+def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
+    (tmp_path / "bad.yaml").write_text("port: 8000\nkeys: [\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("DEEPSERVE_API_KEY", None)
+    run = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", *argv], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("deepserve: error: bad.yaml: not valid YAML (line 3"), run.stderr
+
+
+def test_serve_help_states_each_default_once(monkeypatch):
+    """A flag whose help says its default in words gets no second, literal "(default: None)" from argparse;
+    the others still get argparse's."""
+    monkeypatch.setenv("COLUMNS", "200")
+    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    text = serve.format_help()
+    options = re.split(r"\n(?=  \S)", text)
+    twice = [" ".join(o.split()) for o in options if len(re.findall(r"\(?default:", o, re.IGNORECASE)) > 1]
+    assert not twice, twice
+    flat = " ".join(text.split())
+    assert "(default: the built-in demo model)" in flat and "(default: the model's)" in flat
+    assert re.search(r"--port PORT TCP port to listen on \(default: 8000\)", flat)

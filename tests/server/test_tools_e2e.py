@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from serverkit import ADMIN
 
 from deepserve import demo
@@ -110,16 +112,34 @@ def _prompt_tokens(c, **kwargs) -> int:
     return c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, **kwargs).usage.prompt_tokens
 
 
-def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, client):
+def _tokenize(srv, **body) -> int:
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": MSG, **body}, headers={"Authorization": f"Bearer {ADMIN}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_auto_without_the_flag_names_it_and_template_kwargs_reach_the_template(server_factory, server, client):
     srv = server_factory(["--default-chat-template-kwargs", '{"thinking": true}'])
     c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
     # thinking (server default, or the request's own) adds the <think> token to the generation prompt.
     base = _prompt_tokens(client)
     assert _prompt_tokens(c) == base + 1
     assert _prompt_tokens(client, extra_body={"chat_template_kwargs": {"thinking": True}}) == base + 1
+    # /tokenize counts the prompt a chat request gets: the server's defaults under the request's own kwargs.
+    assert _tokenize(server) == base and _tokenize(srv) == base + 1
+    assert _tokenize(server, chat_template_kwargs={"thinking": True}) == base + 1
+    assert _tokenize(srv, chat_template_kwargs={"thinking": False}) == _prompt_tokens(
+        c, extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert _tokenize(server, add_generation_prompt=False) < base
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=4)
-    assert "--enable-auto-tool-choice" in e.value.message
+    advice = e.value.message
+    assert "--enable-auto-tool-choice" in advice and "--tool-call-parser" in advice
+    # The advice holds on this server: each tool_choice it offers as an alternative without flags works.
+    offered = [choice for choice in ("required", "none") if f'send tool_choice "{choice}"' in advice]
+    assert offered == ["none"], advice
+    assert c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=2).choices
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=4)
     assert "--tool-call-parser" in e.value.message
@@ -229,3 +249,60 @@ def test_thinking_on_with_required_calls_reasons_first(client):
                                          **base).choices[0]
     assert off.finish_reason == "tool_calls" and off.message.model_extra.get("reasoning_content") is None
     _validate(off.message.tool_calls)
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=6)
+    days: int = Field(ge=1, le=7)
+
+
+def test_structured_output_is_content_under_the_reasoning_parser(client):
+    """A response_format grammar holds from the first token (no thinking budget): the JSON is the answer, so
+    the reasoning parser leaves it in content and the openai client's parse() fills .parsed, streamed too.
+    With thinking off (the prompt closes </think>) it is content as before."""
+    for extra in ({}, {"chat_template_kwargs": {"thinking": False}}):
+        r = client.chat.completions.parse(model=MODEL, messages=MSG, temperature=1.0, seed=4, max_tokens=200,
+                                          response_format=Forecast, extra_body=extra)
+        message = r.choices[0].message
+        assert isinstance(message.parsed, Forecast), message
+        assert (message.model_extra or {}).get("reasoning_content") is None
+    rf = {"type": "json_object"}
+    whole = client.chat.completions.create(model=MODEL, messages=MSG, temperature=1.0, seed=6, max_tokens=200,
+                                           response_format=rf).choices[0]
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.message.content), dict)
+    content, reasoning = "", ""
+    for chunk in client.chat.completions.create(model=MODEL, messages=MSG, temperature=1.0, seed=6, max_tokens=200,
+                                                response_format=rf, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+    assert (content, reasoning) == (whole.message.content, "")
+
+
+def test_thinking_budget_then_json_keeps_the_reasoning_apart(client):
+    """With a thinking budget the reasoning comes first (reasoning_content) and the JSON follows </think>
+    as content: that split stays."""
+    r = client.chat.completions.parse(model=MODEL, messages=MSG, temperature=1.0, seed=2, max_tokens=200,
+                                      response_format=Forecast, extra_body={"thinking_token_budget": 3})
+    message = r.choices[0].message
+    assert isinstance(message.parsed, Forecast), message
+    assert demo.THINK not in message.content and demo.END_THINK not in message.content
+
+
+def test_a_function_without_parameters_works_with_every_tool_choice(client):
+    """OpenAI lets a function leave out `parameters` (it takes none): the template and the grammar both
+    get an empty object schema, so required gives arguments {} and auto is not refused by the template."""
+    bare = [{"type": "function", "function": {"name": "ping"}}, *TOOLS]
+    named = {"type": "function", "function": {"name": "ping"}}
+    schemas = {**SCHEMAS, "ping": {"type": "object", "maxProperties": 0}}
+    for seed in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=bare, temperature=1.0, seed=seed,
+                                           max_tokens=400, tool_choice=named)
+        calls = r.choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("ping", {})]
+    for choice in ("required", "auto"):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=bare, tool_choice=choice, seed=1,
+                                           temperature=1.0, max_tokens=400)
+        assert r.choices[0].finish_reason in ("tool_calls", "stop", "length")
+        for call in r.choices[0].message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
