@@ -302,6 +302,10 @@ class EngineArgs:
             return False
         return self.async_scheduling
 
+    def model_path(self) -> str:
+        """The checkpoint folder or preset name; without a model, the built-in demo model (written on first use)."""
+        return self.model or _demo_model_path()
+
     def create_engine_config(self) -> EngineConfig:
         from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len
         from deepserve.loader.presets import is_preset, resolve_hf_config
@@ -314,7 +318,7 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_user(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
-        model = self.model or _demo_model_path()
+        model = self.model_path()
         hf_config = resolve_hf_config(model, self.hf_overrides, self.load_format)
         if speculative is not None:
             speculative.check_model(hf_config)

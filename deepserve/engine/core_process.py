@@ -117,13 +117,15 @@ def read_frame(f: BinaryIO) -> Any | None:
 # ---------------------------------------------------------------- the engine core process
 
 
-def _reader(sock: socket.socket, inbox: queue.Queue) -> None:
+def _reader(sock: socket.socket, inbox: queue.Queue, on_eof: Callable[[], None] | None = None) -> None:
     f = sock.makefile("rb")
     try:
         while (msg := read_frame(f)) is not None:
             inbox.put(msg)
     except (OSError, ValueError) as e:
         logger.error("engine socket read failed: %s", e)
+    if on_eof is not None:
+        on_eof()
     inbox.put(Shutdown())  # EOF: the API server is gone, so are its clients
 
 
@@ -185,17 +187,35 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
             last_sent = now
 
 
-def run_core_process(address: str, engine_args: dict[str, Any]) -> int:
+def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned: bool = False) -> int:
+    """Connect, build the engine, say Ready, serve. With `exit_if_orphaned` (the real child process) the
+    process exits at once when the API server goes away while the engine is still loading: the server
+    spawns us before its own start-up work, so a server that fails there must not leave us loading a
+    model (and holding GPU memory) for nobody."""
     from deepserve.config import EngineArgs
     from deepserve.engine.core import EngineCore
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(address)
+    try:
+        sock.connect(address)
+    except OSError as e:  # the server stopped before we started: its socket is gone
+        logger.warning("the API server went away before the engine connected (%s); exiting", e)
+        return 0
+    serving = threading.Event()
+
+    def orphaned_while_loading() -> None:
+        if exit_if_orphaned and not serving.is_set():
+            logger.warning("the API server went away while the engine was loading; exiting")
+            os._exit(0)
+
+    # The server sends nothing before Ready, so reading from the start only watches for its end.
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(sock, inbox, orphaned_while_loading), daemon=True,
+                     name="engine-reader").start()
     try:
         core = EngineCore.from_engine_args(EngineArgs(**engine_args))
+        serving.set()
         sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))
-        inbox: queue.Queue = queue.Queue()
-        threading.Thread(target=_reader, args=(sock, inbox), daemon=True, name="engine-reader").start()
         return serve_core(core, sock, inbox)
     except BrokenPipeError:
         return 0  # the API server went away first
@@ -211,37 +231,66 @@ def run_core_process(address: str, engine_args: dict[str, Any]) -> int:
 # ---------------------------------------------------------------- the client, in the API server
 
 
+@dataclass
+class SpawnedCore:
+    """An engine core process started but not yet connected to: it loads while its server starts up."""
+
+    proc: subprocess.Popen
+    listener: socket.socket
+    tmpdir: str
+
+    def close_listener(self) -> None:
+        self.listener.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """For a server that fails before it connects: the child would otherwise load for nobody."""
+        self.close_listener()  # the child sees its connection end and exits (exit_if_orphaned)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def spawn_core_process(engine_args: dict[str, Any]) -> SpawnedCore:
+    tmpdir = tempfile.mkdtemp(prefix="deepserve-engine-")  # 0700: only our user can connect
+    path = os.path.join(tmpdir, "core.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(1)
+        listener.setblocking(False)
+        cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", path,
+               "--engine-args", json.dumps(engine_args)]
+        return SpawnedCore(subprocess.Popen(cmd, env=_child_env()), listener, tmpdir)
+    except BaseException:
+        listener.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+
+
 class EngineCoreClient:
-    """Spawns the engine core process and talks to it from the API server's event loop.
+    """Talks to a spawned engine core process from the API server's event loop.
 
     `add` and `abort` never await: they are safe in `finally` blocks of cancelled tasks, which is
     where a client disconnect is noticed."""
 
-    def __init__(self, on_outputs: Callable[[StepOutputs], None], on_dead: Callable[[str], None]) -> None:
+    def __init__(self, spawned: SpawnedCore, on_outputs: Callable[[StepOutputs], None],
+                 on_dead: Callable[[str], None]) -> None:
+        self.spawned = spawned
         self.on_outputs = on_outputs
         self.on_dead = on_dead
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen = spawned.proc
         self.ready: Ready | None = None
         self.last_message = time.monotonic()
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
 
-    async def start(self, engine_args: dict[str, Any]) -> Ready:
-        tmpdir = tempfile.mkdtemp(prefix="deepserve-engine-")  # 0700: only our user can connect
-        path = os.path.join(tmpdir, "core.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    async def start(self) -> Ready:
+        """Accept the spawned child's connection and wait for its Ready (the whole engine load)."""
         try:
-            listener.bind(path)
-            listener.listen(1)
-            listener.setblocking(False)
-            cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", path,
-                   "--engine-args", json.dumps(engine_args)]
-            self.proc = subprocess.Popen(cmd, env=_child_env())
-            conn = await self._accept(listener)
+            conn = await self._accept(self.spawned.listener)
         finally:
-            listener.close()
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            self.spawned.close_listener()
         reader, self._writer = await asyncio.open_unix_connection(sock=conn)
         first = await _read_async(reader)
         if not isinstance(first, Ready):
@@ -305,8 +354,9 @@ class EngineCoreClient:
         self._send(Shutdown())
         if self._writer is not None:
             self._writer.close()
-        if self.proc is None:
-            return
+        # Never connected (the server stopped while the child loaded): closing the listener ends the
+        # child's pending connection, which it takes as the server gone (exit_if_orphaned).
+        self.spawned.close_listener()
         try:
             await asyncio.to_thread(self.proc.wait, timeout)
         except subprocess.TimeoutExpired:
@@ -350,7 +400,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    sys.exit(run_core_process(args.address, json.loads(args.engine_args)))
+    sys.exit(run_core_process(args.address, json.loads(args.engine_args), exit_if_orphaned=True))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
-from deepserve.engine.core_process import EngineCoreClient, StepOutputs
+from deepserve.engine.core_process import EngineCoreClient, SpawnedCore, StepOutputs, spawn_core_process
 from deepserve.engine.outputs import RequestOutput
 from deepserve.engine.processors import InputProcessor, OutputProcessor
 from deepserve.sampling_params import SamplingParams
@@ -49,13 +49,12 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, config: EngineConfig, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        self.args = args
+    def __init__(self, config: EngineConfig, tokenizer: Any, eos_ids: frozenset[int], core: SpawnedCore) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config, tokenizer, eos_ids)
         self.output_processor = OutputProcessor(tokenizer)
-        self.client = EngineCoreClient(self._on_outputs, self._on_dead)
+        self.client = EngineCoreClient(core, self._on_outputs, self._on_dead)
         self.streams: dict[str, _Stream] = {}
         self._parent_of: dict[str, str] = {}
         self.stats: dict[str, Any] = {}
@@ -66,20 +65,28 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        """Spawn the engine core process first, then build this process's config and tokenizer while the
+        child imports and loads: the two start-ups overlap instead of adding up. The child gets the
+        resolved model path (the demo model written once, here), so both read the same checkpoint; a
+        failure here stops the child."""
         from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
 
-        config = args.create_engine_config()
-        # The child gets the resolved paths, so both processes read the same checkpoint.
-        args = dataclasses.replace(args, model=config.model.model, tokenizer=config.model.tokenizer)
-        tokenizer = load_tokenizer(config.model.tokenizer)
-        return cls(args, config, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
+        args = dataclasses.replace(args, model=args.model_path())
+        core = spawn_core_process(dataclasses.asdict(args))
+        try:
+            config = args.create_engine_config()
+            tokenizer = load_tokenizer(config.model.tokenizer)
+            return cls(config, tokenizer, load_eos_token_ids(config.model.model, tokenizer), core)
+        except BaseException:
+            core.kill()
+            raise
 
     @property
     def max_model_len(self) -> int:
         return self.config.model.max_model_len
 
     async def start(self) -> None:
-        await self.client.start(dataclasses.asdict(self.args))
+        await self.client.start()
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

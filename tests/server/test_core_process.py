@@ -5,9 +5,12 @@ a clean exit when the API server's end closes. One test runs the real engine pro
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import socket
+import subprocess
+import sys
 import threading
 
 import msgpack
@@ -20,14 +23,17 @@ from deepserve.engine.core_process import (
     AddRequests,
     Shutdown,
     StepOutputs,
+    _child_env,
     _reader,
     decode,
     encode,
     read_frame,
     serve_core,
+    spawn_core_process,
 )
 from deepserve.engine.scheduler import SchedulerStats
 from deepserve.sampling_params import SamplingParams
+from deepserve.server import async_llm
 from deepserve.server.async_llm import AsyncLLM, RequestFailedError, ServerStoppingError
 
 
@@ -221,3 +227,51 @@ def test_abort_all_ends_open_and_not_yet_started_requests_but_keeps_finished_res
             await llm.shutdown()
 
     asyncio.run(run())
+
+
+def test_reader_reports_the_end_of_the_connection_before_shutdown():
+    ours, theirs = socket.socketpair()
+    inbox, ended = queue.Queue(), threading.Event()
+    t = threading.Thread(target=_reader, args=(theirs, inbox, ended.set), daemon=True)
+    t.start()
+    ours.close()
+    t.join(timeout=10)
+    assert ended.is_set() and isinstance(inbox.get_nowait(), Shutdown)
+    theirs.close()
+
+
+def test_child_exits_when_the_server_goes_away_while_it_loads(tmp_path):
+    # The server spawns the child before its own start-up work; if that work fails (or the server is
+    # killed) the child must not go on loading a model for nobody: it exits on the connection's end,
+    # before building the engine (its log says so; a child that loaded first would not).
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "core.sock"))
+    listener.listen(1)
+    listener.settimeout(120)
+    cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", str(tmp_path / "core.sock"),
+           "--engine-args", json.dumps({"max_model_len": 128, "cpu_kv_cache_gib": 0.02})]
+    proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        conn, _ = listener.accept()
+        conn.close()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "went away while the engine was loading" in err and "start-up:" not in err
+
+
+def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):
+    spawned = []
+
+    def spawn(engine_args):
+        spawned.append(spawn_core_process(engine_args))
+        return spawned[-1]
+
+    monkeypatch.setattr(async_llm, "spawn_core_process", spawn)
+    with pytest.raises(ValueError, match="max_model_len"):
+        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**9))
+    assert len(spawned) == 1 and spawned[0].proc.poll() is not None
+    assert not os.path.exists(spawned[0].tmpdir)
