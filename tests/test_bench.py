@@ -111,6 +111,11 @@ def test_within_vocab_keeps_lengths_and_leaves_large_vocabularies_alone():
     assert [len(p) for p in small.prompts] == [len(p) for p in w.prompts] and small.params is w.params
     assert max(max(p) for p in small.prompts) < 1011 and max(max(p) for p in w.prompts) >= 1011
     assert workloads.within_vocab(w, 102_400) is w
+    # W1 draws ids up to 10,000 inclusive: a vocabulary of 10,001 holds them all, one of 10,000 does not.
+    full = workloads.w1()
+    assert max(max(p) for p in full.prompts) == 10_000
+    assert workloads.within_vocab(full, 10_001) is full
+    assert workloads.within_vocab(full, 10_000).prompts != full.prompts
 
 
 def test_bench_serve_names_the_flag_when_prompt_ids_exceed_the_servers_vocabulary(capsys):
@@ -121,3 +126,6 @@ def test_bench_serve_names_the_flag_when_prompt_ids_exceed_the_servers_vocabular
     assert "--random-vocab-size" in capsys.readouterr().out
     prompts = serve.build_dataset("w1", 4, 0, 0, 0.0, 1000, 0)
     assert max(max(p.token_ids) for p in prompts) < 1000  # w1's ids taken modulo the given vocabulary
+    # Without --random-vocab-size, bench serve's W1 is BENCHMARKS.md's, id for id.
+    exact = serve.build_dataset("w1", 256, 0, 0, 0.0, None, 0)
+    assert [p.token_ids for p in exact] == workloads.w1().prompts

@@ -69,6 +69,14 @@ def test_token_ids_outside_the_vocabulary_are_refused():
         processor().process("r", [5, 100], SamplingParams())
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
+    # Offline and served alike (the server's 400 names the field from this message): an id the model
+    # can never sample would silently never stop anything.
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 100 is outside the vocabulary \[0, 100\)"):
+        processor().process("r", [5], SamplingParams(stop_token_ids=[3, 100]))
+    processor().process("r", [5], SamplingParams(stop_token_ids=[99]))
+
+
 def test_n_children_get_distinct_seeds_that_stay_64_bit():
     children = processor().process("r", [5], SamplingParams(n=3, seed=2**64 - 1))
     assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]

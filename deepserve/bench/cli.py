@@ -62,9 +62,11 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--random-input-len", type=int, default=1024)
     sv.add_argument("--random-output-len", type=int, default=128)
     sv.add_argument("--random-range-ratio", type=float, default=0.0)
-    sv.add_argument("--random-vocab-size", type=int, default=10000,
-                    help="prompt token ids are drawn below this (w1: its ids taken modulo this when smaller); "
-                         "at most the served model's vocabulary (the demo model: 1000)")
+    sv.add_argument("--random-vocab-size", type=int, default=None,
+                    help="prompt token ids below this, at most the served model's vocabulary (the demo model: "
+                         "1000, which leaves out its 11 special and marker ids); random draws below it (default: "
+                         "10000); w1 keeps BENCHMARKS.md's ids (0..10000) unless it is given, then takes them "
+                         "modulo it")
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")
@@ -110,7 +112,10 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     if ns.baseline == "hf":
         from deepserve.bench.hf_baseline import run_hf_baseline
 
-        base = run_hf_baseline(args.create_engine_config().model.hf_config, workload, ns.baseline_batch_size)
+        hf_config = args.create_engine_config().model.hf_config
+        # The ids deepserve ran (run_throughput maps them the same way), not ids beyond the embedding.
+        base = run_hf_baseline(hf_config, workloads.within_vocab(workload, hf_config.vocab_size),
+                               ns.baseline_batch_size)
         result["baseline"] = base
         result["speedup_vs_hf"] = result["output_tokens_per_second"] / base["output_tokens_per_second"]
         print(f"HF transformers: {base['output_tokens_per_second']:.1f} output tokens/s; "

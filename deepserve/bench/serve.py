@@ -45,12 +45,16 @@ class Outcome:
     error: str = ""
 
 
-def build_dataset(name: str, n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
+RANDOM_VOCAB = 10_000  # the random dataset's ids are drawn below this unless --random-vocab-size says otherwise
+
+
+def build_dataset(name: str, n: int, input_len: int, output_len: int, range_ratio: float, vocab: int | None,
                   seed: int) -> list[Prompt]:
+    """`vocab` None: W1 exactly as BENCHMARKS.md defines it (ids 0..10,000), random ids below RANDOM_VOCAB."""
     if name == "w1":
         from deepserve.bench.workloads import w1, within_vocab
 
-        wl = within_vocab(w1(n), vocab)
+        wl = w1(n) if vocab is None else within_vocab(w1(n), vocab)
         return [Prompt(p, sp.max_tokens, sp.temperature) for p, sp in zip(wl.prompts, wl.params, strict=True)]
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -59,6 +63,7 @@ def build_dataset(name: str, n: int, input_len: int, output_len: int, range_rati
     def length(center: int) -> int:
         return rng.randint(max(1, int(center * (1 - range_ratio))), max(1, int(center * (1 + range_ratio))))
 
+    vocab = RANDOM_VOCAB if vocab is None else vocab
     return [Prompt([rng.randrange(vocab) for _ in range(length(input_len))], length(output_len), 0.0)
             for _ in range(n)]
 

@@ -62,6 +62,10 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        # An id the model can never sample would silently never stop anything.
+        bad = next((t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.check_grammar(params)
         if self.pipeline_parallel and params.prompt_logprobs is not None:

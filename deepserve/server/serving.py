@@ -189,7 +189,6 @@ def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | Non
     # vLLM do), or sooner when the context has less room, and the engine reports a full context.
     default = None if chat else max(1, min(p.COMPLETION_MAX_TOKENS, st.engine.max_model_len - len(ids)))
     params = p.to_sampling_params(req, default)
-    _check_stop_token_ids(st, params.stop_token_ids)
     origin = structured_outputs_of(req)[1]
     if chat:
         params.structured_outputs, origin = output_grammar(st.engine.tokenizer, req, plan, text)
@@ -209,14 +208,6 @@ def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | Non
             raise bad_request(str(e), param="messages" if chat else "prompt",
                               code="context_length_exceeded") from None
         raise invalid_request(str(e), chat) from None
-
-
-def _check_stop_token_ids(st: ServerState, stop_token_ids: list[int] | None) -> None:
-    # As prompt ids are checked: an id the model can never sample would silently never stop anything.
-    vocab = st.engine.config.model.hf_config.vocab_size
-    if bad := [t for t in stop_token_ids or [] if t >= vocab]:
-        raise bad_request(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                          param="stop_token_ids")
 
 
 def invalid_request(message: str, chat: bool) -> APIError:
