@@ -87,17 +87,29 @@ def prompt_thinking(prompt_text: str) -> str | None:
     return "closed" if end.endswith(END_THINK) else "open" if end.endswith(THINK) else None
 
 
-def _calls_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
-    # Enforced calls start the output unless a reasoning section comes first: one the prompt opened, or
-    # one a thinking budget asks for.
-    return (plan.choice in ("required", "named") and thinking != "open"
-            and (req.thinking_token_budget is None or thinking == "closed"))
+def _json_answer(so: StructuredOutputsParams | None) -> bool:
+    return so is not None and (so.json is not None or bool(so.json_object))
 
 
-def _structured_from_first_token(req: p.ChatCompletionRequest, thinking: str | None) -> bool:
-    # A response_format / structured_outputs grammar holds from the first token unless a thinking budget
-    # puts a bounded reasoning section before it (output_grammar's "no reasoning section to bound").
-    return structured_outputs_of(req)[0] is not None and (req.thinking_token_budget is None or thinking == "closed")
+def reasoning_first(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
+    """Whether a grammar on this output starts with a reasoning section (then the enforced answer): the one
+    decision output_grammar builds from and output_reading reads by. A section the prompt opened comes first
+    before enforced calls and a JSON answer (free reasoning, as vLLM applies a grammar after the reasoning
+    ends); a thinking budget asks for one; a prompt that closed it leaves none. Regex, choice and grammar
+    answers hold from the first token when the prompt opened the section (they cannot follow it yet)."""
+    if thinking == "closed":
+        return False
+    if req.thinking_token_budget is not None:
+        return True
+    if thinking != "open":
+        return False
+    return plan.choice in ("required", "named") or _json_answer(structured_outputs_of(req)[0])
+
+
+def _enforced_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
+    # Tool calls or a structured answer enforced from the first output token: there is no reasoning in it.
+    enforced = plan.choice in ("required", "named") or structured_outputs_of(req)[0] is not None
+    return enforced and not reasoning_first(req, plan, thinking)
 
 
 def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan: ChatPlan,
@@ -105,8 +117,7 @@ def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan:
     # No reasoning section in the output: the prompt closed it, or the grammar makes the output tool
     # calls or the structured answer from its first token (the reply is then content, never reasoning).
     thinking = prompt_thinking(prompt_text)
-    reasoning = (thinking != "closed" and not _calls_from_first_token(req, plan, thinking)
-                 and not _structured_from_first_token(req, thinking))
+    reasoning = thinking != "closed" and not _enforced_from_first_token(req, plan, thinking)
     return OutputReading(settings.reasoning_parser is not None and reasoning, plan.tool_parser)
 
 
@@ -140,10 +151,8 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
         answer, origin = "tool_calls", "tools"
     budget = req.thinking_token_budget
     thinking = prompt_thinking(prompt_text)
-    if answer is not None and _calls_from_first_token(req, plan, thinking):
-        return tg.build(answer_parts, [answer]), origin
-    if answer is None and (budget is None or thinking == "closed"):  # no reasoning section to bound
-        return so, origin
+    if not reasoning_first(req, plan, thinking):  # the grammar, if any, holds from the first token
+        return (tg.build(answer_parts, [answer]), origin) if answer is not None else (so, origin)
     if answer is None:
         try:
             answer_parts.append(tg.answer_rules(so))
@@ -152,7 +161,7 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
                               "response_format, tools, or free text", param="thinking_token_budget") from None
         answer = "answer"
         origin = origin or "thinking_token_budget"
-    # The reasoning, bounded by the budget when there is one, then the answer. Unbounded only before
-    # enforced calls in a section the prompt opened: without it the calls would be forced inside the reasoning.
+    # The reasoning, bounded by the budget when there is one, then the answer. Unbounded only in a section
+    # the prompt opened: without it the calls or the JSON would be forced inside the reasoning.
     rules = tg.thinking_rules(tokenizer, budget, opened=thinking == "open")
     return tg.build([rules, *answer_parts], ["thinking", answer]), origin

@@ -199,3 +199,45 @@ def test_the_server_puts_enforced_calls_after_an_open_reasoning(tok, parser, pro
     if budget is not None and reasoning_first and demo.END_THINK not in tok.get_vocab():
         return  # the text </think> cannot end a budgeted reasoning early (see above)
     assert _read(tok, so.grammar, right) == "complete"
+
+
+def _read_params(tok, so, text: str) -> str:
+    state = GrammarCompiler(tok, len(tok)).compile(so)
+    for token in tok.encode(text, add_special_tokens=False):
+        if not state.accept(token):
+            return "refused"
+    mask = state.bitmask()
+    return "complete" if state.is_finished and mask[tok.eos_token_id // 8] >> (tok.eos_token_id % 8) & 1 else "prefix"
+
+
+@pytest.mark.parametrize(("prompt_end", "response_format", "reasoning_first"), [
+    # R1's template and V3.1 with thinking on open the reasoning: a JSON answer follows it, as calls do.
+    ("<｜Assistant｜><think>\n", {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}, True),
+    ("<｜Assistant｜><think>", {"type": "json_object"}, True),
+    ("<｜Assistant｜></think>", {"type": "json_object"}, False),  # thinking off: the JSON at once
+    ("<｜Assistant｜>", {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}, False),  # V3
+])
+def test_the_server_puts_a_json_answer_after_an_open_reasoning(tok, prompt_end, response_format, reasoning_first):
+    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=response_format)
+    plan = tools_plan.ChatPlan({}, None, "none")
+    prompt = "<｜User｜>hi" + prompt_end
+    so, origin = tools_plan.output_grammar(tok, req, plan, prompt)
+    reading = tools_plan.output_reading(SimpleNamespace(reasoning_parser="deepseek_r1"), req, plan, prompt)
+    assert origin == "response_format" and reading.reasoning == reasoning_first
+    answer = json.dumps({"city": "Paris", "days": 3}, separators=(",", ":"))  # the grammar's JSON is compact
+    with_reasoning = "Paris, 3 days." + demo.END_THINK + answer
+    right, wrong = (with_reasoning, answer) if reasoning_first else (answer, with_reasoning)
+    assert _read_params(tok, so, right) == "complete"
+    assert _read_params(tok, so, wrong) != "complete"
+
+
+def test_a_regex_answer_still_holds_from_the_first_token_after_an_open_reasoning(tok):
+    # Only JSON answers can follow the reasoning yet: a regex keeps the whole output (read as content).
+    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                  structured_outputs={"regex": "(yes|no)"})
+    plan = tools_plan.ChatPlan({}, None, "none")
+    prompt = "<｜User｜>hi<｜Assistant｜><think>\n"
+    so, _ = tools_plan.output_grammar(tok, req, plan, prompt)
+    reading = tools_plan.output_reading(SimpleNamespace(reasoning_parser="deepseek_r1"), req, plan, prompt)
+    assert so.regex == "(yes|no)" and not reading.reasoning
+    assert _read_params(tok, so, "yes") == "complete"
