@@ -81,7 +81,9 @@ def _calls(fmt: Format, parallel: bool) -> str:
 
 
 def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
-    """Rules ending in `answer` for what follows the reasoning: free text or the response_format's JSON."""
+    """Rules ending in `answer` for what follows the reasoning: free text, the JSON of a response_format or
+    structured_outputs.json, or a regex or choice. A whole Lark grammar cannot be nested (its rule names
+    could be ours): ValueError."""
     if so is None:
         return ["answer: ANSWER_TEXT", f"ANSWER_TEXT: {_ANY_TEXT}"]
     if so.json is not None:
@@ -89,7 +91,27 @@ def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
         return [f"answer: {_json_rule(schema)}"]
     if so.json_object:
         return [f"answer: {_json_rule({'type': 'object'})}"]
-    raise ValueError("only a JSON response_format can follow a thinking budget")
+    if so.regex is not None:
+        return [f"answer: {_start_body('regex', so.regex)}"]
+    if so.choice is not None:
+        return [f"answer: {_start_body('choice', json.dumps(so.choice))}"]
+    raise ValueError("a grammar cannot follow a reasoning section")
+
+
+def can_follow_reasoning(so: StructuredOutputsParams | None) -> bool:
+    return so is None or so.grammar is None
+
+
+def _start_body(kind: str, text: str) -> str:
+    # llguidance's own translation of a regex or choice into Lark (its escaping of "/" and quotes), as the
+    # body of our `answer` rule: "start: BODY" on one line.
+    import llguidance
+
+    grammar = llguidance.grammar_from(kind, text)
+    lark = json.loads(grammar)["grammars"][0]["lark_grammar"] if grammar.lstrip().startswith("{") else grammar
+    if not lark.startswith("start: ") or "\n" in lark.strip():
+        raise ValueError(f"a {kind} this server cannot place after a reasoning section")
+    return lark.removeprefix("start: ").strip()
 
 
 def thinking_rules(tokenizer: Any, budget: int | None, opened: bool) -> list[str]:

@@ -87,23 +87,20 @@ def prompt_thinking(prompt_text: str) -> str | None:
     return "closed" if end.endswith(END_THINK) else "open" if end.endswith(THINK) else None
 
 
-def _json_answer(so: StructuredOutputsParams | None) -> bool:
-    return so is not None and (so.json is not None or bool(so.json_object))
-
-
 def reasoning_first(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
     """Whether a grammar on this output starts with a reasoning section (then the enforced answer): the one
     decision output_grammar builds from and output_reading reads by. A section the prompt opened comes first
-    before enforced calls and a JSON answer (free reasoning, as vLLM applies a grammar after the reasoning
-    ends); a thinking budget asks for one; a prompt that closed it leaves none. Regex, choice and grammar
-    answers hold from the first token when the prompt opened the section (they cannot follow it yet)."""
+    before enforced calls and a structured answer (free reasoning, as vLLM applies a grammar after the
+    reasoning ends); a thinking budget asks for one; a prompt that closed it leaves none. A whole Lark
+    grammar holds from the first token when the prompt opened the section (it cannot follow it)."""
     if thinking == "closed":
         return False
     if req.thinking_token_budget is not None:
         return True
     if thinking != "open":
         return False
-    return plan.choice in ("required", "named") or _json_answer(structured_outputs_of(req)[0])
+    so = structured_outputs_of(req)[0]
+    return plan.choice in ("required", "named") or (so is not None and tg.can_follow_reasoning(so))
 
 
 def _enforced_from_first_token(req: p.ChatCompletionRequest, plan: ChatPlan, thinking: str | None) -> bool:
@@ -157,8 +154,9 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
         try:
             answer_parts.append(tg.answer_rules(so))
         except ValueError:
-            raise bad_request(f"thinking_token_budget cannot be combined with {origin}; it can with a JSON "
-                              "response_format, tools, or free text", param="thinking_token_budget") from None
+            field = "structured_outputs.grammar" if origin == "structured_outputs" else origin
+            raise bad_request(f"thinking_token_budget cannot be combined with {field}; it can with JSON, "
+                              "regex or choice outputs, tools, or free text", param="thinking_token_budget") from None
         answer = "answer"
         origin = origin or "thinking_token_budget"
     # The reasoning, bounded by the budget when there is one, then the answer. Unbounded only in a section

@@ -231,13 +231,32 @@ def test_the_server_puts_a_json_answer_after_an_open_reasoning(tok, prompt_end, 
     assert _read_params(tok, so, wrong) != "complete"
 
 
-def test_a_regex_answer_still_holds_from_the_first_token_after_an_open_reasoning(tok):
-    # Only JSON answers can follow the reasoning yet: a regex keeps the whole output (read as content).
-    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                  structured_outputs={"regex": "(yes|no)"})
+@pytest.mark.parametrize(("structured", "answer", "wrong"), [
+    ({"regex": "(yes|no)/[0-9]"}, "no/7", "maybe/7"),  # "/" is the Lark regex delimiter: escaped
+    ({"choice": ['say "hi"', "c/d"]}, 'say "hi"', "c/e"),
+])
+def test_a_regex_or_choice_answer_follows_an_open_reasoning(tok, structured, answer, wrong):
+    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs=structured)
     plan = tools_plan.ChatPlan({}, None, "none")
     prompt = "<｜User｜>hi<｜Assistant｜><think>\n"
     so, _ = tools_plan.output_grammar(tok, req, plan, prompt)
     reading = tools_plan.output_reading(SimpleNamespace(reasoning_parser="deepseek_r1"), req, plan, prompt)
-    assert so.regex == "(yes|no)" and not reading.reasoning
+    assert reading.reasoning
+    assert _read_params(tok, so, "Hmm." + demo.END_THINK + answer) == "complete"
+    assert _read_params(tok, so, "Hmm." + demo.END_THINK + wrong) == "refused"
+    assert _read_params(tok, so, answer) != "complete"  # not inside the reasoning
+
+
+def test_a_grammar_answer_holds_from_the_first_token_after_an_open_reasoning(tok):
+    # A whole Lark grammar cannot be nested after the reasoning: it keeps the output (read as content).
+    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                  structured_outputs={"grammar": 'start: "yes" | "no"'})
+    plan = tools_plan.ChatPlan({}, None, "none")
+    prompt = "<｜User｜>hi<｜Assistant｜><think>\n"
+    so, _ = tools_plan.output_grammar(tok, req, plan, prompt)
+    reading = tools_plan.output_reading(SimpleNamespace(reasoning_parser="deepseek_r1"), req, plan, prompt)
+    assert so.grammar == 'start: "yes" | "no"' and not reading.reasoning
     assert _read_params(tok, so, "yes") == "complete"
+    budget = req.model_copy(update={"thinking_token_budget": 8})
+    with pytest.raises(Exception, match="structured_outputs.grammar"):
+        tools_plan.output_grammar(tok, budget, plan, prompt)

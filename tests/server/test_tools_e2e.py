@@ -5,6 +5,7 @@ with jsonschema; the reasoning budget is counted in the demo tokenizer's own tok
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -287,6 +288,20 @@ def test_thinking_budget_then_json_keeps_the_reasoning_apart(client):
     message = r.choices[0].message
     assert isinstance(message.parsed, Forecast), message
     assert demo.THINK not in message.content and demo.END_THINK not in message.content
+
+
+def test_thinking_budget_then_regex_and_choice(client):
+    """A regex or choice answer follows a bounded reasoning too (the prompt opens <think>): the answer is
+    content and matches; the reasoning is reasoning_content."""
+    for structured, check in (({"regex": "(yes|no)-[0-9]"}, lambda c: re.fullmatch("(yes|no)-[0-9]", c)),
+                              ({"choice": ["alpha", "beta"]}, lambda c: c in ("alpha", "beta"))):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MSG, temperature=1.0, seed=4, max_tokens=60,
+            extra_body={"structured_outputs": structured, "thinking_token_budget": 3,
+                        "chat_template_kwargs": {"thinking": True}})
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop" and check(message.content), message
+        assert demo.END_THINK not in (message.reasoning_content or "")
 
 
 def test_a_function_without_parameters_works_with_every_tool_choice(client):
