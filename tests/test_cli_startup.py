@@ -3,6 +3,7 @@ imports took ~25 s (10 s of CPU) on a cold 2-core machine, for a command that pr
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -31,7 +32,29 @@ def test_help_version_and_argument_errors_import_nothing_heavy(argv):
     assert done.stdout.split("HEAVY ")[-1].strip() == "", done.stdout
 
 
-def test_every_engine_flag_reaches_the_engine_args():
+# Every command whose function calls engine_args_from, with the positionals it needs.
+ENGINE_COMMANDS = {("generate",): ["hi"], ("chat",): ["hi"], ("serve",): [], ("bench", "throughput"): [],
+                   ("bench", "latency"): []}
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _leaf_parsers(sub, (*path, name))
+
+
+def test_the_commands_with_engine_flags_are_the_engine_commands():
+    from deepserve.entrypoints.cli import build_parser
+
+    found = {path for path, p in _leaf_parsers(build_parser()) if p.get_default("_engine_dests")}
+    assert found == set(ENGINE_COMMANDS)
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_every_engine_flag_reaches_the_engine_args(command):
     # Each EngineArgs field that add_engine_args gives a flag is read by name: set them all to values
     # other than their defaults and every one must arrive (--decryption-key-file was once parsed and dropped).
     import dataclasses
@@ -40,10 +63,12 @@ def test_every_engine_flag_reaches_the_engine_args():
     from deepserve.entrypoints.cli import _engine_args, build_parser
 
     ns = build_parser().parse_args([
-        "generate", "--decryption-key-file", "/k", "--hf-overrides", '{"num_hidden_layers": 2}', "--seed", "7",
+        *command, "--decryption-key-file", "/k", "--hf-overrides", '{"num_hidden_layers": 2}', "--seed", "7",
         "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--swap-space", "3", "--enable-expert-parallel",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--max-num-seqs", "5",
-        "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy", "--cpu-kv-cache-gib", "0.5", "hi"])
+        "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy", "--cpu-kv-cache-gib", "0.5",
+        *ENGINE_COMMANDS[command]])
+    ns.skip_tokenizer_init = True  # a same-named attribute that no engine flag set is not read
     args = _engine_args(ns, "some-model")
     assert (args.model, args.decryption_key_file, args.hf_overrides, args.seed) == (
         "some-model", "/k", {"num_hidden_layers": 2}, 7)
@@ -51,9 +76,20 @@ def test_every_engine_flag_reaches_the_engine_args():
         "fp8", "fp8", 3, True)
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     assert (args.max_num_seqs, args.async_scheduling, args.enforce_eager, args.load_format) == (5, False, True, "dummy")
-    assert args.cpu_kv_cache_gib == 0.5
-    unflagged = {f.name for f in dataclasses.fields(EngineArgs) if not hasattr(ns, f.name)}
-    assert unflagged == {"skip_tokenizer_init"}  # every other engine setting has a flag, and arrives
+    assert args.cpu_kv_cache_gib == 0.5 and args.skip_tokenizer_init is False
+    unflagged = {f.name for f in dataclasses.fields(EngineArgs)} - set(ns._engine_dests)
+    assert unflagged == {"model", "skip_tokenizer_init"}  # every other engine setting has a flag, and arrives
+
+
+@pytest.mark.parametrize("argv", [["bench", "serve", "--base-url", "http://x", "--model", "m", "--seed", "5"],
+                                  ["plan", "deepseek-v3", "--max-model-len", "64", "-tp", "8"]])
+def test_a_command_without_engine_flags_lends_none_of_its_own(argv):
+    # bench serve's --seed seeds its dataset and plan's --max-model-len sizes a plan: same names as engine
+    # fields, other meanings. Were either command to build an engine, they must not flow into it silently.
+    from deepserve.entrypoints.cli import _engine_args, build_parser
+
+    with pytest.raises(TypeError, match="add_engine_args"):
+        _engine_args(build_parser().parse_args(argv), "m")
 
 
 def test_help_states_each_default_once():
