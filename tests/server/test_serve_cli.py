@@ -145,6 +145,23 @@ def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
     assert run.stderr.startswith("deepserve: error: bad.yaml: not valid YAML (line 3"), run.stderr
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_bytes(b"keys:\n  - name: caf\xe9\n"), "not UTF-8 text (byte 19: invalid continuation byte)"),
+    (lambda p: p.mkdir(), "Is a directory"),
+    (lambda p: None, "No such file or directory")])
+@pytest.mark.parametrize("command", [["keys", "list", "--file"], ["serve", "--config"]])
+def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, make, message, command):
+    # A Latin-1 file once printed "'utf-8' codec can't decode byte 0xe9 ..." without the file's name, and
+    # a directory gave an IsADirectoryError traceback.
+    from deepserve.entrypoints.cli import main
+
+    path = tmp_path / "keys.yaml"
+    make(path)
+    assert main([*command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deepserve: error: {path}: {message}\n"
+
+
 def test_serve_help_states_each_default_once(monkeypatch):
     """A flag whose help says its default in words gets no second, literal "(default: None)" from argparse;
     the others still get argparse's."""
