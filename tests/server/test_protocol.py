@@ -87,6 +87,20 @@ def test_tool_fields_name_what_is_wrong():
     parse_body(json.dumps(ok).encode(), ChatCompletionRequest, RequestLimits())
 
 
+def test_tokenize_refuses_chat_template_fields_with_a_prompt():
+    # A prompt is tokenized as it is: these were accepted and silently ignored.
+    def tokenize_error(body: dict) -> str | None:
+        return error_param(json.dumps(body).encode(), TokenizeRequest)
+
+    assert tokenize_error({"prompt": "x", "chat_template_kwargs": {"thinking": True}}) == "chat_template_kwargs"
+    assert tokenize_error({"prompt": "x", "add_generation_prompt": False}) == "add_generation_prompt"
+    assert tokenize_error({"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": False}}) == \
+        "chat_template_kwargs.add_generation_prompt"
+    for ok in ({"prompt": "x", "add_generation_prompt": True, "chat_template_kwargs": {}},
+               {"messages": MSGS, "add_generation_prompt": False, "chat_template_kwargs": {"thinking": True}}):
+        parse_body(json.dumps(ok).encode(), TokenizeRequest, LIMITS)
+
+
 def test_malformed_json_and_utf8():
     for raw in (b"{", b"\xc3\x28", b"null", b'"text"', b"[" * 100_000 + b"]" * 100_000):
         assert error_param(raw) is None
