@@ -317,6 +317,10 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         # A stop string could cut the enforced arguments mid-JSON: the calls would no longer validate.
         raise bad_request("stop cannot be combined with a required or named tool_choice (it could end the "
                           "output inside a call's arguments); leave stop out", "stop")
+    if tool_choice_of(req) in ("required", "named") and req.stop_token_ids:
+        # The same for a stop token the grammar forces (a tool-call marker ends the calls mid-markup).
+        raise bad_request("stop_token_ids cannot be combined with a required or named tool_choice (a stop "
+                          "token could end the output inside a call); leave stop_token_ids out", "stop_token_ids")
 
 
 def tool_choice_of(req: ChatCompletionRequest) -> str:

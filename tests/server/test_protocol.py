@@ -71,6 +71,11 @@ def test_tool_fields_name_what_is_wrong():
         ({"tools": [fn], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
         ({"tools": [fn], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [fn], "tool_choice": "required", "stop": ["}"]}, "stop"),
+        # as stop strings are: a stop token the grammar forces (a marker) would end the calls mid-markup
+        ({"tools": [fn], "tool_choice": "required", "stop_token_ids": [5]}, "stop_token_ids"),
+        ({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop_token_ids": [5]},
+         "stop_token_ids"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
         ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs"),
         ({"thinking_token_budget": -1}, "thinking_token_budget"),
