@@ -126,12 +126,15 @@ def _run_worker_node(args: EngineArgs) -> int:
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default in --help, except where the help text already says what the default is, or the
-    default is None (unset: the help says what happens then)."""
+    """Each flag's default in --help, except where the help text already says what the default is
+    ("(default: the model's)"), or the default is None (unset: the help says what happens then). argparse
+    shows nothing for a flag without help, so every flag with a default needs a help text."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or "default" in text.lower():
+        # "(default", not "default": a help text may use the word for something else ("the default when
+        # a request has tools").
+        if action.default is None or "(default" in text.lower():
             return text
         return super()._get_help_string(action)
 
@@ -148,12 +151,13 @@ def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per output")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    parser.add_argument("--n", type=int, default=1, help="outputs per prompt")
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="seed of the sampling (default: torch's global generator, which --seed seeds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per output")
 
 

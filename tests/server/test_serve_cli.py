@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -160,17 +159,3 @@ def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, mak
     assert main([*command, str(path)]) == 2
     err = capsys.readouterr().err
     assert err == f"deepserve: error: {path}: {message}\n"
-
-
-def test_serve_help_states_each_default_once(monkeypatch):
-    """A flag whose help says its default in words gets no second, literal "(default: None)" from argparse;
-    the others still get argparse's."""
-    monkeypatch.setenv("COLUMNS", "200")
-    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
-    text = serve.format_help()
-    options = re.split(r"\n(?=  \S)", text)
-    twice = [" ".join(o.split()) for o in options if len(re.findall(r"\(?default:", o, re.IGNORECASE)) > 1]
-    assert not twice, twice
-    flat = " ".join(text.split())
-    assert "(default: the built-in demo model)" in flat and "(default: the model's)" in flat
-    assert re.search(r"--port PORT TCP port to listen on \(default: 8000\)", flat)
