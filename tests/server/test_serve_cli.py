@@ -144,6 +144,20 @@ def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
     assert run.stderr.startswith("deepserve: error: bad.yaml: not valid YAML (line 3"), run.stderr
 
 
+def test_a_bad_key_file_fails_before_the_port_is_bound_or_the_model_loaded(tmp_path, monkeypatch, capsys):
+    # The key file is checked first: otherwise the same error came after the model had loaded, with the
+    # port held meanwhile (and a taken port answered instead).
+    import deepserve.server.api_server as api_server
+    import deepserve.server.async_llm as async_llm
+    from deepserve.entrypoints.cli import main
+
+    monkeypatch.setattr(api_server, "bind_listener", lambda *a: pytest.fail("bound the port first"))
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda *a: pytest.fail("loaded the model first"))
+    (tmp_path / "bad.yaml").write_text("keys: [\n")
+    assert main(["serve", "--api-keys", str(tmp_path / "bad.yaml")]) == 2
+    assert capsys.readouterr().err.startswith(f"deepserve: error: {tmp_path / 'bad.yaml'}: not valid YAML (line 2")
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda p: p.write_bytes(b"keys:\n  - name: caf\xe9\n"), "not UTF-8 text (byte 19: invalid continuation byte)"),
     (lambda p: p.mkdir(), "Is a directory"),
