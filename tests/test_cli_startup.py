@@ -121,14 +121,21 @@ def test_help_states_each_default_once(monkeypatch):
     assert "--num-seqs NUM_SEQS W1's number of requests (default: 256)" in flat[("bench", "throughput")]
 
 
-def test_generate_on_a_shape_preset_gets_the_vocabulary_tokenizer(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_on_a_shape_preset_get_the_vocabulary_tokenizer(tmp_path, monkeypatch, capsys, command):
     # Once it loaded the whole preset and then refused: "text prompts need a tokenizer" (serve had the fix).
+    # chat also needs the tokenizer's chat template (DeepSeek's turn markers).
+    import json
+
     from deepserve.entrypoints.cli import main
 
     monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(tmp_path))
     overrides = ('{"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, '
                  '"num_key_value_heads": 4}')
-    assert main(["generate", "--model", "deepseek-llm-7b", "--load-format", "dummy", "--device", "cpu",
+    assert main([command, "--model", "deepseek-llm-7b", "--load-format", "dummy", "--device", "cpu",
                  "--dtype", "float32", "--max-model-len", "128", "--hf-overrides", overrides, "--max-tokens", "3",
                  "--json", "Hello"]) == 0
-    assert '"Hello"' in capsys.readouterr().out
+    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+    want = "Hello" if command == "generate" else "<｜User｜>Hello<｜Assistant｜>"
+    assert out["prompt"].endswith(want), out["prompt"]
