@@ -3,6 +3,7 @@ imports took ~25 s (10 s of CPU) on a cold 2-core machine, for a command that pr
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -31,7 +32,29 @@ def test_help_version_and_argument_errors_import_nothing_heavy(argv):
     assert done.stdout.split("HEAVY ")[-1].strip() == "", done.stdout
 
 
-def test_every_engine_flag_reaches_the_engine_args():
+# Every command whose function calls engine_args_from, with the positionals it needs.
+ENGINE_COMMANDS = {("generate",): ["hi"], ("chat",): ["hi"], ("serve",): [], ("bench", "throughput"): [],
+                   ("bench", "latency"): []}
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _leaf_parsers(sub, (*path, name))
+
+
+def test_the_commands_with_engine_flags_are_the_engine_commands():
+    from deepserve.entrypoints.cli import build_parser
+
+    found = {path for path, p in _leaf_parsers(build_parser()) if p.get_default("_engine_dests")}
+    assert found == set(ENGINE_COMMANDS)
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_every_engine_flag_reaches_the_engine_args(command):
     # Each EngineArgs field that add_engine_args gives a flag is read by name: set them all to values
     # other than their defaults and every one must arrive (--decryption-key-file was once parsed and dropped).
     import dataclasses
@@ -40,10 +63,12 @@ def test_every_engine_flag_reaches_the_engine_args():
     from deepserve.entrypoints.cli import _engine_args, build_parser
 
     ns = build_parser().parse_args([
-        "generate", "--decryption-key-file", "/k", "--hf-overrides", '{"num_hidden_layers": 2}', "--seed", "7",
+        *command, "--decryption-key-file", "/k", "--hf-overrides", '{"num_hidden_layers": 2}', "--seed", "7",
         "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--swap-space", "3", "--enable-expert-parallel",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--max-num-seqs", "5",
-        "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy", "--cpu-kv-cache-gib", "0.5", "hi"])
+        "--no-async-scheduling", "--enforce-eager", "--load-format", "dummy", "--cpu-kv-cache-gib", "0.5",
+        *ENGINE_COMMANDS[command]])
+    ns.skip_tokenizer_init = True  # a same-named attribute that no engine flag set is not read
     args = _engine_args(ns, "some-model")
     assert (args.model, args.decryption_key_file, args.hf_overrides, args.seed) == (
         "some-model", "/k", {"num_hidden_layers": 2}, 7)
@@ -51,36 +76,66 @@ def test_every_engine_flag_reaches_the_engine_args():
         "fp8", "fp8", 3, True)
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     assert (args.max_num_seqs, args.async_scheduling, args.enforce_eager, args.load_format) == (5, False, True, "dummy")
-    assert args.cpu_kv_cache_gib == 0.5
-    unflagged = {f.name for f in dataclasses.fields(EngineArgs) if not hasattr(ns, f.name)}
-    assert unflagged == {"skip_tokenizer_init"}  # every other engine setting has a flag, and arrives
+    assert args.cpu_kv_cache_gib == 0.5 and args.skip_tokenizer_init is False
+    unflagged = {f.name for f in dataclasses.fields(EngineArgs)} - set(ns._engine_dests)
+    assert unflagged == {"model", "skip_tokenizer_init"}  # every other engine setting has a flag, and arrives
 
 
-def test_help_states_each_default_once():
-    # argparse's defaults formatter appended "(default: None)" after help texts that already said what the
-    # default is ("tokenizer folder (default: the model's) (default: None)").
-    import contextlib
-    import io
+@pytest.mark.parametrize("argv", [["bench", "serve", "--base-url", "http://x", "--model", "m", "--seed", "5"],
+                                  ["plan", "deepseek-v3", "--max-model-len", "64", "-tp", "8"]])
+def test_a_command_without_engine_flags_lends_none_of_its_own(argv):
+    # bench serve's --seed seeds its dataset and plan's --max-model-len sizes a plan: same names as engine
+    # fields, other meanings. Were either command to build an engine, they must not flow into it silently.
+    from deepserve.entrypoints.cli import _engine_args, build_parser
 
-    from deepserve.entrypoints.cli import build_parser
-
-    for argv in (["serve", "--help"], ["generate", "--help"], ["bench", "throughput", "--help"]):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            build_parser().parse_args(argv)
-        text = " ".join(out.getvalue().split())
-        assert "(default: None)" not in text and "tokenizer folder (default: the model's)" in text
-        assert "(default: the model's) (default" not in text
+    with pytest.raises(TypeError, match="add_engine_args"):
+        _engine_args(build_parser().parse_args(argv), "m")
 
 
-def test_generate_on_a_shape_preset_gets_the_vocabulary_tokenizer(tmp_path, monkeypatch, capsys):
+def test_help_states_each_default_once(monkeypatch):
+    # Each flag of a DefaultsHelp command with a default states it exactly once: argparse's "(default: X)"
+    # or the help's own words ("(default: the model's)"). Once, "tokenizer folder (default: the model's)
+    # (default: None)"; then the word "default" used otherwise hid --enable-auto-tool-choice's; and argparse
+    # shows nothing for a flag without help (bench throughput's --num-seqs).
+    import re
+
+    from deepserve.entrypoints.cli import DefaultsHelp, build_parser
+
+    monkeypatch.setenv("COLUMNS", "200")
+    parsers = {path: p for path, p in _leaf_parsers(build_parser()) if p.formatter_class is DefaultsHelp}
+    assert set(ENGINE_COMMANDS) <= set(parsers)
+    for path, parser in parsers.items():
+        entries = [" ".join(e.split()) for e in re.split(r"\n(?=  -)", parser.format_help())]
+        for action in parser._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:
+                continue
+            (entry,) = [e for e in entries if re.match(re.escape(action.option_strings[0]) + r"(?:[ ,]|$)", e)]
+            said = len(re.findall(r"\(default", entry, re.IGNORECASE))
+            assert said == 1 if action.default is not None else said <= 1, (path, entry)
+            assert "(default: None)" not in entry, (path, entry)
+    flat = {path: " ".join(p.format_help().split()) for path, p in parsers.items()}
+    assert "--tokenizer PATH tokenizer folder (default: the model's) --dtype" in flat[("generate",)]
+    assert "--model MODEL checkpoint folder (default: the built-in demo model)" in flat[("generate",)]
+    assert "--port PORT TCP port to listen on (default: 8000)" in flat[("serve",)]
+    assert "(the default when a request has tools); needs --tool-call-parser (default: False)" in flat[("serve",)]
+    assert "--num-seqs NUM_SEQS W1's number of requests (default: 256)" in flat[("bench", "throughput")]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_on_a_shape_preset_get_the_vocabulary_tokenizer(tmp_path, monkeypatch, capsys, command):
     # Once it loaded the whole preset and then refused: "text prompts need a tokenizer" (serve had the fix).
+    # chat also needs the tokenizer's chat template (DeepSeek's turn markers).
+    import json
+
     from deepserve.entrypoints.cli import main
 
     monkeypatch.setenv("DEEPSERVE_CACHE_DIR", str(tmp_path))
     overrides = ('{"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, '
                  '"num_key_value_heads": 4}')
-    assert main(["generate", "--model", "deepseek-llm-7b", "--load-format", "dummy", "--device", "cpu",
+    assert main([command, "--model", "deepseek-llm-7b", "--load-format", "dummy", "--device", "cpu",
                  "--dtype", "float32", "--max-model-len", "128", "--hf-overrides", overrides, "--max-tokens", "3",
                  "--json", "Hello"]) == 0
-    assert '"Hello"' in capsys.readouterr().out
+    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+    want = "Hello" if command == "generate" else "<｜User｜>Hello<｜Assistant｜>"
+    assert out["prompt"].endswith(want), out["prompt"]

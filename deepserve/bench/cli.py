@@ -18,14 +18,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline",
                           formatter_class=DefaultsHelp)
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
-    tp.add_argument("--num-seqs", type=int, default=256)
-    tp.add_argument("--max-input-len", type=int, default=1024)
-    tp.add_argument("--max-output-len", type=int, default=1024)
+    tp.add_argument("--num-seqs", type=int, default=256, help="W1's number of requests")
+    tp.add_argument("--max-input-len", type=int, default=1024, help="W1's longest prompt (tokens; lengths 100..this)")
+    tp.add_argument("--max-output-len", type=int, default=1024,
+                    help="W1's longest output (tokens; lengths 100..this)")
     grid = ", ".join(",".join(map(str, point)) for point in workloads.W4_GRID)
     tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N",
                     help=f"a fixed-shape workload instead of W1; BENCHMARKS.md's W4 grid: {grid}")
     tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
-    tp.add_argument("--baseline-batch-size", type=int, default=64)
+    tp.add_argument("--baseline-batch-size", type=int, default=64, help="requests per HF generate() batch")
     tp.add_argument("--structured-output", choices=["json"], default=None,
                     help="constrain every request with a JSON schema (structured output's cost on W1); needs "
                          "a tokenizer: a model folder, or --tokenizer PATH with a shape preset")
@@ -35,9 +36,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT",
                            formatter_class=DefaultsHelp)
     lat.add_argument("--model", default=None)
-    lat.add_argument("--input-len", type=int, default=1024)
-    lat.add_argument("--output-len", type=int, default=512)
-    lat.add_argument("--iters", type=int, default=10)
+    lat.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
+    lat.add_argument("--output-len", type=int, default=512, help="output tokens")
+    lat.add_argument("--iters", type=int, default=10, help="timed requests (after 3 warm-ups)")
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)

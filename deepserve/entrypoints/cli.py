@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -12,7 +11,8 @@ from deepserve.config import EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, with vLLM's names, shared by every command that builds an engine."""
+    """The engine flags, with vLLM's names, shared by every command that builds an engine. Their dests are
+    recorded on the parser (`_engine_dests`): engine_args_from reads those and no other flag."""
     d = EngineArgs()
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer folder (default: the model's)")
@@ -83,6 +83,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_min": 1, "prompt_lookup_max": 3}\' (n-gram prompt lookup, any model) or '
                         '\'{"method": "mtp", "num_speculative_tokens": 1}\' (DeepSeek-V3/R1 checkpoints with their '
                         'MTP layer; "deepseek_mtp" too)')
+    parser.set_defaults(_engine_dests=tuple(action.dest for action in g._group_actions))
 
 
 def _json_object_flag(flag: str):
@@ -125,30 +126,38 @@ def _run_worker_node(args: EngineArgs) -> int:
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default in --help, except where the help text already says what the default is, or the
-    default is None (unset: the help says what happens then)."""
+    """Each flag's default in --help, except where the help text already says what the default is
+    ("(default: the model's)"), or the default is None (unset: the help says what happens then). argparse
+    shows nothing for a flag without help, so every flag with a default needs a help text."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or "default" in text.lower():
+        # "(default", not "default": a help text may use the word for something else ("the default when
+        # a request has tools").
+        if action.default is None or "(default" in text.lower():
             return text
         return super()._get_help_string(action)
 
 
 def _engine_args(ns: argparse.Namespace, model: str | None) -> EngineArgs:
-    """Every EngineArgs field a flag of add_engine_args set (the same names), and the model: read by name,
-    so a new engine flag cannot be parsed and then dropped (--decryption-key-file once was)."""
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
-    return EngineArgs(**(values | {"model": model}))
+    """Every flag of add_engine_args (each dest is its EngineArgs field's name), and the model. Read by name,
+    so a new engine flag cannot be parsed and then dropped (--decryption-key-file once was); read from
+    add_engine_args' own dests only, so a command's same-named flag with another meaning (bench serve's
+    --seed, plan's --max-model-len) never reaches the engine."""
+    dests = getattr(ns, "_engine_dests", None)
+    if dests is None:
+        raise TypeError("engine_args_from needs a parser built with add_engine_args")
+    return EngineArgs(**({dest: getattr(ns, dest) for dest in dests} | {"model": model}))
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per output")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    parser.add_argument("--n", type=int, default=1, help="outputs per prompt")
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="seed of the sampling (default: torch's global generator, which --seed seeds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per output")
 
 

@@ -202,10 +202,8 @@ def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
         req = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
-    if isinstance(req, TokenizeRequest) and (req.prompt is None) == (req.messages is None):
-        raise bad_request("give exactly one of prompt or messages", param="prompt")
     if isinstance(req, TokenizeRequest):
-        _check_template_kwargs(req.chat_template_kwargs)
+        _check_tokenize(req)
     if not isinstance(req, _SamplingFields):
         return req
     _check_common(req, limits)
@@ -214,6 +212,19 @@ def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
     else:
         _check_completion(req)
     return req
+
+
+def _check_tokenize(req: TokenizeRequest) -> None:
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    # The chat template's inputs: a plain prompt goes through no template, so they would be ignored silently.
+    if req.prompt is not None and req.chat_template_kwargs:
+        raise bad_request("chat_template_kwargs applies to messages only: a prompt is tokenized as it is; send "
+                          "messages instead, or leave chat_template_kwargs out", param="chat_template_kwargs")
+    if req.prompt is not None and not req.add_generation_prompt:
+        raise bad_request("add_generation_prompt applies to messages only: a prompt is tokenized as it is; send "
+                          "messages instead, or leave add_generation_prompt out", param="add_generation_prompt")
+    _check_template_kwargs(req.chat_template_kwargs)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "constrained-str"}
@@ -306,6 +317,10 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         # A stop string could cut the enforced arguments mid-JSON: the calls would no longer validate.
         raise bad_request("stop cannot be combined with a required or named tool_choice (it could end the "
                           "output inside a call's arguments); leave stop out", "stop")
+    if tool_choice_of(req) in ("required", "named") and req.stop_token_ids:
+        # The same for a stop token the grammar forces (a tool-call marker ends the calls mid-markup).
+        raise bad_request("stop_token_ids cannot be combined with a required or named tool_choice (a stop "
+                          "token could end the output inside a call); leave stop_token_ids out", "stop_token_ids")
 
 
 def tool_choice_of(req: ChatCompletionRequest) -> str:

@@ -53,11 +53,13 @@ class _Recorder:
         return getattr(self.kernel, name)
 
 
-def _record(monkeypatch, module, run) -> list:
+def _record(monkeypatch, modules, run) -> list:
+    """The launches `run` makes of the kernels of `modules` (a module or a tuple of them)."""
     launches: list = []
-    for name, value in list(vars(module).items()):
-        if type(value).__name__ == "InterpretedFunction":
-            monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
+    for module in modules if isinstance(modules, tuple) else (modules,):
+        for name, value in list(vars(module).items()):
+            if type(value).__name__ == "InterpretedFunction":
+                monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
     run()
     assert launches, "the wrapper launched no kernel"
     return launches
@@ -197,6 +199,7 @@ def test_fused_moe_kernels_compile(monkeypatch):
 
 def test_fp8_gemm_kernels_compile(monkeypatch):
     fp8 = import_kernels("deepserve.kernels.fp8")
+    split_k = import_kernels("deepserve.kernels.split_k")
     from deepserve.kernels.fp8_ref import quantize_weight_block, quantize_weight_per_channel
 
     block = (128, 128)
@@ -208,15 +211,20 @@ def test_fp8_gemm_kernels_compile(monkeypatch):
         fp8.quantize_per_token_group(torch.randn(2, 5000, dtype=torch.bfloat16), 5000)  # per token, chunked
         x_q, x_scale = fp8.quantize_per_token_group(torch.randn(3, 256, dtype=torch.bfloat16), 128)
         # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
-        # split sum), mid, prefill; then an odd K (masked K loads) with a bias, and the per-channel path.
+        # split sum, kernels/split_k.py), mid, prefill, each with a bias and without (DeepSeek's linears
+        # have none); then an odd K (masked K loads) with a bias, and the per-channel path.
         for m, n, k in ((1, 576, 7168), (1, 24576, 1536), (200, 7168, 2048), (8192, 7168, 2048)):
             cfg = fp8.default_config(m, n, k, block)
-            fp8.block_fp8_matmul(x_q, x_scale, w_q, w_scale, block, torch.bfloat16, bias, config=cfg)
+            for b in (bias, None):
+                fp8.block_fp8_matmul(x_q, x_scale, w_q, w_scale, block, torch.bfloat16, b, config=cfg)
         fp8.block_fp8_linear(torch.randn(3, 328, dtype=torch.bfloat16), odd_q, odd_scale, block, bias)
         fp8.channel_fp8_triton(torch.randn(3, 328, dtype=torch.bfloat16), *quantize_weight_per_channel(
             torch.randn(200, 328)))
 
-    _compile_all(_record(monkeypatch, fp8, run))
+    launches = _record(monkeypatch, (fp8, split_k), run)
+    sums = [j["constexprs"]["HAS_BIAS"] for j in launches if j["kernel"] == "_sum_splits_kernel"]
+    assert set(sums) == {True, False}, sums  # the decode path's split sum, with and without a bias
+    _compile_all(launches)
 
 
 def test_fp8_gemv_kernels_compile(monkeypatch):
@@ -246,6 +254,7 @@ def test_int4_gemm_kernels_compile(monkeypatch):
     from dataclasses import replace
 
     int4 = import_kernels("deepserve.kernels.int4")
+    split_k = import_kernels("deepserve.kernels.split_k")
     from deepserve.kernels.int4_ref import pack_rows
 
     n, k = 192, 256
@@ -256,18 +265,23 @@ def test_int4_gemm_kernels_compile(monkeypatch):
     def run():
         x = torch.randn(3, k, dtype=torch.bfloat16)
         # Every regime's launch as the wrappers choose it for real shapes: decode with split-K (and the
-        # split sum), mid, prefill; then act order, 8-bit codes, and an odd K (masked K steps) with a bias.
+        # split sum, kernels/split_k.py, with and without a bias), mid, prefill; then act order, 8-bit
+        # codes, and an odd K (masked K steps) with a bias.
         for m, nn, kk in ((1, 4096, 4096), (200, 4096, 4096), (8192, 4096, 4096)):
             cfg = int4.default_config(m, nn, kk)
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=replace(cfg, reshape_unpack=False))
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, bias=bias, config=cfg)
         g_idx = (torch.randperm(k) // 128).to(torch.int32)
         int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias)
         int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128)
         odd = pack_rows(torch.randint(0, 16, (n, 200)), 4)
         int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias)
 
-    _compile_all(_record(monkeypatch, int4, run))
+    launches = _record(monkeypatch, (int4, split_k), run)
+    sums = [j["constexprs"]["HAS_BIAS"] for j in launches if j["kernel"] == "_sum_splits_kernel"]
+    assert set(sums) == {True, False}, sums  # the decode path's split sum, with and without a bias
+    _compile_all(launches)
 
 
 def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):

@@ -189,6 +189,16 @@ def test_tokenize_detokenize(srv):
     assert post(srv, "/detokenize", {"tokens": [10**6]}).json()["error"]["param"] == "tokens"
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt"),  # reserved: the server passes it itself
+    ({"prompt": "hi", "chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs"),  # no template
+    ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt")])
+def test_tokenize_refuses_template_fields_it_would_not_use(srv, body, param):
+    r = post(srv, "/tokenize", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ------------------------------------------------------------------ validation
 
 

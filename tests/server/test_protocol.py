@@ -71,6 +71,11 @@ def test_tool_fields_name_what_is_wrong():
         ({"tools": [fn], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
         ({"tools": [fn], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [fn], "tool_choice": "required", "stop": ["}"]}, "stop"),
+        # as stop strings are: a stop token the grammar forces (a marker) would end the calls mid-markup
+        ({"tools": [fn], "tool_choice": "required", "stop_token_ids": [5]}, "stop_token_ids"),
+        ({"tools": [fn], "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop_token_ids": [5]},
+         "stop_token_ids"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
         ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs"),
         ({"thinking_token_budget": -1}, "thinking_token_budget"),
@@ -85,6 +90,20 @@ def test_tool_fields_name_what_is_wrong():
     ok = {"messages": MSGS, "tools": [fn], "tool_choice": {"type": "function", "function": {"name": "f"}},
           "chat_template_kwargs": {"thinking": True}, "thinking_token_budget": 0}
     parse_body(json.dumps(ok).encode(), ChatCompletionRequest, RequestLimits())
+
+
+def test_tokenize_refuses_chat_template_fields_with_a_prompt():
+    # A prompt is tokenized as it is: these were accepted and silently ignored.
+    def tokenize_error(body: dict) -> str | None:
+        return error_param(json.dumps(body).encode(), TokenizeRequest)
+
+    assert tokenize_error({"prompt": "x", "chat_template_kwargs": {"thinking": True}}) == "chat_template_kwargs"
+    assert tokenize_error({"prompt": "x", "add_generation_prompt": False}) == "add_generation_prompt"
+    assert tokenize_error({"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": False}}) == \
+        "chat_template_kwargs.add_generation_prompt"
+    for ok in ({"prompt": "x", "add_generation_prompt": True, "chat_template_kwargs": {}},
+               {"messages": MSGS, "add_generation_prompt": False, "chat_template_kwargs": {"thinking": True}}):
+        parse_body(json.dumps(ok).encode(), TokenizeRequest, LIMITS)
 
 
 def test_malformed_json_and_utf8():

@@ -1,4 +1,5 @@
-"""Router pieces without processes: the balancer's affinity and bounded loads, URL and flag checks."""
+"""Router pieces without processes: the balancer's affinity and bounded loads, URL and flag checks, the
+key check's audit record."""
 
 from __future__ import annotations
 
@@ -86,3 +87,27 @@ def test_backend_dns_adds_each_address_once_and_forgets_those_gone():
     asyncio.run(pool.refresh_dns())
     assert "http://127.0.0.1:8123" not in pool.backends and "http://127.0.0.1:8124" in pool.backends
     assert "http://127.0.0.1:9" in pool.backends  # a static --backend never leaves
+
+
+def test_audit_names_a_known_key_its_role_refuses(tmp_path):
+    # As the server's: a 403 for a key the router knows (a metrics key on an admin route) is recorded under
+    # that key's name; an unknown key (401) has none. The app runs in-process without its lifespan: the
+    # key check answers before any backend is asked.
+    import json
+
+    from fastapi.testclient import TestClient
+    from serverkit import METRICS, auth, write_keys
+
+    from deepserve.router.app import build_app
+    from deepserve.router.state import RouterState
+
+    audit = tmp_path / "audit.jsonl"
+    st = RouterState(RouterSettings(backends=["http://127.0.0.1:9"], api_keys_file=write_keys(str(tmp_path / "k.yaml")),
+                                    audit_log=str(audit)))
+    client = TestClient(build_app(st))
+    assert client.get("/admin/usage", headers=auth(METRICS)).status_code == 403
+    assert client.get("/admin/usage", headers=auth("sk-nobody-0000")).status_code == 401
+    st.audit.close()
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["outcome"], r["key"], r["endpoint"]) for r in records] == [
+        ("denied_403", "scraper", "/admin/usage"), ("denied_401", None, "/admin/usage")]

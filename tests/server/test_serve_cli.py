@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -145,15 +144,32 @@ def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
     assert run.stderr.startswith("deepserve: error: bad.yaml: not valid YAML (line 3"), run.stderr
 
 
-def test_serve_help_states_each_default_once(monkeypatch):
-    """A flag whose help says its default in words gets no second, literal "(default: None)" from argparse;
-    the others still get argparse's."""
-    monkeypatch.setenv("COLUMNS", "200")
-    serve = add_serve_parser(argparse.ArgumentParser().add_subparsers())
-    text = serve.format_help()
-    options = re.split(r"\n(?=  \S)", text)
-    twice = [" ".join(o.split()) for o in options if len(re.findall(r"\(?default:", o, re.IGNORECASE)) > 1]
-    assert not twice, twice
-    flat = " ".join(text.split())
-    assert "(default: the built-in demo model)" in flat and "(default: the model's)" in flat
-    assert re.search(r"--port PORT TCP port to listen on \(default: 8000\)", flat)
+def test_a_bad_key_file_fails_before_the_port_is_bound_or_the_model_loaded(tmp_path, monkeypatch, capsys):
+    # The key file is checked first: otherwise the same error came after the model had loaded, with the
+    # port held meanwhile (and a taken port answered instead).
+    import deepserve.server.api_server as api_server
+    import deepserve.server.async_llm as async_llm
+    from deepserve.entrypoints.cli import main
+
+    monkeypatch.setattr(api_server, "bind_listener", lambda *a: pytest.fail("bound the port first"))
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda *a: pytest.fail("loaded the model first"))
+    (tmp_path / "bad.yaml").write_text("keys: [\n")
+    assert main(["serve", "--api-keys", str(tmp_path / "bad.yaml")]) == 2
+    assert capsys.readouterr().err.startswith(f"deepserve: error: {tmp_path / 'bad.yaml'}: not valid YAML (line 2")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_bytes(b"keys:\n  - name: caf\xe9\n"), "not UTF-8 text (byte 19: invalid continuation byte)"),
+    (lambda p: p.mkdir(), "Is a directory"),
+    (lambda p: None, "No such file or directory")])
+@pytest.mark.parametrize("command", [["keys", "list", "--file"], ["serve", "--config"]])
+def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, make, message, command):
+    # A Latin-1 file once printed "'utf-8' codec can't decode byte 0xe9 ..." without the file's name, and
+    # a directory gave an IsADirectoryError traceback.
+    from deepserve.entrypoints.cli import main
+
+    path = tmp_path / "keys.yaml"
+    make(path)
+    assert main([*command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deepserve: error: {path}: {message}\n"

@@ -236,6 +236,9 @@ def test_thinking_on_with_required_calls_reasons_first(client):
                                               extra_body={"chat_template_kwargs": {"thinking": True}}, **base)
     choice = thinking.choices[0]
     tokens = [t.token for t in choice.logprobs.content]
+    # That seed 3 samples no </think> in 24 tokens is a fact of the demo's random weights and the sampler
+    # (deterministic, not flaky), not of the feature: should either change and </think> appear, pick
+    # another seed for which it does not (the server has no logit_bias to forbid the token).
     assert choice.finish_reason == "length" and demo.END_THINK not in tokens
     assert not set(tokens) & {demo.CALLS_BEGIN, demo.CALL_BEGIN}  # no call inside the reasoning
     assert choice.message.reasoning_content and not choice.message.tool_calls and choice.message.content is None
@@ -318,6 +321,10 @@ def test_a_function_without_parameters_works_with_every_tool_choice(client):
     for choice in ("required", "auto"):
         r = client.chat.completions.create(model=MODEL, messages=MSG, tools=bare, tool_choice=choice, seed=1,
                                            temperature=1.0, max_tokens=400)
-        assert r.choices[0].finish_reason in ("tool_calls", "stop", "length")
-        for call in r.choices[0].message.tool_calls or []:
+        calls = r.choices[0].message.tool_calls or []
+        if choice == "required":  # the grammar makes the output one or more calls, and ends them
+            assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0]
+        else:  # the model may write text, or nothing the parser reads as a call
+            assert r.choices[0].finish_reason in ("tool_calls", "stop", "length")
+        for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
