@@ -40,6 +40,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.regex is not None and (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:
+            # llguidance would drop it silently ("a\\" matched as "a"), not refuse it
+            raise ValueError("structured_outputs.regex ends in a lone backslash (escape it as \\\\)")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
 

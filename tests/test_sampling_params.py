@@ -8,7 +8,7 @@ import pytest
 
 from deepserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepserve.engine.processors import InputProcessor
-from deepserve.sampling_params import SamplingParams
+from deepserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("field, value", [
@@ -90,3 +90,10 @@ def test_stop_fields_of_the_wrong_kind_name_the_field(field, value):
     # Once a TypeError from list(5); the README promises a ValueError naming the field.
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_regex_ending_in_a_lone_backslash_is_refused():
+    # llguidance would silently drop the backslash ("a\\" matching "a") instead of refusing it.
+    with pytest.raises(ValueError, match="lone backslash"):
+        StructuredOutputsParams(regex="a\\")
+    assert StructuredOutputsParams(regex="a\\\\").regex == "a\\\\"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -122,6 +123,8 @@ def _reader(sock: socket.socket, inbox: queue.Queue, on_eof: Callable[[], None] 
     try:
         while (msg := read_frame(f)) is not None:
             inbox.put(msg)
+    except ConnectionResetError:
+        pass  # the server closed its listener before accepting us (it stopped during start-up): an end
     except (OSError, ValueError) as e:
         logger.error("engine socket read failed: %s", e)
     if on_eof is not None:
@@ -187,6 +190,15 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
             last_sent = now
 
 
+def _remove_socket_path(address: str) -> None:
+    # Connected, the path is no longer needed (the server's listener and our connection live on): removed
+    # here too, so a server killed before it cleaned up leaves no socket or private folder behind.
+    with contextlib.suppress(OSError):
+        os.unlink(address)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(address))  # only when empty: the folder the server made for it
+
+
 def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned: bool = False) -> int:
     """Connect, build the engine, say Ready, serve. With `exit_if_orphaned` (the real child process) the
     process exits at once when the API server goes away while the engine is still loading: the server
@@ -201,6 +213,7 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
     except OSError as e:  # the server stopped before we started: its socket is gone
         logger.warning("the API server went away before the engine connected (%s); exiting", e)
         return 0
+    _remove_socket_path(address)
     serving = threading.Event()
 
     def orphaned_while_loading() -> None:
@@ -291,7 +304,11 @@ class EngineCoreClient:
             conn = await self._accept(self.spawned.listener)
         finally:
             self.spawned.close_listener()
-        reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        try:
+            reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        except BaseException:  # cancelled in between: the child must see its server gone
+            conn.close()
+            raise
         first = await _read_async(reader)
         if not isinstance(first, Ready):
             why = first.error if isinstance(first, EngineFailed) else "it exited during startup"
@@ -348,6 +365,11 @@ class EngineCoreClient:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(AbortRequests(list(request_ids)))
+
+    def kill_if_unconnected(self) -> None:
+        """For a server that stops before its lifespan connected to the child (uvicorn failing to start)."""
+        if self._writer is None and self.proc.poll() is None:
+            self.spawned.kill()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self._closing = True

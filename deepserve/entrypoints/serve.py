@@ -137,6 +137,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from deepserve.server.auth import load_key_file
 
         load_key_file(settings.api_keys_file)
+    check_tls_files(settings)  # uvicorn reads them only after the engine process has been started
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
     sock = bind_listener(settings.host, settings.port)  # before the engine: a taken port fails fast
     try:
@@ -144,7 +145,29 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    return run_server(ServerState(settings, engine, names), sock)
+    try:
+        return run_server(ServerState(settings, engine, names), sock)
+    finally:
+        engine.kill_if_unstarted()  # the server failed before its lifespan connected to the engine
+
+
+def check_tls_files(settings: ServerSettings) -> None:
+    """Load the TLS files as uvicorn will, so a missing or bad one is a one-line error naming its flag."""
+    import ssl
+
+    if not settings.ssl_certfile:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {settings.ssl_certfile} / --ssl-keyfile {settings.ssl_keyfile}: cannot be "
+                         f"loaded ({e.strerror or e})") from None
+    if settings.ssl_ca_certs:
+        try:
+            context.load_verify_locations(settings.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs {settings.ssl_ca_certs}: cannot be loaded ({e.strerror or e})") from None
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

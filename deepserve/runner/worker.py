@@ -140,6 +140,9 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
 def worker_process(*args: Any) -> None:
     """Spawn target of a rank on node 0. It leaves at once (`leave_now`): 0 after a clean stop, 1
     after printing the error that ended it (rank 0 names the rank)."""
+    # From the start, not only after loading: an engine process that exits while its ranks load (its
+    # server went away, core_process.run_core_process) must not leave them loading for nobody.
+    threading.Thread(target=_exit_with_parent, name="deepserve-parent-watch", daemon=True).start()
     code = 1
     try:
         worker_main(*args)

@@ -88,6 +88,10 @@ class AsyncLLM:
     async def start(self) -> None:
         await self.client.start()
 
+    def kill_if_unstarted(self) -> None:
+        """Stops an engine process the server never connected to (it failed before its lifespan ran)."""
+        self.client.kill_if_unconnected()
+
     async def shutdown(self) -> None:
         await self.client.shutdown()
 

@@ -87,7 +87,9 @@ def answer_rules(so: StructuredOutputsParams | None) -> list[str]:
     if so is None:
         return ["answer: ANSWER_TEXT", f"ANSWER_TEXT: {_ANY_TEXT}"]
     if so.json is not None:
-        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json  # JSONDecodeError: a ValueError
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
         return [f"answer: {_json_rule(schema)}"]
     if so.json_object:
         return [f"answer: {_json_rule({'type': 'object'})}"]

@@ -151,12 +151,14 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
     if not reasoning_first(req, plan, thinking):  # the grammar, if any, holds from the first token
         return (tg.build(answer_parts, [answer]), origin) if answer is not None else (so, origin)
     if answer is None:
-        try:
-            answer_parts.append(tg.answer_rules(so))
-        except ValueError:
+        if not tg.can_follow_reasoning(so):
             field = "structured_outputs.grammar" if origin == "structured_outputs" else origin
             raise bad_request(f"thinking_token_budget cannot be combined with {field}; it can with JSON, "
-                              "regex or choice outputs, tools, or free text", param="thinking_token_budget") from None
+                              "regex or choice outputs, tools, or free text", param="thinking_token_budget")
+        try:
+            answer_parts.append(tg.answer_rules(so))
+        except ValueError as e:  # the schema, regex or choice itself: name the field it came in
+            raise bad_request(f"{origin}: {e}", param=origin) from None
         answer = "answer"
         origin = origin or "thinking_token_budget"
     # The reasoning, bounded by the budget when there is one, then the answer. Unbounded only in a section

@@ -5,6 +5,7 @@ a clean exit when the API server's end closes. One test runs the real engine pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import msgpack
 import pytest
@@ -261,6 +263,92 @@ def test_child_exits_when_the_server_goes_away_while_it_loads(tmp_path):
             proc.kill()
     assert proc.returncode == 0
     assert "went away while the engine was loading" in err and "start-up:" not in err
+    assert not (tmp_path / "core.sock").exists()  # the child removed the path once connected
+
+
+def _spawn_child(tmp_path, engine_args: dict) -> tuple[socket.socket, subprocess.Popen]:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "core.sock"))
+    listener.listen(1)
+    cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", str(tmp_path / "core.sock"),
+           "--engine-args", json.dumps(engine_args)]
+    return listener, subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.PIPE, text=True)
+
+
+def _wait(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_connection_never_accepted_ends_the_loading_child_without_an_error(tmp_path):
+    # A server that stops before its lifespan accepts the child closes its listener: the pending
+    # connection is reset (not EOF), which is the same news and no error.
+    listener, proc = _spawn_child(tmp_path, {"max_model_len": 128, "cpu_kv_cache_gib": 0.02})
+    try:
+        _wait(lambda: not (tmp_path / "core.sock").exists(), "the child to connect")  # it unlinks then
+        listener.close()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "went away while the engine was loading" in err
+    assert "read failed" not in err and "ERROR" not in err
+
+
+def _children_of(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.add(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
+def test_ranks_of_a_child_that_leaves_while_loading_leave_too(tmp_path):
+    # Tensor parallel on CPU (gloo): the engine process spawns rank 1, then its server goes away; the
+    # rank must not go on loading (and, on a GPU, holding memory) for nobody.
+    listener, proc = _spawn_child(tmp_path, {"max_model_len": 128, "cpu_kv_cache_gib": 0.02,
+                                             "tensor_parallel_size": 2, "device": "cpu"})
+    ranks: set[int] = set()
+    try:
+        conn, _ = listener.accept()
+        _wait(lambda: ranks.update(r for r in _children_of(proc.pid) if _is_rank(r)) or ranks,
+              "the engine to spawn its rank")
+        conn.close()
+        proc.communicate(timeout=120)
+        _wait(lambda: not any(os.path.exists(f"/proc/{r}") and _alive(r) for r in ranks), "the rank to exit", 30)
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(r, 9)
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()  # multiprocessing's spawned process, not its resource tracker
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):

@@ -173,3 +173,41 @@ def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, mak
     assert main([*command, str(path)]) == 2
     err = capsys.readouterr().err
     assert err == f"deepserve: error: {path}: {message}\n"
+
+
+def test_missing_tls_files_fail_before_the_engine_process_starts(tmp_path, monkeypatch, capsys):
+    # uvicorn reads them only after the engine process was spawned: checked first, one line naming the flag.
+    import deepserve.server.async_llm as async_llm
+    from deepserve.entrypoints.cli import main
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda *a: pytest.fail("started the engine first"))
+    (tmp_path / "k.pem").write_text("not a key\n")
+    argv = ["serve", "--ssl-keyfile", str(tmp_path / "k.pem"), "--ssl-certfile"]  # fails before the port
+    assert main([*argv, str(tmp_path / "missing.pem")]) == 2
+    assert "--ssl-certfile" in capsys.readouterr().err
+    (tmp_path / "c.pem").write_text("not a certificate\n")
+    assert main([*argv, str(tmp_path / "c.pem")]) == 2
+    assert "cannot be loaded" in capsys.readouterr().err
+
+
+def test_a_server_that_fails_before_its_lifespan_stops_the_engine_process(monkeypatch):
+    import deepserve.server.api_server as api_server
+    import deepserve.server.async_llm as async_llm
+    from deepserve.entrypoints.cli import main
+
+    class Engine:
+        stopped = False
+
+        def kill_if_unstarted(self) -> None:
+            Engine.stopped = True
+
+    def fail(*_a, **_k):
+        raise ValueError("uvicorn could not start")
+
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda *a: Engine())
+    monkeypatch.setattr(api_server, "run_server", fail)
+    with socket.socket() as probe:  # a free port: serve binds it before the engine
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--port", str(port), "--api-key", "sk-abcdefgh"]) == 2
+    assert Engine.stopped

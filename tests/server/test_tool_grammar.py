@@ -16,6 +16,7 @@ from deepserve.engine.grammar import GrammarCompiler
 from deepserve.server import protocol as p
 from deepserve.server import tool_grammar as tg
 from deepserve.server import tools as tools_plan
+from deepserve.server.errors import APIError
 from deepserve.server.tool_parsers import PARSERS, split_tool_calls
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -260,3 +261,14 @@ def test_a_grammar_answer_holds_from_the_first_token_after_an_open_reasoning(tok
     budget = req.model_copy(update={"thinking_token_budget": 8})
     with pytest.raises(Exception, match="structured_outputs.grammar"):
         tools_plan.output_grammar(tok, budget, plan, prompt)
+
+
+@pytest.mark.parametrize(("structured", "budget"), [({"json": "[1, 2]"}, None), ({"json": "{not json"}, None),
+                                                    ({"json": "[1, 2]"}, 4)])
+def test_a_bad_json_schema_after_a_reasoning_section_is_a_400_naming_its_field(tok, structured, budget):
+    req = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], structured_outputs=structured,
+                                  thinking_token_budget=budget)
+    with pytest.raises(APIError) as e:
+        tools_plan.output_grammar(tok, req, tools_plan.ChatPlan({}, None, "none"),
+                                  "<｜User｜>hi<｜Assistant｜><think>\n")
+    assert e.value.status == 400 and e.value.param == "structured_outputs", e.value.message
