@@ -39,6 +39,7 @@ from deepserve.config import EngineConfig
 from deepserve.runner.step_message import broadcast_message, config_from_message
 
 HEARTBEAT_INTERVAL_S = 0.5
+JOIN_TIMEOUT_S = 120.0  # the least time ranks get to join the process group (init_group)
 IDLE_TIMEOUT = timedelta(days=365)  # the multi-node control group: an idle engine waits in it
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,14 @@ logger = logging.getLogger(__name__)
 
 def init_group(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,
                multinode: bool = False) -> Any:
-    """Join the default group; return the group that carries control messages (gloo, on the host)."""
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    """Join the default group; return the group that carries control messages (gloo, on the host).
+    Joining may take up to JOIN_TIMEOUT_S however short the collectives' timeout (DEEPSERVE_TP_TIMEOUT_S)
+    is: ranks start at different times (spawned processes import torch; other nodes start when they
+    start), and a short collective timeout meant to catch a frozen rank once failed the join on a busy
+    machine."""
+    join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=join)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     if multinode:
         return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     # Object broadcasts and the block-count reduction are host-side; under NCCL they get a gloo twin.
