@@ -9,6 +9,29 @@ import time
 PROCESS_START = time.perf_counter()
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def fixed_shape(text: str) -> tuple[int, int, int]:
+    """--fixed's ISL,OSL,N: three counts of at least 1."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError("")
+        return tuple(positive_int(p.strip()) for p in parts)  # type: ignore[return-value]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"takes ISL,OSL,N: three integers >= 1 (input length, output "
+                                         f"length, requests), e.g. 128,128,3000; got {text!r}") from None
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from deepserve.bench import workloads
     from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
@@ -18,11 +41,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline",
                           formatter_class=DefaultsHelp)
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
-    tp.add_argument("--num-seqs", type=int, default=256)
-    tp.add_argument("--max-input-len", type=int, default=1024)
-    tp.add_argument("--max-output-len", type=int, default=1024)
+    tp.add_argument("--num-seqs", type=positive_int, default=256)
+    tp.add_argument("--max-input-len", type=positive_int, default=1024,
+                    help="W1's prompt lengths are drawn from 100 to this (below 100: every prompt this long)")
+    tp.add_argument("--max-output-len", type=positive_int, default=1024,
+                    help="W1's output lengths are drawn from 100 to this (below 100: every output this long)")
     grid = ", ".join(",".join(map(str, point)) for point in workloads.W4_GRID)
-    tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N",
+    tp.add_argument("--fixed", type=fixed_shape, default=None, metavar="ISL,OSL,N",
                     help=f"a fixed-shape workload instead of W1; BENCHMARKS.md's W4 grid: {grid}")
     tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
     tp.add_argument("--baseline-batch-size", type=int, default=64)
@@ -35,9 +60,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT",
                            formatter_class=DefaultsHelp)
     lat.add_argument("--model", default=None)
-    lat.add_argument("--input-len", type=int, default=1024)
-    lat.add_argument("--output-len", type=int, default=512)
-    lat.add_argument("--iters", type=int, default=10)
+    lat.add_argument("--input-len", type=positive_int, default=1024, help="prompt tokens")
+    lat.add_argument("--output-len", type=positive_int, default=512, help="output tokens")
+    lat.add_argument("--iters", type=positive_int, default=10, help="timed runs (after three warm-ups)")
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
@@ -95,8 +120,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     from deepserve.bench import throughput, workloads
 
     if ns.fixed:
-        isl, osl, n = (int(x) for x in ns.fixed.split(","))
-        workload = workloads.fixed(isl, osl, n)
+        workload = workloads.fixed(*ns.fixed)
     else:
         workload = workloads.w1(ns.num_seqs, ns.max_input_len, ns.max_output_len)
     args = _engine_args(ns)
