@@ -30,6 +30,9 @@ def test_w1_shrinks_below_its_100_token_floor():
     assert [len(p) for p in w.prompts] == [64] * 5 and [p.max_tokens for p in w.params] == [16] * 5
 
 
+SERVE = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m"]
+
+
 @pytest.mark.parametrize(("argv", "flag"), [
     (["throughput", "--fixed", "32,4"], "--fixed"),
     (["throughput", "--fixed", "a,b,c"], "--fixed"),
@@ -38,10 +41,14 @@ def test_w1_shrinks_below_its_100_token_floor():
     (["latency", "--input-len", "0"], "--input-len"),
     (["latency", "--output-len", "0"], "--output-len"),
     (["latency", "--iters", "0"], "--iters"),
+    ([*SERVE, "--num-prompts", "0"], "--num-prompts"),
+    ([*SERVE, "--random-vocab-size", "0"], "--random-vocab-size"),
+    ([*SERVE, "--metric-percentiles", "50,x"], "--metric-percentiles"),
 ])
 def test_bench_refuses_bad_shapes_naming_the_flag(argv, flag, capsys):
     # Refused while parsing, before any engine starts (they used to fail inside the run as
-    # "not enough values to unpack", "empty range for randrange()" or "no median for empty data").
+    # "not enough values to unpack", "empty range for randrange()", "no median for empty data" or
+    # "could not convert string to float", or ran an empty benchmark).
     with pytest.raises(SystemExit) as exc:
         main(["bench", *argv])
     assert exc.value.code == 2

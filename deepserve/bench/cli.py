@@ -32,6 +32,17 @@ def fixed_shape(text: str) -> tuple[int, int, int]:
                                          f"length, requests), e.g. 128,128,3000; got {text!r}") from None
 
 
+def percentiles(text: str) -> list[float]:
+    """--metric-percentiles: comma-separated numbers in (0, 100]."""
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"takes comma-separated percentiles in (0, 100], e.g. 50,90,99; got {text!r}")
+    return values
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from deepserve.bench import workloads
     from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
@@ -76,7 +87,7 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--endpoint", default="/v1/completions")
     sv.add_argument("--model", required=True, help="the served model name")
     sv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, then $DEEPSERVE_API_KEY")
-    sv.add_argument("--num-prompts", type=int, default=1000)
+    sv.add_argument("--num-prompts", type=positive_int, default=1000)
     sv.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second, Poisson arrivals (inf: all at once)")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
@@ -84,16 +95,16 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--dataset", choices=["random", "w1"], default="random",
                     help="w1: BENCHMARKS.md's W1 prompts and lengths (token ids < 10,000); random: "
                          "--random-input-len/--random-output-len")
-    sv.add_argument("--random-input-len", type=int, default=1024)
-    sv.add_argument("--random-output-len", type=int, default=128)
+    sv.add_argument("--random-input-len", type=positive_int, default=1024)
+    sv.add_argument("--random-output-len", type=positive_int, default=128)
     sv.add_argument("--random-range-ratio", type=float, default=0.0)
-    sv.add_argument("--random-vocab-size", type=int, default=10000,
+    sv.add_argument("--random-vocab-size", type=positive_int, default=10000,
                     help="prompt token ids are drawn below this (w1: its ids taken modulo this when smaller); "
                          "at most the served model's vocabulary (the demo model: 1000)")
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")
-    sv.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    sv.add_argument("--metric-percentiles", type=percentiles, default="99", help="comma-separated, e.g. 50,90,99")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--output-json", default=None)
     sv.set_defaults(func=cmd_serve)
