@@ -45,7 +45,10 @@ SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]
 MARKER_TOKENS = [*TOOL_MARKERS, THINK, END_THINK]
 VOCAB_SIZE = 1000
 # Bump the suffix whenever the written bytes change, so stale caches are not reused.
-CACHE_NAME = "demo-model-v4"
+CACHE_NAME = "demo-model-v5"
+# DeepSeek-V3's multi-token-prediction layer (num_nextn_predict_layers = 1), random like the rest, so
+# speculative_config method "mtp" runs on the demo; in a file of its own, which transformers does not read.
+MTP_FILE = "model-mtp.safetensors"
 
 # System messages first, then the tools (when the request has any), then the turns; an assistant turn is
 # closed by the eos token, and the generation prompt opens a new assistant turn. An assistant's tool calls
@@ -242,12 +245,41 @@ def write_demo_model(path: str) -> str:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(config).to(torch.float32)
+        mtp = _mtp_layer(model, DeepseekV3ForCausalLM)
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = eos_id
     _save_quietly(model, path)
+    from safetensors.torch import save_file
+
+    save_file(mtp, os.path.join(path, MTP_FILE), metadata={"format": "pt"})
     _write_tokenizer(path, tokenizer)
     return path
+
+
+def _mtp_layer(model, model_class) -> dict:
+    """The MTP layer's tensors as DeepSeek-V3 ships them (model.layers.{num_hidden_layers}.*): a decoder
+    layer (drawn as the last of a model one layer deeper), enorm, hnorm, eh_proj, shared_head.norm and
+    the copies of the embedding and head. Draws from the caller's seeded generator."""
+    import copy
+
+    import torch
+
+    n, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n + 1
+    deeper = model_class(config)
+    prefix = f"model.layers.{n}."
+    tensors = {k: v.contiguous() for k, v in deeper.state_dict().items() if k.startswith(prefix)}
+    tensors.update({
+        prefix + "eh_proj.weight": 0.02 * torch.randn(hidden, 2 * hidden),
+        prefix + "enorm.weight": torch.ones(hidden),
+        prefix + "hnorm.weight": torch.ones(hidden),
+        prefix + "shared_head.norm.weight": torch.ones(hidden),
+        prefix + "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+        prefix + "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+    })
+    return tensors
 
 
 def default_demo_path() -> str:
@@ -256,7 +288,7 @@ def default_demo_path() -> str:
 
 
 def _is_complete(path: str) -> bool:
-    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    names = ("config.json", "model.safetensors", MTP_FILE, "tokenizer.json", "tokenizer_config.json")
     return all(os.path.isfile(os.path.join(path, n)) for n in names)
 
 

@@ -7,6 +7,8 @@ import json
 import sys
 import types
 
+import pytest
+
 from deepserve.bench import gpu_stats, workloads
 from deepserve.entrypoints.cli import main
 
@@ -21,6 +23,36 @@ def test_w1_has_the_token_totals_of_benchmarks_md():
     w = workloads.w1()
     assert (len(w.prompts), w.num_prompt_tokens, w.num_output_tokens) == (256, 142_827, 133_966)
     assert all(p.temperature == 0.6 and p.ignore_eos for p in w.params)
+
+
+def test_w1_shrinks_below_its_100_token_floor():
+    w = workloads.w1(5, 64, 16)  # a CPU-sized W1: every length is the maximum asked for
+    assert [len(p) for p in w.prompts] == [64] * 5 and [p.max_tokens for p in w.params] == [16] * 5
+
+
+SERVE = ["serve", "--base-url", "http://127.0.0.1:9", "--model", "m"]
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["throughput", "--fixed", "32,4"], "--fixed"),
+    (["throughput", "--fixed", "a,b,c"], "--fixed"),
+    (["throughput", "--num-seqs", "0"], "--num-seqs"),
+    (["throughput", "--max-input-len", "-1"], "--max-input-len"),
+    (["latency", "--input-len", "0"], "--input-len"),
+    (["latency", "--output-len", "0"], "--output-len"),
+    (["latency", "--iters", "0"], "--iters"),
+    ([*SERVE, "--num-prompts", "0"], "--num-prompts"),
+    ([*SERVE, "--random-vocab-size", "0"], "--random-vocab-size"),
+    ([*SERVE, "--metric-percentiles", "50,x"], "--metric-percentiles"),
+])
+def test_bench_refuses_bad_shapes_naming_the_flag(argv, flag, capsys):
+    # Refused while parsing, before any engine starts (they used to fail inside the run as
+    # "not enough values to unpack", "empty range for randrange()", "no median for empty data" or
+    # "could not convert string to float", or ran an empty benchmark).
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_bench_throughput_runs_and_reports_vllm_fields(tmp_path, capsys):

@@ -12,7 +12,7 @@ from deepserve.engine.detokenizer import IncrementalDetokenizer
 from deepserve.loader.tokenizer import apply_chat_template, load_eos_token_ids, load_tokenizer
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
-FILES += ("tokenizer_config.json",)
+FILES += ("tokenizer_config.json", demo.MTP_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,22 @@ def test_our_loaders_read_it(model_dir):
     text = "Batching 让加速器 stay busy 🚀."
     assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
     assert [tok.convert_tokens_to_ids(t) for t in demo.SPECIAL_TOKENS] == [0, 1, 2, 3]
+
+
+def test_mtp_speculation_runs_on_it_and_keeps_transformers_greedy_output(model_dir):
+    # Its config says num_nextn_predict_layers = 1 (DeepSeek-V3's), so its files hold that layer: method
+    # "mtp" runs on the demo. The drafts are random (so is the model); greedy output must not change.
+    from deepserve import LLM, SamplingParams
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode("Why stream tokens?")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    llm = LLM(model_dir, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want[0, len(ids):].tolist()
+    assert llm.llm_engine.stats().spec_decode_num_drafts_total > 0
 
 
 def test_special_tokens_encode_as_single_ids():

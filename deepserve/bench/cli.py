@@ -9,6 +9,40 @@ import time
 PROCESS_START = time.perf_counter()
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def fixed_shape(text: str) -> tuple[int, int, int]:
+    """--fixed's ISL,OSL,N: three counts of at least 1."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError("")
+        return tuple(positive_int(p.strip()) for p in parts)  # type: ignore[return-value]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"takes ISL,OSL,N: three integers >= 1 (input length, output "
+                                         f"length, requests), e.g. 128,128,3000; got {text!r}") from None
+
+
+def percentiles(text: str) -> list[float]:
+    """--metric-percentiles: comma-separated numbers in (0, 100]."""
+    try:
+        values = [float(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"takes comma-separated percentiles in (0, 100], e.g. 50,90,99; got {text!r}")
+    return values
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from deepserve.bench import workloads
     from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
@@ -18,12 +52,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     tp = kinds.add_parser("throughput", help="W1 (default) or one W4 grid point, offline",
                           formatter_class=DefaultsHelp)
     tp.add_argument("--model", default=None, help="checkpoint folder or preset name (with --load-format dummy)")
-    tp.add_argument("--num-seqs", type=int, default=256, help="W1's number of requests")
-    tp.add_argument("--max-input-len", type=int, default=1024, help="W1's longest prompt (tokens; lengths 100..this)")
-    tp.add_argument("--max-output-len", type=int, default=1024,
-                    help="W1's longest output (tokens; lengths 100..this)")
+    tp.add_argument("--num-seqs", type=positive_int, default=256, help="W1's number of requests")
+    tp.add_argument("--max-input-len", type=positive_int, default=1024,
+                    help="W1's prompt lengths are drawn from 100 to this (below 100: every prompt this long)")
+    tp.add_argument("--max-output-len", type=positive_int, default=1024,
+                    help="W1's output lengths are drawn from 100 to this (below 100: every output this long)")
     grid = ", ".join(",".join(map(str, point)) for point in workloads.W4_GRID)
-    tp.add_argument("--fixed", default=None, metavar="ISL,OSL,N",
+    tp.add_argument("--fixed", type=fixed_shape, default=None, metavar="ISL,OSL,N",
                     help=f"a fixed-shape workload instead of W1; BENCHMARKS.md's W4 grid: {grid}")
     tp.add_argument("--baseline", choices=["hf"], default=None, help="run HF transformers on the same workload")
     tp.add_argument("--baseline-batch-size", type=int, default=64, help="requests per HF generate() batch")
@@ -36,9 +71,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     lat = kinds.add_parser("latency", help="W2: one request, TTFT and TPOT",
                            formatter_class=DefaultsHelp)
     lat.add_argument("--model", default=None)
-    lat.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
-    lat.add_argument("--output-len", type=int, default=512, help="output tokens")
-    lat.add_argument("--iters", type=int, default=10, help="timed requests (after 3 warm-ups)")
+    lat.add_argument("--input-len", type=positive_int, default=1024, help="prompt tokens")
+    lat.add_argument("--output-len", type=positive_int, default=512, help="output tokens")
+    lat.add_argument("--iters", type=positive_int, default=10, help="timed runs (after three warm-ups)")
     lat.add_argument("--output-json", default=None)
     add_engine_args(lat)
     lat.set_defaults(func=cmd_latency)
@@ -52,7 +87,7 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--endpoint", default="/v1/completions")
     sv.add_argument("--model", required=True, help="the served model name")
     sv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, then $DEEPSERVE_API_KEY")
-    sv.add_argument("--num-prompts", type=int, default=1000)
+    sv.add_argument("--num-prompts", type=positive_int, default=1000)
     sv.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second, Poisson arrivals (inf: all at once)")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
@@ -60,10 +95,10 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--dataset", choices=["random", "w1"], default="random",
                     help="w1: BENCHMARKS.md's W1 prompts and lengths (token ids < 10,000); random: "
                          "--random-input-len/--random-output-len")
-    sv.add_argument("--random-input-len", type=int, default=1024)
-    sv.add_argument("--random-output-len", type=int, default=128)
+    sv.add_argument("--random-input-len", type=positive_int, default=1024)
+    sv.add_argument("--random-output-len", type=positive_int, default=128)
     sv.add_argument("--random-range-ratio", type=float, default=0.0)
-    sv.add_argument("--random-vocab-size", type=int, default=None,
+    sv.add_argument("--random-vocab-size", type=positive_int, default=None,
                     help="prompt token ids below this, at most the served model's vocabulary (the demo model: "
                          "1000, which leaves out its 11 special and marker ids); random draws below it (default: "
                          "10000); w1 keeps BENCHMARKS.md's ids (0..10000) unless it is given, then takes them "
@@ -71,7 +106,7 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")
-    sv.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    sv.add_argument("--metric-percentiles", type=percentiles, default="99", help="comma-separated, e.g. 50,90,99")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--output-json", default=None)
     sv.set_defaults(func=cmd_serve)
@@ -98,8 +133,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     from deepserve.bench import throughput, workloads
 
     if ns.fixed:
-        isl, osl, n = (int(x) for x in ns.fixed.split(","))
-        workload = workloads.fixed(isl, osl, n)
+        workload = workloads.fixed(*ns.fixed)
     else:
         workload = workloads.w1(ns.num_seqs, ns.max_input_len, ns.max_output_len)
     args = _engine_args(ns)

@@ -226,7 +226,7 @@ def main(ns) -> dict:
     import os
 
     slos = parse_goodput(ns.goodput)
-    percentiles = [float(p) for p in ns.metric_percentiles.split(",")]
+    percentiles = ns.metric_percentiles  # parsed by bench.cli.percentiles
     if ns.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {ns.request_rate}")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:

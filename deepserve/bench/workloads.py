@@ -28,10 +28,13 @@ class Workload:
 
 
 def w1(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Workload:
-    """nano-vllm's offline workload: random token prompts of 100..1024, outputs of 100..1024, T=0.6."""
+    """nano-vllm's offline workload: random token prompts of 100..1024, outputs of 100..1024, T=0.6.
+    A maximum below 100 makes every length that maximum (a W1 shrunk for a CPU)."""
     rng = random.Random(0)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min(100, max_input_len), max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=rng.randint(min(100, max_output_len), max_output_len))
               for _ in range(num_seqs)]
     workload = Workload("W1", prompts, params)
     if (num_seqs, max_input_len, max_output_len) == (256, 1024, 1024):

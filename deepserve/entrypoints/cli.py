@@ -236,8 +236,8 @@ def cmd_encrypt_model(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description="Serve DeepSeek models.")
     parser.add_argument("--log-level", default=None,
-                        help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve, which reports its start-up "
-                             "and address; WARNING otherwise)")
+                        help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve and router, which report their "
+                             "start-up and address; WARNING otherwise)")
     from deepserve import __version__
 
     parser.add_argument("--version", action="version", version=f"deepserve {__version__}")
@@ -302,7 +302,7 @@ def _add_server_commands(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    level = ns.log_level or ("INFO" if ns.command == "serve" else "WARNING")
+    level = ns.log_level or ("INFO" if ns.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns) or 0

@@ -40,8 +40,16 @@ def _divide(n: int, world: int, what: str) -> int:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def check_extent(loaded: torch.Tensor, dim: int, expected: int) -> None:
+    """A checkpoint tensor spans the whole dimension a rank's shard is cut from: narrowing a larger one
+    would load a part of it without a word (a config.json or --hf-overrides that does not match the weights)."""
+    if loaded.shape[dim] != expected:
+        raise ValueError(f"shape {tuple(loaded.shape)}, but the config gives {expected} along dimension {dim}: "
+                         "config.json (or --hf-overrides) does not match the weights")
 
 
 def _whole_blocks(start: int, size: int, block: int, what: str) -> tuple[int, int]:
@@ -189,17 +197,19 @@ class LinearBase(nn.Module):
     def _is_scale(self, param: nn.Parameter) -> bool:
         return param is self.weight_scale_inv
 
-    def _copy_rows(self, param: nn.Parameter, loaded: torch.Tensor, src: int, size: int, member: int = 0) -> None:
+    def _copy_rows(self, param: nn.Parameter, loaded: torch.Tensor, src: int, size: int, member: int = 0,
+                   shards: int = 1) -> None:
         """Copy rows [src, src + size) of a checkpoint tensor (weight, bias or block scale) into `member`'s
-        rows of `param` (a scale's rows in block units)."""
+        rows of `param` (a scale's rows in block units); the tensor holds `shards` such shares."""
         if self._is_int4(param):
             self._load_int4(param, loaded, rows=(src, size), member=member)
             return
-        dst = sum(self.member_rows[:member])
+        dst, full = sum(self.member_rows[:member]), size * shards
         if self._is_scale(param):
             bn = self.block[0]
-            dst = sum(fp8_ref.cdiv(n, bn) for n in self.member_rows[:member])
+            dst, full = sum(fp8_ref.cdiv(n, bn) for n in self.member_rows[:member]), fp8_ref.cdiv(full, bn)
             src, size = _whole_blocks(src, size, bn, f"{type(self).__name__} output rows")
+        check_extent(loaded, 0, full)
         default_weight_loader(param.data.narrow(0, dst, size), loaded.narrow(0, src, size))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -232,7 +242,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, self.out_per_rank, bias, quant, per_rank)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        self._copy_rows(param, loaded, self.tp_rank * self.out_per_rank, self.out_per_rank)
+        self._copy_rows(param, loaded, self.tp_rank * self.out_per_rank, self.out_per_rank, shards=self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -251,11 +261,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None:
             raise ValueError("a merged projection loads one member at a time (shard_id)")
-        self._load_member(param, loaded, shard_id, self.tp_rank)
+        self._load_member(param, loaded, shard_id, self.tp_rank, self.tp_size)
 
-    def _load_member(self, param: nn.Parameter, loaded: torch.Tensor, member: int, rank: int) -> None:
+    def _load_member(self, param: nn.Parameter, loaded: torch.Tensor, member: int, rank: int, shards: int) -> None:
         size = self.member_sizes[member]
-        self._copy_rows(param, loaded, rank * size, size, member)
+        self._copy_rows(param, loaded, rank * size, size, member, shards)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -273,7 +283,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         index = {"q": 0, "k": 1, "v": 2}[shard_id]
         rank = self.tp_rank if index == 0 else self.tp_rank // self.kv_replicas
-        self._load_member(param, loaded, index, rank)
+        shards = self.tp_size if index == 0 else self.tp_size // self.kv_replicas  # kv heads replicated
+        self._load_member(param, loaded, index, rank, shards)
 
 
 class RowParallelLinear(LinearBase):
@@ -298,8 +309,11 @@ class RowParallelLinear(LinearBase):
         if self._is_int4(param):
             self._load_int4(param, loaded, cols=(start, size))
             return
+        full = size * self.tp_size
         if self._is_scale(param):
+            full = fp8_ref.cdiv(full, self.block[1])
             start, size = _whole_blocks(start, size, self.block[1], f"{type(self).__name__} input columns")
+        check_extent(loaded, 1, full)
         default_weight_loader(param, loaded.narrow(1, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,12 @@ from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size,
 from deepserve.kernels import fp8_ref
 from deepserve.layers.activation import SiluAndMul
 from deepserve.layers.int4 import int4_linear, int4_parameters, keeps_all_groups
-from deepserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
+from deepserve.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    check_extent,
+    default_weight_loader,
+)
 from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, Int4Config, QuantConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -280,6 +285,11 @@ class RoutedExperts(nn.Module):
                              "choose a tensor_parallel_size (or --enable-expert-parallel) that keeps whole blocks")
         return start // block, fp8_ref.cdiv(size, block)
 
+    def _inter_extent(self, block: int | None) -> int:
+        """The whole I of a checkpoint expert tensor, in elements or in scale blocks of `block`."""
+        full = self.inter * self.inter_ranks
+        return full if block is None else fp8_ref.cdiv(full, block)
+
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
         # shard_id (expert, 0 for w1 / 1 for w3) with loaded [I, E] (or its block scales); None:
         # transformers' fused [X, 2I, E]
@@ -293,6 +303,8 @@ class RoutedExperts(nn.Module):
                 raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
                                  "expected per-expert gate_proj/up_proj/down_proj tensors")
             n, r = self.inter, self.inter_rank
+            check_extent(loaded, 0, self.num_experts)
+            check_extent(loaded, 1, 2 * n * self.inter_ranks)
             loaded = loaded.narrow(0, self.expert_start, self.num_local)  # this rank's experts (all without EP)
             for member in (0, 1):
                 part = loaded.narrow(1, member * n * self.inter_ranks + r * n, n)
@@ -303,6 +315,7 @@ class RoutedExperts(nn.Module):
         if local is None:  # another rank's expert is never read
             return
         start, size = self._inter_shard(self.block[0] if is_scale else None)
+        check_extent(loaded, 0, self._inter_extent(self.block[0] if is_scale else None))
         default_weight_loader(param.data[local].narrow(0, member * size, size), loaded.narrow(0, start, size))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -316,12 +329,15 @@ class RoutedExperts(nn.Module):
             if is_scale:
                 raise ValueError("FP8 scales of transformers' fused expert layout are not supported; "
                                  "expected per-expert gate_proj/up_proj/down_proj tensors")
+            check_extent(loaded, 0, self.num_experts)
+            check_extent(loaded, 2, self.inter * self.inter_ranks)
             loaded = loaded.narrow(0, self.expert_start, self.num_local)
             default_weight_loader(param, loaded.narrow(2, self.inter_rank * self.inter, self.inter))
             return
         local = self._local(shard_id)
         if local is not None:
             start, size = self._inter_shard(self.block[1] if is_scale else None)
+            check_extent(loaded, 1, self._inter_extent(self.block[1] if is_scale else None))
             default_weight_loader(param.data[local], loaded.narrow(1, start, size))
 
     def _load_int4_w13(self, param: nn.Parameter, loaded: torch.Tensor, kind: str,

@@ -192,11 +192,20 @@ def load_named_weights(
         param = param_for(model, params, target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        loader = param.weight_loader
-        with torch.no_grad():
-            loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+        load_tensor(param, tensor, shard_id, name)
         loaded.add(target)
     return loaded
+
+
+def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard_id: object, name: str) -> None:
+    """param.weight_loader on one checkpoint tensor; a tensor it cannot take (a shape the config does not
+    give, a scale of the wrong block count) is refused naming the tensor."""
+    loader = param.weight_loader
+    try:
+        with torch.no_grad():
+            loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+    except (ValueError, IndexError) as e:
+        raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
 
 
 def param_for(model: nn.Module, params: dict[str, nn.Parameter], target: str) -> nn.Parameter | None:

@@ -39,7 +39,7 @@ from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
 from deepserve.layers.quantization import QuantConfig, fp8_config
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
-from deepserve.loader.checkpoint import param_for, stage_weights
+from deepserve.loader.checkpoint import load_tensor, param_for, stage_weights
 from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
 from deepserve.loader.int4 import checkpoint_method, dequantize_int4_weights, int4_config, split_name
 
@@ -281,11 +281,7 @@ def _load_into(model: nn.Module, params: dict[str, nn.Parameter], weights: Itera
         param = param_for(model, params, target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {owner}")
-        with torch.no_grad():
-            if shard_id is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
+        load_tensor(param, tensor, shard_id, name)
         loaded.add(target)
     return loaded
 

@@ -118,6 +118,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     if load_peak > budget:  # --quantization fp8 holds the unquantized weights until they are converted
         blocks = 0
     tokens = blocks * req.block_size
+    # The engine takes auto / fp8: a 16-bit KV dtype that is the model's own is its "auto".
+    same = _DTYPES.get(req.kv_cache_dtype) == dtype
+    engine_req = dataclasses.replace(req, kv_cache_dtype="auto") if same else req
     result = Plan(
         request=req, model=name, architecture=shape.architecture, num_params=shape.num_params, gpu=gpu_name,
         gpu_memory_bytes=total, num_gpus=req.tensor_parallel_size * req.pipeline_parallel_size, dtype=dtype,
@@ -125,9 +128,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
         kv_cache_dtype=req.kv_cache_dtype, max_model_len=max_len, weights_bytes=weights,
         kv_bytes_per_token=kv_per_token, activation_bytes=act, cuda_graph_bytes=graphs, budget_bytes=budget,
         kv_cache_bytes=free, num_blocks=blocks, kv_tokens=tokens, max_sequences=tokens // max_len,
-        fits=tokens // max_len >= 1, serve_command=_serve_command(req, name, max_len, is_preset),
+        fits=tokens // max_len >= 1, serve_command=_serve_command(engine_req, name, max_len, is_preset),
     )
-    result.warnings = _engine_warnings(req)
+    result.warnings = _engine_warnings(engine_req)
     if load_peak > budget:
         result.warnings.append(
             f"--quantization fp8 loads the {dtype} weights first ({load_peak / 2**30:.1f} GiB per GPU, over the "

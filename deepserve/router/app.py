@@ -167,6 +167,10 @@ def build_app(st: RouterState) -> FastAPI:
         await st.pool.refresh_dns()
         await asyncio.gather(*(st.pool.probe(client, b) for b in list(st.pool.backends.values())))
         checker = asyncio.create_task(st.pool.run_checks(client))
+        backends = list(st.pool.backends.values())
+        logger.info("router listening on http://%s:%d: %d backend(s), %d in rotation; global quotas: %s",
+                    st.settings.host, st.settings.port, len(backends), sum(b.in_rotation for b in backends),
+                    "Redis" if st.settings.redis_url else "none (no --redis-url)")
         yield
         checker.cancel()
         await client.close()

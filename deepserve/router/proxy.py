@@ -233,6 +233,9 @@ class Relay:
         self.endpoint, self.arrival, self.audit, self.strip_usage = endpoint, arrival, audit, strip_usage
         self.usage: Any = None
         self.ended: str | None = None  # "ok" after [DONE], "backend_error" after the backend's error event
+        # `ended` once the client has taken that last event: its leaving after it (the openai client
+        # closes at [DONE], before the backend's response ends) is no longer a client gone.
+        self.delivered: str | None = None
         self.finished = False
 
     def _keep(self, event: bytes) -> bool:
@@ -265,6 +268,7 @@ class Relay:
                             out.append(event)
                     if out:
                         yield b"".join(out)
+                        self.delivered = self.ended
                     chunk = await self.up.response.content.readany() or None
             except BACKEND_FAILURES as e:
                 self.st.pool.mark(self.up.backend, False, f"stream cut: {type(e).__name__}")
@@ -280,6 +284,7 @@ class Relay:
         if self.finished:
             return
         self.finished = True
+        outcome = self.delivered or outcome
         st, b = self.st, self.up.backend
         b.outstanding -= 1
         # A stream read to its end gives the connection back; one left mid-way is closed, which the

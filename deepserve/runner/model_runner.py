@@ -149,11 +149,16 @@ class ModelRunner:
             loaded = self.model.load_mtp_weights(iterate_safetensors(config.model.model))
             missing = sorted(set(dict(mtp.named_parameters())) - loaded)
             if missing:
+                # The names a user can look for in the files when the layer is absent; deepserve's own
+                # parameter names only when some of it is there.
+                what = (f"holds no tensor named model.layers.{config.model.hf_config.num_hidden_layers}.*"
+                        if not loaded else f"holds an incomplete MTP layer model.layers."
+                        f"{config.model.hf_config.num_hidden_layers}.* (missing {len(missing)} of deepserve's "
+                        f"parameters, e.g. {missing[:3]})")
                 raise ValueError(
-                    f"speculative_config.method {config.speculative.method!r}: the checkpoint has no (or an "
-                    f"incomplete) MTP layer model.layers.{config.model.hf_config.num_hidden_layers}.* although its "
-                    f"config says num_nextn_predict_layers={config.model.hf_config.num_nextn_predict_layers}; "
-                    f"missing {len(missing)} tensor(s), e.g. {missing[:3]}; use method 'ngram'")
+                    f"speculative_config.method {config.speculative.method!r}: the checkpoint {what} although "
+                    f"its config says num_nextn_predict_layers={config.model.hf_config.num_nextn_predict_layers}"
+                    "; use method 'ngram'")
         mtp.eval()
         return MtpDrafter(self.model, config.speculative.num_speculative_tokens, self.block_size,
                           config.model.max_model_len, self.device)

@@ -88,6 +88,17 @@ def test_fp8_kv_halves_the_cache_and_both_preset_spellings_work():
     assert not a.warnings  # the engine serves --kv-cache-dtype fp8 now
 
 
+def test_a_bf16_kv_cache_on_a_bf16_model_is_planned_as_the_engines_auto():
+    # `plan --kv-cache-dtype bf16` (its help offers bf16) printed a serve line with --kv-cache-dtype bf16,
+    # which serve refuses; on a bf16 model that cache is the engine's auto.
+    p = plan(PlanRequest("deepseek-v2-lite", gpu="h100", kv_cache_dtype="bf16", max_model_len=4096))
+    auto = plan(PlanRequest("deepseek-v2-lite", gpu="h100", max_model_len=4096))
+    assert p.kv_bytes_per_token == auto.kv_bytes_per_token and p.serve_command == auto.serve_command
+    assert not p.warnings
+    fp16 = plan(PlanRequest("deepseek-v2-lite", gpu="h100", kv_cache_dtype="fp16", max_model_len=4096))
+    assert "--kv-cache-dtype" in fp16.serve_command and "refuses it" in fp16.warnings[0]  # no engine spelling
+
+
 def test_tokens_and_sequences_follow_the_budget_arithmetic():
     p = plan(PlanRequest("deepseek-llm-7b", gpu="h100", max_model_len=4096))
     _, total = gpu_memory_bytes("h100")

@@ -166,5 +166,5 @@ def test_sampling_with_mtp_drafts_replays_by_seed(repeating_mtp):
 
 def test_a_checkpoint_without_the_layer_is_refused(tmp_path_factory, tokenizer):
     path, _, _ = write_checkpoint(tmp_path_factory, tokenizer, "mtp-missing", repeat=None)
-    with pytest.raises(ValueError, match=f"model.layers.{N}.*num_nextn_predict_layers=1"):
+    with pytest.raises(ValueError, match=rf"holds no tensor named model.layers.{N}\.\*.*num_nextn_predict_layers=1"):
         LLM(path, dtype="float32", device="cpu", speculative_config=mtp(1))
