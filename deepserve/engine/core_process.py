@@ -291,12 +291,15 @@ class EngineCoreClient:
         self.spawned = spawned
         self.on_outputs = on_outputs
         self.on_dead = on_dead
-        self.proc: subprocess.Popen = spawned.proc
         self.ready: Ready | None = None
         self.last_message = time.monotonic()
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.spawned.proc
 
     async def start(self) -> Ready:
         """Accept the spawned child's connection and wait for its Ready (the whole engine load)."""
@@ -351,7 +354,7 @@ class EngineCoreClient:
             logger.exception("engine output handling failed")
             reason = "engine output handling failed (see the log)"
         if not self._closing:
-            code = self.proc.poll() if self.proc else None
+            code = self.proc.poll()
             self.on_dead(reason if code is None else f"{reason} (exit code {code})")
 
     def _send(self, msg: Any) -> None:

@@ -298,18 +298,22 @@ def test_a_connection_never_accepted_ends_the_loading_child_without_an_error(tmp
     assert "read failed" not in err and "ERROR" not in err
 
 
+def _proc_file(pid: int, name: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""  # gone
+
+
+def _stat(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ..."""
+    text = _proc_file(pid, "stat")
+    return text.rsplit(b")", 1)[1].split() if text else []
+
+
 def _children_of(pid: int) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                found.add(int(entry))
-    return found
+    return {int(e) for e in os.listdir("/proc") if e.isdigit() and _stat(int(e))[1:2] == [str(pid).encode()]}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process parents from /proc")
@@ -325,7 +329,7 @@ def test_ranks_of_a_child_that_leaves_while_loading_leave_too(tmp_path):
               "the engine to spawn its rank")
         conn.close()
         proc.communicate(timeout=120)
-        _wait(lambda: not any(os.path.exists(f"/proc/{r}") and _alive(r) for r in ranks), "the rank to exit", 30)
+        _wait(lambda: not any(_alive(r) for r in ranks), "the rank to exit", 30)
     finally:
         listener.close()
         if proc.poll() is None:
@@ -336,19 +340,11 @@ def test_ranks_of_a_child_that_leaves_while_loading_leave_too(tmp_path):
 
 
 def _is_rank(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()  # multiprocessing's spawned process, not its resource tracker
-    except OSError:
-        return False
+    return b"spawn_main" in _proc_file(pid, "cmdline")  # multiprocessing's spawned process, not its tracker
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return _stat(pid)[:1] not in ([], [b"Z"])
 
 
 def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):
