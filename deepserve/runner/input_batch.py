@@ -184,19 +184,39 @@ def _history_slots(tables: np.ndarray, lens: list[int], block_size: int) -> np.n
     return tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
+# Triton compiles one kernel variant per specialization of its arguments: integers by divisibility by 16
+# (and == 1), pointers by 16-byte alignment. A step's block-table width and the offsets of its views into
+# one copied buffer varied with the batch, so eager steps kept compiling decode-attention variants the
+# graphs never had (two or three inside W1's first run on the H200; its first run took 12.1 s, the same
+# engine's second 8.6 s). Widths rounded up to 16 columns and every view starting 16-byte aligned give
+# each step the arguments the captured graphs compiled for (cuda_graph.py rounds its width the same way).
+TABLE_WIDTH_MULTIPLE = 16
+VIEW_ALIGN_BYTES = 16
+
+
 def _block_table(rows: list[list[int]]) -> np.ndarray:
-    """[B, max_blocks] int32, each row's block ids padded with 0; built from one flat array, since
-    converting a nested list element by element cost ~1 ms a step at batch 256."""
+    """[B, W] int32, each row's block ids padded with 0, W the longest row rounded up to a multiple of
+    TABLE_WIDTH_MULTIPLE; built from one flat array, since converting a nested list element by element
+    cost ~1 ms a step at batch 256."""
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    table = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
+    width = max(1, -(-int(lengths.max()) // TABLE_WIDTH_MULTIPLE)) * TABLE_WIDTH_MULTIPLE
+    table = np.zeros((len(rows), width), dtype=np.int32)
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
     table[np.arange(table.shape[1]) < lengths[:, None]] = flat  # row-major fill = the rows in order
     return table
 
 
 def _to_device(parts: list, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Concatenate lists / arrays, copy once (asynchronously on CUDA), return views split as given."""
-    arrays = [np.asarray(p, dtype=np.int64 if dtype == torch.int64 else np.int32).reshape(-1) for p in parts]
-    host = torch.from_numpy(np.concatenate(arrays))
-    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    return list(flat.split([a.size for a in arrays]))
+    """Concatenate lists / arrays, copy once (asynchronously on CUDA), return views split as given, each
+    starting VIEW_ALIGN_BYTES-aligned (the parts are padded apart; see TABLE_WIDTH_MULTIPLE)."""
+    np_dtype = np.int64 if dtype == torch.int64 else np.int32
+    arrays = [np.asarray(p, dtype=np_dtype).reshape(-1) for p in parts]
+    per_view = VIEW_ALIGN_BYTES // np.dtype(np_dtype).itemsize
+    padded = [-(-a.size // per_view) * per_view for a in arrays]
+    host = np.zeros(sum(padded), dtype=np_dtype)
+    starts = np.cumsum([0, *padded[:-1]])
+    for start, a in zip(starts, arrays, strict=True):
+        host[start:start + a.size] = a
+    flat = torch.from_numpy(host)
+    flat = flat.to(device, non_blocking=True) if device.type == "cuda" else flat
+    return [view[:a.size] for view, a in zip(flat.split(padded), arrays, strict=True)]
