@@ -36,11 +36,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_TP_LOAD_TIMEOUT_S": (_float("DEEPSERVE_TP_LOAD_TIMEOUT_S", 3600.0),
                                     "how long node 0 waits for every rank to load its weights, in seconds"),
     "DEEPSERVE_TORCH_COMPILE": (_flag("DEEPSERVE_TORCH_COMPILE", True),
-                                "0: run the fused elementwise chains (norms, rope, SiLU-and-mul) eagerly"),
-    "DEEPSERVE_TRITON_ELEMENTWISE": (_flag("DEEPSERVE_TRITON_ELEMENTWISE", False),
-                                     "1: RMSNorm, SiLU-and-mul and rope run as the Triton kernels of "
-                                     "kernels/elementwise.py instead of torch.compile (no dynamo at start-up); "
-                                     "off until timed on the H200"),
+                                "0: run the elementwise chains (norms, rope, SiLU-and-mul) eagerly where torch.compile "
+                                "would (CPU; GPUs with DEEPSERVE_TRITON_ELEMENTWISE=0)"),
+    "DEEPSERVE_TRITON_ELEMENTWISE": (_flag("DEEPSERVE_TRITON_ELEMENTWISE", True),
+                                     "RMSNorm, SiLU-and-mul and rope run as the Triton kernels of "
+                                     "kernels/elementwise.py on GPUs (no dynamo at start-up); 0: "
+                                     "torch.compile's versions, for comparison"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel"),
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),

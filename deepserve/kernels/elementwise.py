@@ -4,8 +4,9 @@ SiLU-and-mul, RMSNorm (with and without the residual add) and rotary embedding.
 Why both exist: torch.compile traces each chain with dynamo at start-up (sympy shape reasoning, guards),
 seconds of every start even with warm caches (bench/results/2026-12-01/startup1-e2bfcbb.txt), and its
 SiLU-and-mul ran at about a third of HBM bandwidth in run 14's profiles (bench/RESULTS.md). These compile
-once per shape class through Triton's own cache, with no dynamo. Off until timed on the H200
-(DEEPSERVE_TRITON_ELEMENTWISE; the layers pick, layers/fusion.py).
+once per shape class through Triton's own cache, with no dynamo. On by default since the H200 timed them
+(bench/RESULTS.md, "Switches and step-tensor alignment"): 0.40-0.84x torch.compile's time per call, W1 up;
+DEEPSERVE_TRITON_ELEMENTWISE=0 gives torch.compile's versions (the layers pick, layers/fusion.py).
 
 Numerics follow the compiled chains: the math in fp32 from the inputs as loaded, rounded once at the end,
 except where the reference rounds on purpose (RMSNorm rounds the normalized value to the input dtype

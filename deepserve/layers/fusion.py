@@ -1,5 +1,6 @@
 """Elementwise chains (RMSNorm, rope, SiLU-and-mul) fused into single GPU kernels by torch.compile, or by
-the hand-written Triton kernels of kernels/elementwise.py with DEEPSERVE_TRITON_ELEMENTWISE=1.
+the hand-written Triton kernels of kernels/elementwise.py (the default on GPUs; DEEPSERVE_TRITON_ELEMENTWISE=0
+for torch.compile's).
 
 In eager mode each of these is 5-20 tiny kernels; a decode step of a 30-layer model launches over a
 thousand of them, and even inside a CUDA graph each costs a few microseconds. Compiled, each chain is
@@ -51,8 +52,8 @@ def compiled_on_cuda(fn: F) -> F:
 
 def triton_on_cuda(kernel_name: str) -> Callable[[F], F]:
     """`fn` as kernels/elementwise.py's `kernel_name` on GPU tensors when DEEPSERVE_TRITON_ELEMENTWISE is on
-    (no dynamo at start-up), else as compiled_on_cuda(fn). Decided once, at import: with the switch off
-    (the default) this returns compiled_on_cuda(fn) itself, so the default path gains no call. The
+    (the default: no dynamo at start-up), else as compiled_on_cuda(fn). Decided once, at import: with the
+    switch off this returns compiled_on_cuda(fn) itself, so that path gains no call. The
     kernel takes fn's arguments and computes fn's result (fn is its reference, `__wrapped__`)."""
 
     def decorate(fn: F) -> F:

@@ -82,7 +82,7 @@ def test_rope(dtype, interleaved, head_dim, rotary_dim):
     assert torch.equal(got_q[0], q[0])  # position 0 rotates by nothing (cos 1, sin 0)
 
 
-def test_the_switch_is_decided_at_import_and_off_by_default():
+def test_the_switch_is_decided_at_import_and_on_by_default():
     # Off: the layers' functions are compiled_on_cuda's wrappers themselves (no added call on the default
     # path). On: a wrapper that routes GPU tensors to the kernel and everything else to the compiled chain.
     import os
@@ -96,9 +96,9 @@ def test_the_switch_is_decided_at_import_and_off_by_default():
              "elementwise.rms_norm = lambda *a: 'kernel'\n"
              "print(norm.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6) == 'kernel')\n")
     env = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_TRITON_ELEMENTWISE"}
-    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-    on = subprocess.run([sys.executable, "-c", probe], env={**env, "DEEPSERVE_TRITON_ELEMENTWISE": "1"},
-                        capture_output=True, text=True, timeout=300)
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    off = subprocess.run([sys.executable, "-c", probe], env={**env, "DEEPSERVE_TRITON_ELEMENTWISE": "0"},
+                         capture_output=True, text=True, timeout=300)
     assert off.stdout.split() == ["False", "None", "False"], off.stderr[-2000:]
     assert on.stdout.split() == ["True", "rms_norm", "True"], on.stderr[-2000:]
 
