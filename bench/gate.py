@@ -236,13 +236,24 @@ def run_model(run: ModelRun, smoke: bool, w1_repeats: int = 1) -> dict:
     w1 = measure_throughput(llm, workload)
     result.update(w1=w1["output_tokens_per_second"], w1_detail=w1)
     if w1_repeats > 1:
-        runs = [w1] + [measure_throughput(llm, workload) for _ in range(w1_repeats - 1)]
+        runs = [w1] + [_w1_again(llm, workload, measure_throughput) for _ in range(w1_repeats - 1)]
         result.update(w1_runs=[r["output_tokens_per_second"] for r in runs],
-                      w1_runs_compiles=[_compile_count(r) for r in runs])
+                      w1_runs_compiles=[_compile_count(r) for r in runs],
+                      w1_runs_prefix_cache_reset=hasattr(llm, "reset_prefix_cache"))
     if run.w2:
         w2 = measure_latency(llm, 32, 8, 1, 2, vocab_size=1000) if smoke else measure_latency(llm)
         result.update(tpot=w2["tpot_ms_median"], ttft=w2["ttft_ms_median"], w2_detail=w2)
     return result
+
+
+def _w1_again(llm, workload, measure_throughput) -> dict:
+    """W1 once more in the same engine, the prefix cache emptied first: left full, it held every W1 prompt,
+    and the repeat measured decode alone (one H200, a15a08a: Qwen 8.3 s against the first run's 11.3 s,
+    11.3 s again with prefix caching off; bench/results/2026-12-02/probe*). Trees older than
+    LLM.reset_prefix_cache keep their cache (w1_runs_prefix_cache_reset says which)."""
+    if hasattr(llm, "reset_prefix_cache") and not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset between W1 runs (requests unfinished)")
+    return measure_throughput(llm, workload)
 
 
 def _compile_count(w1: dict) -> int | None:

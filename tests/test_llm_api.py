@@ -195,3 +195,30 @@ def test_start_up_phases_are_timed():
     # The process's age when loading began: older than this test was before it built the engine (the
     # /proc clock ticks are 10 ms).
     assert phases["process_age_at_load"] >= test_age - 0.02
+
+
+def test_reset_prefix_cache_makes_the_next_run_compute_its_prompts_in_full(llm):
+    prompt = list(range(1, 70))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine = llm.llm_engine
+    llm.generate([prompt], params, use_tqdm=False)
+    before = engine.stats()
+    second = llm.generate([prompt], params, use_tqdm=False)
+    hits = engine.stats().prefix_cache_hits_total - before.prefix_cache_hits_total
+    assert hits >= 64  # the 4 full blocks of 16 tokens came from the cache
+    assert llm.reset_prefix_cache()
+    before = engine.stats()
+    third = llm.generate([prompt], params, use_tqdm=False)
+    assert engine.stats().prefix_cache_hits_total == before.prefix_cache_hits_total
+    assert third[0].outputs[0].token_ids == second[0].outputs[0].token_ids  # greedy: same tokens either way
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_is_unfinished(llm):
+    engine = llm.llm_engine
+    engine.add_request("held", list(range(1, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert not llm.reset_prefix_cache()
+    engine.abort_request("held")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache()

@@ -212,6 +212,10 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """BlockManager.reset_prefix_cache, between requests only: False while any is unfinished."""
+        return not self.has_unfinished_requests() and self.scheduler.block_manager.reset_prefix_cache()
+
     def kernel_compiles(self) -> dict[str, Any]:
         """Kernel compiles in this process since start-up ended (compile_watch; under tensor parallelism
         the workers' own are not counted)."""

@@ -70,3 +70,6 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return not self.has_unfinished_requests() and self.core.reset_prefix_cache()

@@ -67,6 +67,11 @@ class LLM:
         prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False), "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (GPU and host tier), so the next generate computes its prompts
+        in full, e.g. a benchmark's second run. False, and nothing changed, while requests are unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}

@@ -108,3 +108,16 @@ def test_freeing_forgets_the_hash_chain_so_a_recompute_registers_again():
     assert len(req.block_hashes) == 2
     bm.free(req)  # as a preemption does
     assert req.block_hashes == [] and req.block_ids == []
+
+
+def test_reset_prefix_cache_forgets_every_prefix_but_only_when_no_block_is_in_use():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first = make_request(list(range(9)), "a")
+    compute_all(bm, first)
+    assert not bm.reset_prefix_cache()  # a's blocks are in use: refused, nothing changed
+    assert bm.get_computed_blocks(make_request(list(range(9)), "b")) == [0, 1]
+    bm.free(first)
+    assert bm.reset_prefix_cache()
+    assert bm.cached_blocks == {} and all(b.block_hash is None and not b.token_ids for b in bm.blocks)
+    assert bm.get_computed_blocks(make_request(list(range(9)), "c")) == []
+    assert bm.num_free_blocks == 8

@@ -231,3 +231,17 @@ def test_the_scheduler_sends_host_copies_with_the_step_and_counts_host_hits():
     stats = sched.stats()
     assert stats.prefix_cache_host_hits_total == 8 and stats.prefix_cache_hits_total == 8
     assert stats.prefix_cache_host_stores_total == 2 + len(out.blocks_to_swap_out)
+
+
+def test_reset_prefix_cache_empties_the_host_tier_too():
+    bm = BlockManager(num_blocks=4, block_size=4, num_host_blocks=4)
+    bm.free(cached_request(bm, "a", 9))
+    b = make_request("b", 16, first_token=100)
+    assert bm.allocate_slots(b, 16)  # evicts a's two prefix blocks to host blocks 0 and 1
+    assert not bm.reset_prefix_cache()  # b holds blocks and the stores are pending
+    bm.take_host_copies()
+    bm.free(b)
+    assert bm.reset_prefix_cache()
+    assert bm.host_prefix == {} and bm.host_cached == {} and bm.num_free_host_blocks == 4
+    assert bm.get_host_hits(make_request("c", 9)) == []
+    assert [bm._take_host_block() for _ in range(4)] == [0, 1, 2, 3]  # host block 0 first again
