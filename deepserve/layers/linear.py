@@ -120,7 +120,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def _make_int4(self, in_features: int, out_features: int, in_shards: int) -> None:
-        full_in = in_features * in_shards
+        full_in = self.int4_full_in = in_features * in_shards
         # All groups on every rank where a group spans the shards; else this rank's whole groups.
         self.int4_all_groups = keeps_all_groups(self.int4, full_in, in_shards)
         self.int4_group = self.int4.group_for(full_in)
@@ -134,12 +134,14 @@ class LinearBase(nn.Module):
         return self.int4 is not None and any(param is getattr(self, n) for n in self.INT4_PARAMS)
 
     def _load_int4(self, param: nn.Parameter, loaded: torch.Tensor, rows: tuple[int, int] | None = None,
-                   cols: tuple[int, int] | None = None, member: int = 0) -> None:
-        """A checkpoint int4 tensor's output rows `rows` x inputs `cols` into `member`'s rows (layers/int4.py)."""
+                   cols: tuple[int, int] | None = None, member: int = 0, full_rows: int | None = None) -> None:
+        """A checkpoint int4 tensor's output rows `rows` x inputs `cols` into `member`'s rows (layers/int4.py);
+        the tensor packs a [full_rows (default: this layer's rows), whole input] weight."""
         from deepserve.loader.int4 import checkpoint_slice
 
         kind = next(n for n in self.INT4_PARAMS if param is getattr(self, n))
-        ours = checkpoint_slice(kind, loaded, self.int4, rows, cols, whole_groups=not self.int4_all_groups)
+        full = (full_rows or sum(self.member_rows), self.int4_full_in)
+        ours = checkpoint_slice(kind, loaded, self.int4, rows, cols, whole_groups=not self.int4_all_groups, full=full)
         if kind == "g_idx":  # one per input, shared by the members: they must agree
             if self._g_idx_members and not torch.equal(param.data.cpu(), ours):
                 raise ValueError(f"{type(self).__name__}: the merged projections' g_idx differ (act order); "
@@ -202,7 +204,7 @@ class LinearBase(nn.Module):
         """Copy rows [src, src + size) of a checkpoint tensor (weight, bias or block scale) into `member`'s
         rows of `param` (a scale's rows in block units); the tensor holds `shards` such shares."""
         if self._is_int4(param):
-            self._load_int4(param, loaded, rows=(src, size), member=member)
+            self._load_int4(param, loaded, rows=(src, size), member=member, full_rows=size * shards)
             return
         dst, full = sum(self.member_rows[:member]), size * shards
         if self._is_scale(param):

@@ -209,6 +209,7 @@ class RoutedExperts(nn.Module):
             self.num_local, self.expert_start = num_experts, 0
             self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
         self.inter = intermediate_size // self.inter_ranks
+        self.hidden = hidden_size
         self.quant = quant
         self.dtype = torch.get_default_dtype()  # the model dtype, for unquantize
         self.int4 = quant if isinstance(quant, Int4Config) else None
@@ -351,7 +352,8 @@ class RoutedExperts(nn.Module):
         if local is None:  # another rank's expert is never read
             return
         start, size = self.inter_rank * self.inter, self.inter
-        ours = checkpoint_slice(kind, loaded, self.int4, rows=(start, size))
+        full = (size * self.inter_ranks, self.hidden)
+        ours = checkpoint_slice(kind, loaded, self.int4, rows=(start, size), full=full)
         target = param.data[local] if kind == "g_idx" else param.data[local].narrow(0, member * size, size)
         default_weight_loader(target, ours)
 
@@ -363,8 +365,9 @@ class RoutedExperts(nn.Module):
         local = self._local(shard_id)
         if local is not None:
             cols = (self.inter_rank * self.inter, self.inter)
+            full = (self.hidden, self.inter * self.inter_ranks)
             default_weight_loader(param.data[local], checkpoint_slice(kind, loaded, self.int4, cols=cols,
-                                                                      whole_groups=not self.w2_all_groups))
+                                                                      whole_groups=not self.w2_all_groups, full=full))
 
     def quantize_loaded_weights(self) -> None:
         """`--quantization fp8` on an unquantized checkpoint: each expert's w1, w3 and w2 into 128 x 128

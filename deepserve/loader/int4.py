@@ -103,13 +103,32 @@ def _narrow(t: torch.Tensor, dim: int, span: tuple[int, int] | None, unit: int, 
     return t.narrow(dim, start // unit, size // unit)
 
 
+def packed_shape(kind: str, cfg: Int4Config, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The on-disk shape of `<module>.<kind>` for a whole [out_features, in_features] weight: AWQ qweight
+    [K, N/pack], GPTQ qweight [K/pack, N], qzeros [groups, N/pack], scales [groups, N], g_idx [K]."""
+    pack, n, k = int4_ref.pack_factor(cfg.bits), out_features, in_features
+    groups = cfg.num_groups(k)
+    shapes = {"qweight": (k, -(-n // pack)) if cfg.method == "awq" else (-(-k // pack), n),
+              "qzeros": (groups, -(-n // pack)), "scales": (groups, n), "g_idx": (k,)}
+    if kind not in shapes:
+        raise ValueError(f"unknown int4 tensor kind {kind!r}")
+    return shapes[kind]
+
+
 def checkpoint_slice(kind: str, loaded: torch.Tensor, cfg: Int4Config, rows: tuple[int, int] | None = None,
-                     cols: tuple[int, int] | None = None, whole_groups: bool = True) -> torch.Tensor:
+                     cols: tuple[int, int] | None = None, whole_groups: bool = True,
+                     full: tuple[int, int] | None = None) -> torch.Tensor:
     """A checkpoint tensor `<module>.<kind>` -> output rows `rows` x input columns `cols` (element spans,
     None: all) in our layout (kernels/int4_ref.py). whole_groups False: keep every group's scales and
-    zeros whatever `cols` is (act order, or one group spanning the shards)."""
+    zeros whatever `cols` is (act order, or one group spanning the shards). full (out_features,
+    in_features): the whole weight the config gives, which the tensor must pack exactly; a shard cut from
+    a larger tensor would load a part of it without a word (a config that does not match the weights)."""
     pack, group, awq = int4_ref.pack_factor(cfg.bits), cfg.group_size, cfg.method == "awq"
     what = f"{cfg.method} {kind}"
+    if full is not None and tuple(loaded.shape) != packed_shape(kind, cfg, *full):
+        raise ValueError(f"shape {tuple(loaded.shape)}, but the config gives {packed_shape(kind, cfg, *full)} "
+                         f"({what} of a [{full[0]}, {full[1]}] weight): config.json (or --hf-overrides) does not "
+                         "match the weights")
     gcols = cols if whole_groups and group != -1 else None
     if kind == "qweight":  # AWQ [K, N/8], GPTQ [K/pack, N]
         t = materialize(_narrow(_narrow(loaded, 1, rows, pack if awq else 1, what), 0, cols, 1 if awq else pack,

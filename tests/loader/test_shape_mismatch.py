@@ -49,3 +49,20 @@ def test_fp8_scale_of_the_wrong_block_count_is_refused_naming_it(fp8_checkpoint)
     save_file(scales, shard)
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}': shape \(1, 1\), (expected|but the config)"):
         load(fp8_dir)
+
+
+@pytest.mark.parametrize(("family", "field", "tensor"), [
+    ("llama", "intermediate_size", r"model\.layers\.0\.mlp\.(down|gate|up)_proj\.(qweight|qzeros|scales|g_idx)"),
+    ("v3", "moe_intermediate_size", r"model\.layers\.\d\.mlp\.experts\.\d+\.(down|gate|up)_proj\.\w+"),
+])
+@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+def test_int4_config_smaller_than_the_packed_weights_is_refused(tmp_path, tokenizer, family, field, tensor, fmt):
+    from tests.models.test_deepseek import make_hf_model
+    from tests.models.test_int4_models import DEEPSEEK, DENSE, int4_checkpoint
+
+    hf_model = make_dense_model(*DENSE[family]) if family in DENSE else make_hf_model(*DEEPSEEK[family])
+    path, _ = int4_checkpoint(tmp_path, hf_model, tokenizer, fmt)
+    smaller = getattr(hf_model.config, field) // 2
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{tensor}': shape .* does not match the weights"):
+        load(path, **{field: smaller})
+    load(path)  # the checkpoint itself loads
