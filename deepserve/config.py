@@ -307,6 +307,7 @@ class EngineArgs:
         return self.model or _demo_model_path()
 
     def create_engine_config(self) -> EngineConfig:
+        from deepserve.host_memory import check_swap_space
         from deepserve.loader.hf_config import resolve_dtype, resolve_max_model_len
         from deepserve.loader.presets import is_preset, resolve_hf_config
 
@@ -315,6 +316,7 @@ class EngineArgs:
             raise ValueError("--swap-space (swap_space) is not supported with pipeline_parallel_size > 1 yet; "
                              "use --swap-space 0 (preempted requests then recompute)")
 
+        check_swap_space(self.swap_space, max(1, self.tensor_parallel_size // max(1, self.nnodes)))
         speculative = SpeculativeConfig.from_user(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
