@@ -173,7 +173,9 @@ class TokenizeRequest(_Strict):
     model: Annotated[str, Field(max_length=512)] | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool = True
+    # None: True for a prompt; False for messages, whose chat template writes the special tokens itself
+    # (what a chat request gets). True with messages adds them once more, as asked (vLLM's meaning).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: as a chat request's, over the server's
 

@@ -92,10 +92,11 @@ async def tokenize(request: Request) -> JSONResponse:
     if req.messages is not None:  # the prompt a chat request with these messages and kwargs would get
         kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs),
                   "add_generation_prompt": req.add_generation_prompt}
-        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs)
+        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs,
+                                   bool(req.add_special_tokens))
     else:
-        ids = await st.off_loop(lambda: list(st.engine.tokenizer.encode(req.prompt,
-                                                                        add_special_tokens=req.add_special_tokens)))
+        special = req.add_special_tokens is not False
+        ids = await st.off_loop(lambda: list(st.engine.tokenizer.encode(req.prompt, add_special_tokens=special)))
     return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids})
 
 

@@ -110,8 +110,8 @@ def client_addr(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def chat_prompt(st: ServerState, req: p.ChatCompletionRequest,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+def chat_prompt(st: ServerState, req: p.ChatCompletionRequest, template_kwargs: dict[str, Any] | None = None,
+                add_special_tokens: bool = False) -> tuple[str, list[int]]:
     from deepserve.loader.tokenizer import apply_chat_template
 
     tok = st.engine.tokenizer
@@ -119,7 +119,8 @@ def chat_prompt(st: ServerState, req: p.ChatCompletionRequest,
         text = apply_chat_template(tok, [_template_message(m) for m in req.messages], **(template_kwargs or {}))
     except Exception as e:  # jinja2 raises its own TemplateError for e.g. non-alternating roles
         raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-    return text, list(tok.encode(text, add_special_tokens=False))  # the template wrote bos already
+    # The template wrote bos already; /tokenize may ask for the tokenizer's special tokens on top.
+    return text, list(tok.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _template_message(m: p.ChatMessage) -> dict[str, Any]:

@@ -186,6 +186,14 @@ def test_tokenize_detokenize(srv):
     assert post(srv, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "hello world"
     chat = post(srv, "/tokenize", {"messages": MSG}).json()
     assert chat["count"] > tok["count"]
+    # add_special_tokens: a prompt gets the tokenizer's by default; messages do not (their template wrote
+    # them, as a chat request's prompt), unless asked: then they come on top of the template's.
+    with_special = post(srv, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
+    added = len(with_special) - len(tok["tokens"])
+    assert added > 0, "the demo tokenizer adds a BOS; without one this test checks nothing"
+    asked = post(srv, "/tokenize", {"messages": MSG, "add_special_tokens": True}).json()["tokens"]
+    assert len(asked) == chat["count"] + added and asked[:added] == with_special[:added]
+    assert post(srv, "/tokenize", {"messages": MSG, "add_special_tokens": False}).json() == chat
     assert post(srv, "/detokenize", {"tokens": [10**6]}).json()["error"]["param"] == "tokens"
 
 
