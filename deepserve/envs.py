@@ -73,6 +73,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "
                                  "variants compile before the first request; off until measured on the H200. Set "
                                  "it alike on every node (each rank reads its own environment)"),
+    "DEEPSERVE_RANK_START_METHOD": (lambda: os.environ.get("DEEPSERVE_RANK_START_METHOD", "forkserver"),
+                                    "how ranks other than 0 start: forkserver (forks of one helper that imported "
+                                    "torch once; runner/rank_start.py) or spawn (a fresh interpreter each)"),
     "DEEPSERVE_CACHE_DIR": (lambda: os.environ.get("DEEPSERVE_CACHE_DIR")
                             or os.path.join(os.path.expanduser("~"), ".cache", "deepserve"),
                             "where compiled Triton and inductor kernels are kept between runs (compile_cache.py)"),

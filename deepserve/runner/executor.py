@@ -28,7 +28,6 @@ stops moving for DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import socket
 import threading
 import time
@@ -42,6 +41,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.request import SchedulerOutput
 from deepserve.runner import worker
 from deepserve.runner.model_runner import ModelRunner, RunnerOutput
+from deepserve.runner.rank_start import rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_to_message, describe_step
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class _Workers:
 
     def __init__(self, world: int, port: int, backend: str, timeout_s: float, addr: str = "127.0.0.1",
                  nnodes: int = 1) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         local = world // nnodes
         self.multinode = nnodes > 1
         self.stop = stop_flag(ctx)
@@ -87,11 +87,9 @@ class _Workers:
         self.procs = {}
         for rank in range(1, local):  # node 0's block of ranks: 0 (this process) .. local - 1
             go = None if self.multinode else self.go[rank]
-            p = ctx.Process(target=worker.worker_process, name=f"deepserve-rank{rank}", daemon=True,
-                            args=(rank, world, port, backend, timeout_s, go, self.stop,
-                                  self.progress, self.heartbeat, addr, local, self.multinode))
-            p.start()
-            self.procs[rank] = p
+            self.procs[rank] = start_rank(ctx, "deepserve.runner.worker.worker_process",
+                                          (rank, world, port, backend, timeout_s, go, self.stop, self.progress,
+                                           self.heartbeat, addr, local, self.multinode), f"deepserve-rank{rank}")
 
     def dead(self) -> dict[int, int]:
         return {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}

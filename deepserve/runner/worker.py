@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from deepserve import envs
 from deepserve.config import EngineConfig
+from deepserve.runner.rank_start import rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_from_message
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -252,12 +253,10 @@ def run_node(parallel: Any, backend: str, timeout_s: float | None = None) -> int
     tp = parallel.tensor_parallel_size
     logger.info("node %d: ranks %d..%d of %d (pipeline stage(s) %d..%d), rendezvous at %s:%d", parallel.node_rank,
                 first, ranks[-1], world, first // tp, ranks[-1] // tp, addr, port)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_remote_rank_process, name=f"deepserve-rank{r}", daemon=True,
-                         args=(r, world, addr, port, backend, timeout_s, local))
+    ctx = rank_context()
+    procs = [start_rank(ctx, "deepserve.runner.worker._remote_rank_process",
+                        (r, world, addr, port, backend, timeout_s, local), f"deepserve-rank{r}")
              for r in ranks[1:]]
-    for p in procs:
-        p.start()
     code = _remote_rank(first, world, addr, port, backend, timeout_s, local)
     for p in procs:
         p.join(30.0 if code == 0 else 5.0)

@@ -89,9 +89,24 @@ def _no_leftover_processes(monkeypatch):
     monkeypatch.setenv("DEEPSERVE_TP_TIMEOUT_S", "60")
     before = _descendants(os.getpid())
     yield
-    # multiprocessing's resource tracker is started once per pytest process and lives on by design.
-    started = {p for p in _descendants(os.getpid()) - before if "resource_tracker" not in _cmdline(p)}
+    # multiprocessing's resource tracker and the ranks' fork server (runner/rank_start.py) are started once
+    # per pytest process and live on by design; the ranks forked from that server are checked.
+    started = {p for p in _descendants(os.getpid()) - before if not _lives_on_by_design(p)}
     assert wait_until(lambda: not any(_alive(p) for p in started), timeout=20), {p: _cmdline(p) for p in started}
+
+
+def _lives_on_by_design(pid: int) -> bool:
+    if "resource_tracker" in _cmdline(pid):
+        return True
+    return "multiprocessing.forkserver" in _cmdline(pid) and _parent(pid) == os.getpid()  # not its forks
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _cmdline(pid: int) -> str:

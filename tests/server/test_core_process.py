@@ -325,8 +325,7 @@ def test_ranks_of_a_child_that_leaves_while_loading_leave_too(tmp_path):
     ranks: set[int] = set()
     try:
         conn, _ = listener.accept()
-        _wait(lambda: ranks.update(r for r in _children_of(proc.pid) if _is_rank(r)) or ranks,
-              "the engine to spawn its rank")
+        _wait(lambda: ranks.update(_ranks_of(proc.pid)) or ranks, "the engine to start its rank")
         conn.close()
         proc.communicate(timeout=120)
         _wait(lambda: not any(_alive(r) for r in ranks), "the rank to exit", 30)
@@ -339,8 +338,17 @@ def test_ranks_of_a_child_that_leaves_while_loading_leave_too(tmp_path):
                 os.kill(r, 9)
 
 
-def _is_rank(pid: int) -> bool:
-    return b"spawn_main" in _proc_file(pid, "cmdline")  # multiprocessing's spawned process, not its tracker
+def _ranks_of(engine: int) -> set[int]:
+    """The engine's ranks: spawned children (DEEPSERVE_RANK_START_METHOD=spawn), or the forks of its rank
+    fork server (runner/rank_start.py; the server itself is no rank), not multiprocessing's tracker."""
+    ranks = set()
+    for child in _children_of(engine):
+        cmdline = _proc_file(child, "cmdline")
+        if b"spawn_main" in cmdline:
+            ranks.add(child)
+        elif b"multiprocessing.forkserver" in cmdline:
+            ranks |= _children_of(child)
+    return ranks
 
 
 def _alive(pid: int) -> bool:
