@@ -96,7 +96,9 @@ def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out
                 compiles = (data.get("w1_detail") or {}).get("kernel_compiles_during_run")  # older trees: none
                 if compiles is not None and compiles.get("watching", True):  # CPU: nothing watched, no count
                     data["w1_compiles"] = compiles["triton_compiles"]
-                if len(data.get("w1_runs", [])) > 1:
+                # A second W1 is shown only where the prefix cache was emptied before it: a tree without
+                # LLM.reset_prefix_cache found every W1 prompt cached and timed decode alone.
+                if len(data.get("w1_runs", [])) > 1 and data.get("w1_runs_prefix_cache_reset"):
                     data["w1_2nd"] = data["w1_runs"][1]
                     if data["w1_runs_compiles"][1] is not None:  # older trees count no compiles
                         data["w1_2nd_compiles"] = data["w1_runs_compiles"][1]

@@ -142,7 +142,8 @@ def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     values = result["values"]["demo"]
     assert values["0-base"]["w1"][0] > 0 and values["1-new"]["w1"][0] > 0 and values["1-new"]["tpot"][0] > 0
     assert values["1-new+warm"]["w1"][0] > 0 and values["1-new+warm"]["ready"][0] > 0
-    assert values["1-new"]["w1_2nd"][0] > 0
+    assert values["1-new"]["w1_2nd"][0] > 0  # shown: this tree emptied the prefix cache before it
+    assert json.loads((out / "demo-1-new-0.json").read_text())["w1_runs_prefix_cache_reset"] is True
     # On CPU no Triton kernel is compiled or watched: no compile counts rather than zeros.
     assert "w1_compiles" not in values["1-new"] and "w1_2nd_compiles" not in values["1-new"]
     assert result["env"]["1-new+warm"] == {"DEEPSERVE_PREFILL_WARMUP": "1", "DEEPSERVE_FUSED_SAMPLING": "0"}
@@ -200,3 +201,27 @@ def test_every_suite_is_reachable_from_gate_sh_and_its_check_scripts_exist():
     switches = [cmd for _, cmd, _ in gate.SUITES["switches"][0]]
     assert ["env", "DEEPSERVE_TRITON_ELEMENTWISE=1"] == switches[1][:2]
     assert ["env", "DEEPSERVE_PREFILL_WARMUP=1"] == switches[2][:2]
+
+
+def test_a_w1_repeat_empties_the_prefix_cache_first_or_stops():
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, resets: bool) -> None:
+            self.resets = resets
+
+        def reset_prefix_cache(self) -> bool:
+            calls.append("reset")
+            return self.resets
+
+    def measure(llm, workload):
+        calls.append("measure")
+        return {"output_tokens_per_second": 1.0}
+
+    assert gate._w1_again(FakeLLM(True), None, measure) == {"output_tokens_per_second": 1.0}
+    assert calls == ["reset", "measure"]
+    with pytest.raises(RuntimeError, match="prefix cache could not be reset"):
+        gate._w1_again(FakeLLM(False), None, measure)
+    calls.clear()
+    gate._w1_again(object(), None, measure)  # an older tree's LLM has no reset: measured as it is
+    assert calls == ["measure"]

@@ -37,3 +37,15 @@ def test_the_engine_refuses_a_swap_space_larger_than_the_machine_before_loading(
     with pytest.raises(ValueError, match=r"--swap-space \(swap_space\)"):
         EngineArgs(device="cpu", swap_space=too_much).create_engine_config()
     EngineArgs(device="cpu", swap_space=0.25).create_engine_config()  # a small tier is fine
+
+
+@pytest.mark.parametrize(("text", "expected"), [("8589934592\n", 8 * GIB), ("max\n", None), ("garbage", None)])
+def test_a_container_limit_below_the_physical_memory_wins(tmp_path, monkeypatch, text, expected):
+    from deepserve import host_memory
+
+    limit = tmp_path / "memory.max"
+    limit.write_text(text)
+    monkeypatch.setattr(host_memory, "_CGROUP_LIMITS", (str(tmp_path / "missing"), str(limit)))
+    physical = host_memory.os.sysconf("SC_PAGE_SIZE") * host_memory.os.sysconf("SC_PHYS_PAGES")
+    want = min(physical, expected) if expected else physical
+    assert total_host_memory_bytes() == want

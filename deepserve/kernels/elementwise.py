@@ -5,7 +5,8 @@ Why both exist: torch.compile traces each chain with dynamo at start-up (sympy s
 seconds of every start even with warm caches (bench/results/2026-12-01/startup1-e2bfcbb.txt), and its
 SiLU-and-mul ran at about a third of HBM bandwidth in run 14's profiles (bench/RESULTS.md). These compile
 once per shape class through Triton's own cache, with no dynamo. On by default since the H200 timed them
-(bench/RESULTS.md, "Switches and step-tensor alignment"): 0.40-0.84x torch.compile's time per call, W1 up;
+(bench/RESULTS.md, "Switches and step-tensor alignment"): 0.39-0.88x torch.compile's time per call at 256
+and 4,096 tokens and for RMSNorm / rope at one token, equal for SiLU-and-mul at one token; W1 up;
 DEEPSERVE_TRITON_ELEMENTWISE=0 gives torch.compile's versions (the layers pick, layers/fusion.py).
 
 Numerics follow the compiled chains: the math in fp32 from the inputs as loaded, rounded once at the end,

@@ -151,7 +151,8 @@ def _shutdown(workers: _Workers) -> None:
     # told "stop": it waits inside the control broadcast, which has no timeout.
     stuck = workers.frozen() if told or not workers.multinode else list(workers.procs)
     for rank in stuck:
-        workers.procs[rank].kill()
+        if workers.procs[rank].is_alive():  # polls first: a rank the fork server already reaped may have
+            workers.procs[rank].kill()  # no zombie holding its pid, which could then be another process's
     deadline = time.monotonic() + 5.0
     for p in workers.procs.values():
         p.join(max(0.0, deadline - time.monotonic()))

@@ -186,10 +186,11 @@ def _history_slots(tables: np.ndarray, lens: list[int], block_size: int) -> np.n
 
 # Triton compiles one kernel variant per specialization of its arguments: integers by divisibility by 16
 # (and == 1), pointers by 16-byte alignment. A step's block-table width and the offsets of its views into
-# one copied buffer varied with the batch, so eager steps kept compiling decode-attention variants the
-# graphs never had (two or three inside W1's first run on the H200; its first run took 12.1 s, the same
-# engine's second 8.6 s). Widths rounded up to 16 columns and every view starting 16-byte aligned give
-# each step the arguments the captured graphs compiled for (cuda_graph.py rounds its width the same way).
+# one copied buffer varied with the batch, so eager steps compiled decode-attention variants the graphs
+# never had (two or three inside W1 on the H200, each stalling the step that met it). Widths rounded up
+# to 16 columns and every view starting 16-byte aligned give each step the arguments the captured graphs
+# compiled for (cuda_graph.py rounds its width the same way). Still varying: the split count eager steps
+# pick from their longest sequence (one merge-kernel variant still compiled inside W1; bench/RESULTS.md).
 TABLE_WIDTH_MULTIPLE = 16
 VIEW_ALIGN_BYTES = 16
 

@@ -66,3 +66,26 @@ def test_every_view_is_aligned_and_tables_are_padded_to_sixteen_columns(batch, d
             expected_slots.append(s.request.block_ids[p // BLOCK] * BLOCK + p % BLOCK)
     assert inputs.attn.slot_mapping.tolist() == expected_slots
     assert inputs.attn.query_start_loc.tolist() == inputs.attn.query_start_loc_cpu
+
+
+def test_a_verify_step_is_aligned_too_and_graph_tables_are_as_wide_as_any_step_table():
+    from deepserve.runner.cuda_graph import DecodeGraphs
+
+    prefilling = Request("p", list(range(10, 31)), SamplingParams())
+    prefilling.block_ids = list(range(6))
+    verifying = Request("v", [5, 6, 7, 5, 6], SamplingParams())
+    verifying.append_output_token(7)
+    verifying.block_ids = [6, 7]
+    out = SchedulerOutput([ScheduledRequest(prefilling, 21, 0),
+                           ScheduledRequest(verifying, 3, 5, spec_token_ids=[5, 6])], num_draft_tokens=2)
+    inputs = prepare_inputs(out, BLOCK, torch.device("cpu"))
+    for name, tensor in _tensors(inputs).items():
+        assert tensor.data_ptr() % VIEW_ALIGN_BYTES == 0, name
+    assert inputs.attn.block_tables.shape == (4, TABLE_WIDTH_MULTIPLE)  # the verify request counts per row
+    # A graph's table is rounded up the same way, so the widest step table (max_model_len + lookahead
+    # tokens, rounded up) always fits in it.
+    for max_model_len, lookahead in ((4096, 0), (100, 0), (4095, 6), (17, 2)):
+        graphs = DecodeGraphs(torch.nn.Identity(), 4, max_model_len, BLOCK, torch.device("cpu"), lookahead=lookahead)
+        width = graphs.block_tables.shape[1]
+        widest = -(-(max_model_len + lookahead) // BLOCK)
+        assert width % TABLE_WIDTH_MULTIPLE == 0 and width >= -(-widest // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
