@@ -33,15 +33,17 @@ _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
 
 
 class _Recorder:
-    """Stands in for an interpreted kernel: records each launch's arguments, then runs it."""
+    """Stands in for an interpreted kernel: records each launch's arguments, then runs it (execute False:
+    does not, for wrappers whose host code never reads what their kernels write)."""
 
-    def __init__(self, module: str, name: str, kernel, launches: list) -> None:
+    def __init__(self, module: str, name: str, kernel, launches: list, execute: bool = True) -> None:
         self.module, self.name, self.kernel, self.launches = module, name, kernel, launches
+        self.execute = execute
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append(_job(self, args, dict(kwargs)))
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*args, **kwargs) if self.execute else None
         return launch
 
     # @triton.jit helpers are replaced too (one loop over the module): called from inside a kernel, they
@@ -53,13 +55,14 @@ class _Recorder:
         return getattr(self.kernel, name)
 
 
-def _record(monkeypatch, modules, run) -> list:
-    """The launches `run` makes of the kernels of `modules` (a module or a tuple of them)."""
+def _record(monkeypatch, modules, run, execute: bool = True) -> list:
+    """The launches `run` makes of the kernels of `modules` (a module or a tuple of them); execute False
+    records them without running them in the interpreter (most of such a test's time)."""
     launches: list = []
     for module in modules if isinstance(modules, tuple) else (modules,):
         for name, value in list(vars(module).items()):
             if type(value).__name__ == "InterpretedFunction":
-                monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
+                monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches, execute))
     run()
     assert launches, "the wrapper launched no kernel"
     return launches
@@ -126,12 +129,24 @@ for job in json.load(sys.stdin):
 
 
 def _compile_all(launches: list) -> None:
+    """Compile every distinct launch for sm_90, the jobs shared among up to one compiler process per core
+    (compiling is CPU-bound and the processes are independent: the int4 launches alone took ~70 s in one)."""
     unique = list({json.dumps(j, sort_keys=True): j for j in launches}.values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(unique), env=env, text=True,
-                          capture_output=True, timeout=600, cwd=pathlib.Path(__file__).parents[2])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == len(unique)
+    workers = max(1, min(os.cpu_count() or 1, 4, len(unique) // 3))
+    parts = [unique[i::workers] for i in range(workers)]
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True, cwd=pathlib.Path(__file__).parents[2])
+             for _ in parts]
+    try:
+        results = [proc.communicate(json.dumps(part), timeout=600) for proc, part in zip(procs, parts, strict=True)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    assert sum(out.count("compiled") for out, _ in results) == len(unique)
 
 
 def test_sampling_kernel_compiles(monkeypatch):
@@ -313,7 +328,8 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
             int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias,
                               config=cfg)
 
-    _compile_all(_record(monkeypatch, int4_gemv, run) + _record(monkeypatch, int4_dequant, run))
+    # The int4 wrappers never read their kernels' outputs on the host: record without interpreting them.
+    _compile_all(_record(monkeypatch, (int4_gemv, int4_dequant), run, execute=False))
 
 
 def test_fused_moe_int4_kernels_compile(monkeypatch):
@@ -375,7 +391,7 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
             w13, w2, int4 = experts(inter, act_order)
             fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
 
-    _compile_all(_record(monkeypatch, int4_moe_gemv, run))
+    _compile_all(_record(monkeypatch, int4_moe_gemv, run, execute=False))  # the routing kernels still run
 
 
 def test_elementwise_kernels_compile(monkeypatch):
