@@ -305,7 +305,7 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
     from dataclasses import replace
 
     int4 = import_kernels("deepserve.kernels.int4")
-    from deepserve.kernels import int4_dequant, int4_gemv
+    from deepserve.kernels import int4_dequant, int4_gemv, split_k
     from deepserve.kernels.int4_ref import pack_rows
 
     n, k = 192, 512
@@ -328,8 +328,9 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
             int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias,
                               config=cfg)
 
-    # The int4 wrappers never read their kernels' outputs on the host: record without interpreting them.
-    _compile_all(_record(monkeypatch, (int4_gemv, int4_dequant), run, execute=False))
+    # The int4 wrappers never read their kernels' outputs on the host: record without interpreting them
+    # (split-K's sum too, which would add up the unwritten partials: it is compiled with them).
+    _compile_all(_record(monkeypatch, (int4_gemv, int4_dequant, split_k), run, execute=False))
 
 
 def test_fused_moe_int4_kernels_compile(monkeypatch):
