@@ -27,7 +27,8 @@ def total_host_memory_bytes() -> int | None:
     limits = [physical] if physical else []
     for path in _CGROUP_LIMITS:
         try:
-            text = open(path).read().strip()
+            with open(path) as f:
+                text = f.read().strip()
         except OSError:
             continue
         if text.isdigit():  # "max" (v2) means no limit; v1 writes a huge number for none

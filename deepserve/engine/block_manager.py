@@ -194,14 +194,13 @@ class BlockManager:
         """Forget every cached prefix, GPU and host, so the next requests compute their prompts in full
         (a benchmark's repeated run measures the same work; vLLM's LLM.reset_prefix_cache). Only with
         no block in use and no host copy pending; False, and nothing changed, otherwise."""
-        in_use = self.num_free_blocks < self.num_blocks or len(self.free_host_blocks) < self.num_host_blocks - len(
-            self.host_prefix)
-        if in_use or self._stores or self._loads or self._host_release:
+        host_held = self.num_free_host_blocks + len(self.host_prefix) < self.num_host_blocks  # a swapped request's
+        if self.num_free_blocks < self.num_blocks or host_held or self._stores or self._loads or self._host_release:
             return False
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.cached_blocks.clear()
-        self.free_host_blocks.extend(reversed(list(self.host_prefix)))
+        self.free_host_blocks.extend(self.host_prefix)
         self.free_host_blocks.sort(reverse=True)  # host block 0 first again (the class docstring)
         self.host_prefix.clear()
         self.host_cached.clear()

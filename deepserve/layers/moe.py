@@ -352,7 +352,7 @@ class RoutedExperts(nn.Module):
         if local is None:  # another rank's expert is never read
             return
         start, size = self.inter_rank * self.inter, self.inter
-        full = (size * self.inter_ranks, self.hidden)
+        full = (self._inter_extent(None), self.hidden)
         ours = checkpoint_slice(kind, loaded, self.int4, rows=(start, size), full=full)
         target = param.data[local] if kind == "g_idx" else param.data[local].narrow(0, member * size, size)
         default_weight_loader(target, ours)
@@ -365,7 +365,7 @@ class RoutedExperts(nn.Module):
         local = self._local(shard_id)
         if local is not None:
             cols = (self.inter_rank * self.inter, self.inter)
-            full = (self.hidden, self.inter * self.inter_ranks)
+            full = (self.hidden, self._inter_extent(None))
             default_weight_loader(param.data[local], checkpoint_slice(kind, loaded, self.int4, cols=cols,
                                                                       whole_groups=not self.w2_all_groups, full=full))
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from deepserve.forward_context import AttentionMetadata, forward_context
-from deepserve.runner.input_batch import TABLE_WIDTH_MULTIPLE, StepInputs
+from deepserve.runner.input_batch import StepInputs, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.keep_hidden = keep_hidden
-        # Rounded up as input_batch rounds a step's table, so eager steps and graphs share kernel variants.
-        max_blocks = -(-(max_model_len + lookahead) // (block_size * TABLE_WIDTH_MULTIPLE)) * TABLE_WIDTH_MULTIPLE
+        # As wide as a step's table can be (same rounding), so eager steps and graphs share kernel variants.
+        max_blocks = table_width(-(-(max_model_len + lookahead) // block_size))
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)

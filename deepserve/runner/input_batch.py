@@ -195,13 +195,17 @@ TABLE_WIDTH_MULTIPLE = 16
 VIEW_ALIGN_BYTES = 16
 
 
+def table_width(num_blocks: int) -> int:
+    """Columns of a block table whose longest row has num_blocks blocks: a multiple of TABLE_WIDTH_MULTIPLE."""
+    return max(1, -(-num_blocks // TABLE_WIDTH_MULTIPLE)) * TABLE_WIDTH_MULTIPLE
+
+
 def _block_table(rows: list[list[int]]) -> np.ndarray:
     """[B, W] int32, each row's block ids padded with 0, W the longest row rounded up to a multiple of
     TABLE_WIDTH_MULTIPLE; built from one flat array, since converting a nested list element by element
     cost ~1 ms a step at batch 256."""
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    width = max(1, -(-int(lengths.max()) // TABLE_WIDTH_MULTIPLE)) * TABLE_WIDTH_MULTIPLE
-    table = np.zeros((len(rows), width), dtype=np.int32)
+    table = np.zeros((len(rows), table_width(int(lengths.max()))), dtype=np.int32)
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
     table[np.arange(table.shape[1]) < lengths[:, None]] = flat  # row-major fill = the rows in order
     return table

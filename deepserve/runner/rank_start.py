@@ -2,9 +2,9 @@
 
 By default from a fork server (multiprocessing's "forkserver"): one helper process, started with the
 first rank, imports torch and transformers' configuration classes once; every rank is then a fork of it
-(copy-on-write, milliseconds) instead of a fresh interpreter importing them again, about 5.6 s of CPU per
-rank on the 2-core CI machine, where a tensor-parallel engine's start waited for it (its rank 0 waits
-for every rank to join). The helper never touches CUDA (importing torch does not initialize it), so a
+(copy-on-write, milliseconds) instead of a fresh interpreter importing them again, about 5.6 s per rank
+on the project's 2-core sandbox, which a tensor-parallel engine's start waited for (its rank 0 waits for
+every rank to join). The helper never touches CUDA (importing torch does not initialize it), so a
 forked rank picks its GPU as a spawned one does.
 
 Two things differ from spawning, and both are kept as they were:
