@@ -65,6 +65,7 @@ MLA_TARGET_PROGRAMS = 2 * NUM_SMS
 # CUDA graph (max_seq_len = max_model_len) the occupancy target and MAX_SPLITS decide S.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64  # keeps the merge's lse vector small
+MERGE_BLOCK_S = triton.next_power_of_2(MAX_SPLITS)
 # Merge tile: CHUNK_S splits x BLOCK_D features, MERGE_TILE fp32 values, 16 per thread at 4 warps: 16
 # independent loads in flight per thread where a split-at-a-time loop has one.
 MERGE_TILE = 2048
@@ -247,7 +248,7 @@ def _store_result(acc, m_i, l_i, out_ptrs, part_out_ptrs, part_lse_ptrs, mask, r
         tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
     DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
@@ -471,7 +472,12 @@ def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
     block_d = triton.next_power_of_2(dim)
     while block_d > MERGE_MIN_BLOCK_D and batch * heads * triton.cdiv(dim, block_d // 2) <= MERGE_TARGET_PROGRAMS:
         block_d //= 2
-    block_s = triton.next_power_of_2(splits)
+    # BLOCK_S is MAX_SPLITS's, not this launch's S, and S is not specialized on: the variant depends on the
+    # model and the batch (block_d) alone, so an eager step whose S follows its longest sequence reuses the
+    # variants the decode graphs compiled at start-up instead of compiling one inside a timed run. The
+    # unused lanes cost a masked load of MAX_SPLITS lse values per program; chunks past the live splits
+    # are never visited. (An explicit num_splits above MAX_SPLITS, bench/tests only, gets its own.)
+    block_s = max(MERGE_BLOCK_S, triton.next_power_of_2(splits))
     _merge_splits_kernel[(batch, heads, triton.cdiv(dim, block_d))](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
         DIM=dim, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, MERGE_TILE // block_d)),

@@ -121,9 +121,31 @@ def test_decode_matches_reference(batch, heads, kv_heads, dim, block_size, max_l
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("group", [1, 4])
 def test_decode_split_counts(num_splits, group, nan_partials):
-    # 1: no merge. 3: a masked lse vector in the merge (BLOCK_S 4); rows of <= 2 tiles leave split 2 empty.
+    # 1: no merge. 3: a masked lse vector in the merge (BLOCK_S 64); rows of <= 2 tiles leave split 2 empty.
     query, kv_cache, table, seq_lens, lens = make_decode(5, 2 * group, 2, 64, 16, 70, torch.float32, seed=7)
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=70, num_splits=num_splits)
+
+
+def test_merge_variant_does_not_follow_the_split_count(monkeypatch):
+    # An eager step's S follows its longest sequence; the decode graphs compiled the merge at start-up with
+    # the graph bound's S. The launch's constexprs must not depend on S (BLOCK_S is MAX_SPLITS's), or each
+    # new S compiles a variant inside a timed run. The outputs stay right at every S (check_decode).
+    launches = []
+    real = tpa._merge_splits_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({k: v for k, v in kwargs.items() if k.isupper()})
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tpa, "_merge_splits_kernel", Recorder())
+    query, kv_cache, table, seq_lens, lens = make_decode(3, 4, 2, 64, 16, 200, torch.float32, seed=11)
+    for splits in (2, 3, 5, 13):
+        check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=200, num_splits=splits)
+    assert len(launches) == 4 and all(constexprs == launches[0] for constexprs in launches)
+    assert launches[0]["BLOCK_S"] == tpa.MERGE_BLOCK_S
 
 
 def test_decode_wrong_length_bound_is_still_correct():
