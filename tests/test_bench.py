@@ -125,6 +125,17 @@ def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):
     assert "acceptance rate" in capsys.readouterr().out
 
 
+def test_bandwidth_share_survives_a_zero_median_gap():
+    # An H200 run with n-gram k=4 on a repeated prompt accepted most drafts: most gaps between tokens were 0
+    # (a step hands out several), the median gap was 0 and W2 failed dividing by it. The per-request time
+    # per token stands in then; with neither time there is no figure rather than an error.
+    from deepserve.bench.latency import HBM_BYTES_PER_S, bandwidth_utilization
+
+    assert bandwidth_utilization(HBM_BYTES_PER_S * 2e-3, 4e-3, 1e-3) == pytest.approx(0.5)
+    assert bandwidth_utilization(HBM_BYTES_PER_S * 2e-3, 0.0, 1e-3) == pytest.approx(2.0)
+    assert bandwidth_utilization(HBM_BYTES_PER_S, 0.0, None) is None
+
+
 def test_bench_runs_on_the_demo_models_small_vocabulary(tmp_path):
     # The README's default model has 1,011 tokens; the workloads draw ids up to 10,000 (BENCHMARKS.md), so
     # the commands take them modulo the vocabulary (a new-user trial found both commands refused here).

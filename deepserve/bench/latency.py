@@ -67,6 +67,7 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
             if len(stamps) > 1:
                 per_request.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     tpot_median = statistics.median(tpots)
+    per_request_median = statistics.median(per_request) if per_request else None
     bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
     return {
         "device": device_name(),
@@ -75,11 +76,21 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
         "ttft_ms_median": 1e3 * statistics.median(ttfts),
         "tpot_ms_median": 1e3 * tpot_median,
         "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
-        "tpot_ms_per_request_median": 1e3 * statistics.median(per_request) if per_request else None,
-        "bandwidth_utilization": bytes_per_step / tpot_median / HBM_BYTES_PER_S,
+        "tpot_ms_per_request_median": 1e3 * per_request_median if per_request_median is not None else None,
+        "bandwidth_utilization": bandwidth_utilization(bytes_per_step, tpot_median, per_request_median),
         "async_scheduling": engine.core.async_scheduling,
         "speculative": spec_decode_summary(engine, before),
     }
+
+
+def bandwidth_utilization(bytes_per_step: float, tpot_median_s: float, per_request_s: float | None) -> float | None:
+    """Share of HBM bandwidth one output token's time would use reading a step's bytes.
+
+    With speculative decoding most gaps between tokens are 0 (a step hands out several) and the median gap
+    can be 0: the per-request time per token is used then, which makes the figure an effective one (one
+    step's bytes serve several tokens). None when neither time is positive."""
+    seconds = tpot_median_s if tpot_median_s > 0 else per_request_s
+    return bytes_per_step / seconds / HBM_BYTES_PER_S if seconds else None
 
 
 def _weight_bytes(engine) -> float:
@@ -112,9 +123,13 @@ def _kv_bytes_per_token(engine) -> float:
 def print_result(result: dict[str, Any]) -> None:
     import json
 
-    print(f"TTFT {result['ttft_ms_median']:.1f} ms, TPOT median {result['tpot_ms_median']:.2f} ms, "
-          f"p99 {result['tpot_ms_p99']:.2f} ms, bandwidth {100 * result['bandwidth_utilization']:.0f} % "
-          f"({result['device']})" + describe(result.get("speculative")))
+    share = result["bandwidth_utilization"]
+    per_request = result.get("tpot_ms_per_request_median")
+    print(f"TTFT {result['ttft_ms_median']:.1f} ms, TPOT median {result['tpot_ms_median']:.2f} ms"
+          + (f" (per request {per_request:.2f} ms)" if per_request is not None else "")
+          + f", p99 {result['tpot_ms_p99']:.2f} ms, bandwidth "
+          + (f"{100 * share:.0f} %" if share is not None else "n/a")
+          + f" ({result['device']})" + describe(result.get("speculative")))
     print(json.dumps(result))
 
 
