@@ -108,9 +108,10 @@ class SamplingParams:
     def needs_known_tokens(self) -> bool:
         """True when sampling a token reads the request's earlier output tokens on the host side, so
         they must be real tokens, not placeholders of a step still running (async scheduling then steps
-        one at a time while such a request runs). Penalties, and a grammar: its mask for the next token
-        depends on the token just sampled."""
-        return self.has_penalties or self.structured_outputs is not None
+        one at a time while such a request runs): penalties. A grammar's mask also depends on the token
+        just sampled, but EngineCore gets that token inside the next step's launch, after its forward
+        is queued (EngineCore._attach_grammar_bitmask), so it keeps async scheduling."""
+        return self.has_penalties
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

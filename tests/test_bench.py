@@ -125,6 +125,22 @@ def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):
     assert "acceptance rate" in capsys.readouterr().out
 
 
+def test_same_lengths_workload_is_the_constrained_runs_work_unconstrained():
+    from deepserve.bench import workloads
+    from deepserve.sampling_params import StructuredOutputsParams
+
+    base = workloads.fixed(10, 20, 3)  # 3 requests of 10 prompt tokens
+    constrained = workloads.with_json_schema(base)
+    same = workloads.with_output_lengths(constrained, [4, 1, 20])
+    assert [(p.max_tokens, p.ignore_eos, p.structured_outputs) for p in same.params] == [
+        (4, True, None), (1, True, None), (20, True, None)]
+    assert same.prompts == base.prompts and same.exact_output and same.num_output_tokens == 25
+    assert isinstance(constrained.params[0].structured_outputs, StructuredOutputsParams)  # left as it was
+    for bad in ([4, 1], [4, 0, 2]):
+        with pytest.raises(ValueError, match="at least one token"):
+            workloads.with_output_lengths(base, bad)
+
+
 def test_bandwidth_share_survives_a_zero_median_gap():
     # An H200 run with n-gram k=4 on a repeated prompt accepted most drafts: most gaps between tokens were 0
     # (a step hands out several), the median gap was 0 and W2 failed dividing by it. The per-request time

@@ -69,6 +69,9 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         "speculative": spec_decode_summary(llm.llm_engine, before),
         # Kernels compiled inside the timed run (a shape start-up did not compile): their time is in it.
         "kernel_compiles_during_run": compiles_between(compiles_before, llm.llm_engine.core.kernel_compiles()),
+        # Where lengths are not fixed (a grammar may complete early): each request's, in workload order, so
+        # the same work can be timed unconstrained (workloads.with_output_lengths).
+        "output_lengths": None if workload.exact_output else [len(o.outputs[0].token_ids) for o in outputs],
     }
 
 

@@ -125,6 +125,8 @@ class EngineCore:
                     config.cache.kv_cache_dtype)
         self.async_scheduling = config.scheduler.async_scheduling
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
+        # async + grammar: the in-flight step's result, read early inside the next step's launch
+        self._inflight_result: RunnerOutput | None = None
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
         # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
         # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
@@ -228,11 +230,9 @@ class EngineCore:
     def _step(self) -> list[EngineCoreOutput]:
         # A request whose sampling reads its earlier tokens (penalties) needs them real, not
         # placeholders (SamplingParams.needs_known_tokens): while there is one, steps run one at a time.
-        # A grammar is such a reader: its mask for step n+1 depends on the token step n samples, so with
-        # a constrained request in the engine the host waits for step n's tokens, advances the matchers
-        # (Request.check_stop) and only then builds the masks and launches n+1. Chosen over launching
-        # ahead with a stale mask (wrong) or per-request waits (one step's tokens arrive together
-        # anyway); unconstrained-only engines keep async scheduling untouched.
+        # A grammar's mask for step n+1 also depends on step n's token, but only on the host and only
+        # at sampling: it is built inside n+1's launch, after n+1's forward is queued
+        # (_attach_grammar_bitmask), so constrained requests keep async scheduling.
         if self.async_scheduling and not self.scheduler.num_needing_known_tokens:
             return self._step_async()
         outputs = self._finish_inflight()
@@ -241,7 +241,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
-        _attach_grammar_bitmask(scheduled, self.grammars)
+        self._attach_grammar_bitmask(scheduled)
         result = self.runner.execute(scheduled)
         self.scheduler.update_from_output(scheduled, result.sampled, draft_token_ids=result.draft_token_ids)
         if self._spec_log is not None:
@@ -256,31 +256,59 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         launched = None
         if not scheduled.is_empty():
+            self._attach_grammar_bitmask(scheduled)
             launched = self.runner.launch(scheduled, self.inflight)
             # After the launch: the sampler saw the request as the step-by-step engine would (its
             # output count decides min_tokens and a seeded row's noise).
             self.scheduler.commit(scheduled)
         outputs = self._finish_inflight()
         self.inflight = launched
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            # Every request ended with the step just collected: the one launched after it holds only rows
+            # whose tokens are dropped. Collected now, so an idle engine holds no step
+            # (has_unfinished_requests, reset_prefix_cache, a test's next request).
+            outputs += self._finish_inflight()
         return outputs
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         if self.inflight is None:
             return []
         pending, self.inflight = self.inflight, None
-        result = self.runner.wait(pending)
+        result, self._inflight_result = self._inflight_result or self.runner.wait(pending), None
         self.scheduler.update_from_output(pending.out, result.sampled, committed=True)
         return _outputs(pending.out, result)
 
+    def _attach_grammar_bitmask(self, scheduled: SchedulerOutput) -> None:
+        """The allowed tokens of each sampling row, as a function the runner calls once the step's forward
+        is queued, so the masks' CPU time overlaps the device's forward. Under async scheduling the step
+        before is still in flight when this step is launched: the function first reads that step's tokens
+        (kept for _finish_inflight, which then does not wait again) and feeds them to their requests'
+        matchers ahead of the scheduler (GrammarState.feed_ahead), then builds the masks from the
+        matchers as they stand after every earlier token."""
+        if self.grammars is None:
+            return
+        rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
+        if all(g is None for g in rows):
+            return
+        num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
 
-def _attach_grammar_bitmask(scheduled: SchedulerOutput, grammars: GrammarCompiler | None) -> None:
-    """The allowed tokens of each sampling row, from its matcher as it stands after every earlier token
-    (steps run one at a time while a grammar is live, EngineCore.step)."""
-    if grammars is None:
-        return
-    rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
-    if any(g is not None for g in rows):
-        scheduled.grammar_bitmask = fill_bitmasks(rows, grammars.bitmask_bytes)
+        def masks() -> bytearray:
+            if previous is not None and self._inflight_result is None:
+                self._inflight_result = self.runner.wait(previous)
+                _feed_ahead(previous.out, self._inflight_result.sampled)
+            return fill_bitmasks(rows, num_bytes)
+
+        scheduled.grammar_bitmask = masks
+
+
+def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]]) -> None:
+    """Each constrained request's tokens of a finished step into its matcher, before the scheduler takes
+    them. A request that ended before (its row's token will be dropped) is skipped."""
+    for sched, tokens in zip(out.scheduled, sampled, strict=True):
+        grammar = sched.request.grammar
+        if grammar is not None and not sched.request.is_finished:
+            for token_id in tokens:
+                grammar.feed_ahead(token_id)
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

@@ -14,6 +14,7 @@ import enum
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -226,8 +227,10 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, gpu block)
     # Structured output (engine/grammar.py): the allowed-token bitmask of each sampling row, in the order
     # of `scheduled` (rows that sample nothing skipped), ceil(V / 32) little-endian 32-bit words a row;
-    # None when no scheduled request has a grammar, so unconstrained steps carry nothing.
-    grammar_bitmask: bytes | None = None
+    # None when no scheduled request has a grammar, so unconstrained steps carry nothing. EngineCore sets
+    # a function that computes them: the runner calls it once the step's forward is queued, so the host
+    # builds the masks while the device runs the forward (rank 0 alone samples; no worker sees it).
+    grammar_bitmask: Callable[[], bytes | bytearray] | None = None
     # Speculative decoding: draft tokens in the step (sum of len(spec_token_ids)); 0: no verify rows,
     # the runner samples one token per request as usual.
     num_draft_tokens: int = 0

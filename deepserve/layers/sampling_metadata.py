@@ -57,7 +57,7 @@ class SamplingMetadata:
         device: torch.device,
         request_keys: list[int] | None = None,
         history: PenaltyHistory | None = None,
-        grammar_bitmask: bytes | None = None,
+        grammar_bitmask: bytes | bytearray | None = None,
         penalties: bool = True,
     ) -> SamplingMetadata:
         """`history` (with the rows' `request_keys`, Request.serial) keeps the penalties' token counts on
@@ -208,12 +208,14 @@ class PenaltyHistory:
             self.slot_of[rid], self.counted[rid] = slot, 0
 
 
-def bitmask_tensor(data: bytes, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The engine's mask bytes (little-endian 32-bit words, row after row) as int32 [rows, ceil(V / 32)]."""
+def bitmask_tensor(data: bytes | bytearray, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The engine's mask bytes (little-endian 32-bit words, row after row) as int32 [rows, ceil(V / 32)]; a
+    bytearray (what the engine builds) is viewed, not copied."""
     words = (vocab_size + 31) // 32
     if len(data) != rows * words * 4:
         raise ValueError(f"grammar bitmask has {len(data)} bytes, expected {rows} rows x {words} words x 4")
-    host = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, words)
+    host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.int32)
+    host = host.view(rows, words)
     return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 

@@ -384,7 +384,9 @@ class ModelRunner:
                 self.device,
                 [r.serial for r in pending.requests],
                 self.penalty_history,
-                out.grammar_bitmask,  # structured output: rows in the same order (EngineCore builds it)
+                # Structured output: rows in the same order, computed now, while the device runs the
+                # forward queued above (EngineCore attaches the function).
+                out.grammar_bitmask() if out.grammar_bitmask is not None else None,
             )
             result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
             pending.sampled = result.sampled

@@ -169,20 +169,39 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(choice=[])
 
 
-def test_async_scheduling_waits_for_tokens_while_a_grammar_is_live(llm):
-    # A constrained row's mask for step n+1 needs step n's token: no step is left in flight while one runs,
-    # and the engine launches ahead again once it is gone.
+def test_async_scheduling_stays_on_and_matches_step_by_step(llm):
+    # A constrained row's mask for step n+1 needs step n's token: the engine reads that token inside n+1's
+    # launch, after n+1's forward is queued, and feeds it to the matcher ahead of the scheduler. Steps are
+    # still launched ahead while grammars run, and seeded outputs equal a step-by-step engine's token for
+    # token (the masks saw the same matcher states), constrained and unconstrained rows alike, including
+    # grammars that complete (the rows launched after that are dropped) and n > 1.
     engine = llm.llm_engine
     engine.add_request("g", "x", SamplingParams(temperature=1.0, seed=1, max_tokens=40,
                                                 structured_outputs=StructuredOutputsParams(json=SCHEMA)))
-    engine.add_request("p", "y", SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
-    while "g" in engine.output_processor.states:
-        engine.step()
-        assert engine.core.inflight is None
     engine.step()
-    assert engine.core.inflight is not None  # only the unconstrained request left: launched ahead
+    engine.step()
+    assert engine.core.inflight is not None  # launched ahead with the grammar live
     while engine.has_unfinished_requests():
         engine.step()
+    assert engine.core.inflight is None  # nothing left in flight once every request ended
+
+    step_by_step = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=False)
+    prompts = ["Write a person:", "p", "Pick:", "n", "Another person"]
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=300, structured_outputs=_json()),
+              SamplingParams(temperature=0.8, seed=12, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=13,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(n=2, temperature=1.0, seed=14, max_tokens=300,
+                             structured_outputs=_json(disable_any_whitespace=True)),
+              SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=_json())]
+    want = [[c.token_ids for c in o.outputs] for o in step_by_step.generate(prompts, params, use_tqdm=False)]
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == want
+    completed = [c for i in (0, 3, 4) for c in got[i].outputs if c.finish_reason == "stop"]
+    assert len(completed) >= 2  # the greedy row may run to max_tokens on random weights
+    for c in completed:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert got[2].outputs[0].text in ("yes", "no")
 
 
 def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch):
