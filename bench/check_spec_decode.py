@@ -9,7 +9,9 @@
    tokens arrive together. Wrong result (exit 1): the greedy tokens with speculation differ from those
    without before the 32nd token (a later split is printed: bf16 GEMMs of 5 rows and of 1 row may round
    a near-tie differently).
-2. verify / mtp: the V3 8-layer slice (bf16, dummy weights, num_hidden_layers 8; the MTP layer dummy too),
+2. verify / mtp: a V3 7-layer slice (bf16, dummy weights, num_hidden_layers 7; the MTP layer dummy too: with
+   it, the gate's 8-layer slice did not fit one H200 — each bf16 MoE layer's experts are 22.5 GB — and the
+   MTP engine ran out of memory at start-up),
    one request with a 1,024-token context: the time of a plain decode step against a verify step with
    k = 1, 2, 3 random drafts (the target's share), and, in an engine with {"method": "mtp"}, the same
    steps followed by the MTP draft's passes (what an MTP step costs), through the runner as the engine
@@ -44,6 +46,7 @@ K_NGRAM = 4
 VERIFY_KS = (1, 2, 3)
 RATES = (0.6, 0.7, 0.8, 0.9)
 MIN_SAME_TOKENS = 32
+SLICE_LAYERS = 7  # 3 dense + 4 MoE layers, + the MTP layer (an MoE layer) in the MTP engine: ~117 GB in bf16
 
 
 def repeat_prompt(rng: random.Random, input_len: int, vocab_size: int) -> list[int]:
@@ -89,7 +92,7 @@ def part_verify(smoke: bool, mtp: bool) -> dict:
     from deepserve.runner.input_batch import prepare_inputs
 
     spec = {"method": "mtp", "num_speculative_tokens": max(VERIFY_KS)} if mtp else None
-    llm = LLM(**engine_kwargs(smoke, "deepseek-v3", layers=8), speculative_config=spec)
+    llm = LLM(**engine_kwargs(smoke, "deepseek-v3", layers=SLICE_LAYERS), speculative_config=spec)
     core = llm.llm_engine.core
     runner, blocks = core.runner, core.scheduler.block_manager
     context = 64 if smoke else 1024
@@ -149,7 +152,10 @@ def run_part(part: str, smoke: bool) -> dict:
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"part {part} failed with exit code {proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if os.environ.get("OUT"):  # each part as it ends: a later part's failure keeps the earlier ones
+        Path(os.environ["OUT"], f"spec_decode-{part}.json").write_text(json.dumps(result))
+    return result
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.grammar import GrammarCompiler, fill_bitmasks
+from deepserve.engine.grammar import GrammarCompiler, feed_ahead, fill_bitmasks
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
@@ -283,7 +283,7 @@ class EngineCore:
         is queued, so the masks' CPU time overlaps the device's forward. Under async scheduling the step
         before is still in flight when this step is launched: the function first reads that step's tokens
         (kept for _finish_inflight, which then does not wait again) and feeds them to their requests'
-        matchers ahead of the scheduler (GrammarState.feed_ahead), then builds the masks from the
+        matchers ahead of the scheduler (grammar.feed_ahead), then builds the masks from the
         matchers as they stand after every earlier token."""
         if self.grammars is None:
             return
@@ -304,11 +304,8 @@ class EngineCore:
 def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]]) -> None:
     """Each constrained request's tokens of a finished step into its matcher, before the scheduler takes
     them. A request that ended before (its row's token will be dropped) is skipped."""
-    for sched, tokens in zip(out.scheduled, sampled, strict=True):
-        grammar = sched.request.grammar
-        if grammar is not None and not sched.request.is_finished:
-            for token_id in tokens:
-                grammar.feed_ahead(token_id)
+    feed_ahead([(sched.request.grammar, tokens) for sched, tokens in zip(out.scheduled, sampled, strict=True)
+                if sched.request.grammar is not None and tokens and not sched.request.is_finished])
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

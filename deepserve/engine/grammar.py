@@ -82,12 +82,6 @@ class GrammarState:
             return accepted
         return bool(self.matcher.consume_token(token_id))
 
-    def feed_ahead(self, token_id: int) -> None:
-        """Async scheduling: consume a token of the step before now, since the next step's mask depends on
-        it, before the scheduler takes the token (Request.check_stop calls accept, which then returns
-        this result)."""
-        self._ahead.append((token_id, bool(self.matcher.consume_token(token_id))))
-
     def bitmask(self) -> bytes:
         """Allowed next tokens, one bit each. EOS is allowed only where the grammar accepts."""
         return self.matcher.compute_bitmask()
@@ -100,6 +94,16 @@ class GrammarState:
     @property
     def error(self) -> str:
         return self.matcher.get_error()
+
+
+def feed_ahead(tokens: list[tuple[GrammarState, list[int]]]) -> None:
+    """Async scheduling: each matcher consumes its request's tokens of the step before now, since the next
+    step's masks depend on them, before the scheduler takes the tokens (Request.check_stop calls accept,
+    which then returns these results). One after another: a token costs ~5 us here, and llguidance's
+    parallel consume_token_par was slower for 256 matchers on a 2-core sandbox (1.8 against 1.4 ms)."""
+    for state, ids in tokens:
+        for token_id in ids:
+            state._ahead.append((token_id, bool(state.matcher.consume_token(token_id))))
 
 
 class GrammarCompiler:
