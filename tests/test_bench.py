@@ -112,6 +112,10 @@ def test_bench_throughput_with_a_json_schema_on_every_request(tmp_path):
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["workload"] == "fixed-40-12+json" and 0 < result["num_output_tokens"] <= 36
+    # Where a constrained run's host time goes: every step that sampled a constrained row built masks.
+    grammar = result["grammar_host_ms"]
+    assert 0 < grammar["steps"] <= result["engine_steps"] and grammar["fill"] > 0 and grammar["feed"] >= 0
+    assert len(result["output_lengths"]) == 3 and sum(result["output_lengths"]) == result["num_output_tokens"]
 
 
 def test_bench_latency_reports_speculative_acceptance(tmp_path, capsys):

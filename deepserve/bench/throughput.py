@@ -6,6 +6,7 @@ tokens_per_second) plus output tokens/s, time to ready, peak memory and tokens p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -37,6 +38,8 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
     meter = EnergyMeter(parallel.tensor_parallel_size * parallel.pipeline_parallel_size // parallel.nnodes)
     before = llm.llm_engine.stats()
     compiles_before = llm.llm_engine.core.kernel_compiles()
+    core = llm.llm_engine.core
+    steps_before, grammar_before = getattr(core, "num_steps", 0), dataclasses.replace(core.grammar_timing)
     meter.start()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
@@ -72,7 +75,18 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         # Where lengths are not fixed (a grammar may complete early): each request's, in workload order, so
         # the same work can be timed unconstrained (workloads.with_output_lengths).
         "output_lengths": None if workload.exact_output else [len(o.outputs[0].token_ids) for o in outputs],
+        "engine_steps": core.num_steps - steps_before,
+        "grammar_host_ms": _grammar_ms(grammar_before, core.grammar_timing),
     }
+
+
+def _grammar_ms(before, after) -> dict[str, float] | None:
+    """Structured output's host time in the run, ms per step that built masks (None without any)."""
+    steps = after.steps - before.steps
+    if not steps:
+        return None
+    return {"steps": steps, **{name: 1e3 * (getattr(after, f"{name}_s") - getattr(before, f"{name}_s")) / steps
+                               for name in ("wait", "feed", "fill")}}
 
 
 def print_result(result: dict[str, Any]) -> None:
@@ -87,4 +101,9 @@ def print_result(result: dict[str, Any]) -> None:
         print(f"note: {compiles['triton_compiles']} Triton kernel variants and {compiles['dynamo_graphs']} "
               "torch.compile graphs were compiled (or read from the disk cache) inside the timed run "
               "(DEEPSERVE_PREFILL_WARMUP=1 compiles prefill shapes at start-up)")
+    grammar = result.get("grammar_host_ms")
+    if grammar:
+        print(f"structured output: {result['engine_steps']} engine steps, {grammar['steps']} built masks; per such "
+              f"step {grammar['wait']:.2f} ms waiting for the step before, {grammar['feed']:.2f} ms advancing the "
+              f"matchers, {grammar['fill']:.2f} ms computing the masks")
     print(json.dumps(result))

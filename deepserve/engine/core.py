@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.grammar import GrammarCompiler, feed_ahead, fill_bitmasks
+from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, feed_ahead, fill_bitmasks
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
@@ -127,6 +127,9 @@ class EngineCore:
         self.inflight: Any = None  # async: the launched step whose tokens the host has not read yet
         # async + grammar: the in-flight step's result, read early inside the next step's launch
         self._inflight_result: RunnerOutput | None = None
+        # Host time of structured output's masks (the benchmarks read it: where a constrained run's time goes)
+        self.grammar_timing = GrammarTiming()
+        self.num_steps = 0  # calls of step(), for per-step figures in the benchmarks
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
         # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
         # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
@@ -224,6 +227,7 @@ class EngineCore:
         return COMPILE_WATCH.snapshot()
 
     def step(self) -> list[EngineCoreOutput]:
+        self.num_steps += 1
         failed = self._admit_compiled() if self._compiling else []
         return failed + self._step()
 
@@ -293,10 +297,19 @@ class EngineCore:
         num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
 
         def masks() -> bytearray:
+            timing = self.grammar_timing
+            start = time.perf_counter()
             if previous is not None and self._inflight_result is None:
                 self._inflight_result = self.runner.wait(previous)
+                waited = time.perf_counter()
                 _feed_ahead(previous.out, self._inflight_result.sampled)
-            return fill_bitmasks(rows, num_bytes)
+                timing.wait_s += waited - start
+                timing.feed_s += time.perf_counter() - waited
+            filling = time.perf_counter()
+            buffer = fill_bitmasks(rows, num_bytes)
+            timing.steps += 1
+            timing.fill_s += time.perf_counter() - filling
+            return buffer
 
         scheduled.grammar_bitmask = masks
 

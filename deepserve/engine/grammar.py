@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any
 
 from deepserve.sampling_params import StructuredOutputsParams
@@ -94,6 +95,18 @@ class GrammarState:
     @property
     def error(self) -> str:
         return self.matcher.get_error()
+
+
+@dataclass
+class GrammarTiming:
+    """Host seconds spent on masks since start-up, summed over the steps that built any: waiting for the
+    in-flight step's tokens (async: the device's time, not the host's), feeding them to the matchers,
+    and computing the masks."""
+
+    steps: int = 0
+    wait_s: float = 0.0
+    feed_s: float = 0.0
+    fill_s: float = 0.0
 
 
 def feed_ahead(tokens: list[tuple[GrammarState, list[int]]]) -> None:
