@@ -56,3 +56,24 @@ def test_deepseek_v2_tp2_async_matches_one_process(tmp_path, tokenizer):
     path = save_checkpoint(make_hf_model(*VARIANTS["v2-group-limited-qlora-yarn"]), tokenizer, str(tmp_path))
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     assert _outputs(path, 2, True, greedy) == _outputs(path, 1, False, greedy)
+
+
+def test_llama_tp2_async_with_a_grammar_matches_one_process(llama_path):
+    # Under async scheduling a grammar's masks are built inside rank 0's launch of step n+1, after it read
+    # step n's tokens (EngineCore._attach_grammar_bitmask): under tensor parallelism too the tokens equal
+    # one process stepping one at a time, and the text matches the pattern.
+    import re
+
+    from deepserve.sampling_params import StructuredOutputsParams
+
+    pattern = "[a-c]{3,8}"
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=5,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    got, want = _outputs(llama_path, 2, True, params), _outputs(llama_path, 1, False, params)
+    assert [tokens for tokens, _, _ in got] == [tokens for tokens, _, _ in want]
+    llm = make_llm(llama_path, 1, async_scheduling=False)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        shutdown(llm)
+    assert all(re.fullmatch(pattern, text) for text in texts), texts
