@@ -317,8 +317,12 @@ class EngineCore:
 def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]]) -> None:
     """Each constrained request's tokens of a finished step into its matcher, before the scheduler takes
     them. A request that ended before (its row's token will be dropped) is skipped."""
-    feed_ahead([(sched.request.grammar, tokens) for sched, tokens in zip(out.scheduled, sampled, strict=True)
-                if sched.request.grammar is not None and tokens and not sched.request.is_finished])
+    fed = []
+    for sched, tokens in zip(out.scheduled, sampled, strict=True):
+        request = sched.request
+        if request.grammar is not None and tokens and not request.is_finished:
+            fed.append((request.grammar, [t for t in tokens if request.grammar_consumes(t)]))
+    feed_ahead(fed)
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

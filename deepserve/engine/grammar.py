@@ -78,9 +78,13 @@ class GrammarState:
         error state: the request must end). A token already fed ahead is not consumed twice."""
         if self._ahead:
             fed, accepted = self._ahead.popleft()
-            if fed != token_id:  # the scheduler takes a step's tokens in the order they were fed
-                raise RuntimeError(f"grammar fed token {fed} ahead but the request took {token_id}")
-            return accepted
+            if fed == token_id:  # the scheduler takes a step's tokens in the order they were fed
+                return accepted
+            # Out of step (a bug): the matcher's state is not this output's. Refused, so this request
+            # ends with a warning instead of the step raising for every request in the engine.
+            logger.error("grammar fed token %d ahead but the request took %d; ending the request", fed, token_id)
+            self._ahead.clear()
+            return False
         return bool(self.matcher.consume_token(token_id))
 
     def bitmask(self) -> bytes:

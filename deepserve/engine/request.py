@@ -130,11 +130,16 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.is_finished
 
+    def grammar_consumes(self, token_id: int) -> bool:
+        """Whether the token goes to the grammar: EOS does not; it is left to the eos rule (the mask
+        allowed it only where the grammar accepts; with ignore_eos the output goes on, still constrained).
+        The one rule for check_stop and the async feed-ahead (EngineCore)."""
+        return token_id not in self.eos_token_ids
+
     def _grammar_ends(self, token_id: int) -> bool:
         """Feed the token to the grammar; True when the output is complete (the grammar admits nothing
-        more) or the grammar refused the token. EOS is left to the eos rule below (the mask allowed it
-        only where the grammar accepts)."""
-        if token_id in self.eos_token_ids:
+        more) or the grammar refused the token (grammar_consumes says which tokens it sees)."""
+        if not self.grammar_consumes(token_id):
             return False
         if not self.grammar.accept(token_id):
             logger.warning("request %s: the grammar refused token %d (%s); ending it", self.request_id, token_id,

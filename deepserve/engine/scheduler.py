@@ -75,6 +75,9 @@ class Scheduler:
         # needs_known_tokens: EngineCore steps one at a time while there are any under async
         # scheduling); counted here so no step has to scan for them.
         self.num_needing_known_tokens = 0
+        # Unfinished requests with a grammar, waiting ones included: no step drafts while there is one
+        # (_schedule_running).
+        self.num_with_grammar = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -82,6 +85,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.num_needing_known_tokens += request.sampling_params.needs_known_tokens
+        self.num_with_grammar += request.grammar is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -107,9 +111,10 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
-        # No drafts in a step with a structured-output request: its grammar mask covers one sampled row
-        # per request (engine/core.py), which verify steps (several rows each) would not match.
-        drafting = self.proposer is not None and all(r.grammar is None for r in self.running)
+        # No drafts while a structured-output request is unfinished: its grammar mask covers one sampled
+        # row per request (engine/core.py), which verify steps (several rows each) would not match, and a
+        # waiting one may be admitted into this very step, behind the running requests' drafts.
+        drafting = self.proposer is not None and not self.num_with_grammar
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.reached_length_limit(self.config.max_model_len):
@@ -334,6 +339,7 @@ class Scheduler:
             self.proposer.forget(request)
         if self.requests.pop(request.request_id, None) is not None:
             self.num_needing_known_tokens -= request.sampling_params.needs_known_tokens
+            self.num_with_grammar -= request.grammar is not None
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -103,6 +103,28 @@ def _fused_sampler() -> Callable[..., torch.Tensor] | None:
     return gumbel_sample
 
 
+def warm_up_fused_sampler(logits: torch.Tensor) -> int:
+    """Compile (or load) every variant of the fused sampling kernel a serving step can meet, at start-up:
+    with and without a grammar mask, and for the seeds Triton specializes on (divisible by 16 or not;
+    the sampler draws a fresh seed per step). Without this, the first sampled step, and the first
+    constrained one, waited for a compile inside serving (two in each W1 with a JSON schema on the H200).
+    logits [B, V] on the GPU. -> launches made (0 where the fused sampler is off or not on a GPU)."""
+    fused = _fused_sampler()
+    if fused is None or not logits.is_cuda:
+        return 0
+    logits = logits[:8]  # the variants do not depend on the row count (the grid does)
+    rows, vocab = logits.shape
+    temperature = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    greedy = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    allow_all = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32, device=logits.device)
+    launches = 0
+    for seed in (17, 32):
+        for mask in (None, allow_all):
+            fused(logits, temperature, greedy, seed, mask)
+            launches += 1
+    return launches
+
+
 def compute_token_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
 from deepserve.layers.rejection_sampler import RejectionSampler
-from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs
+from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
 from deepserve.layers.sampling_metadata import PenaltyHistory
 from deepserve.loader.checkpoint import init_dummy_weights, iterate_safetensors
 from deepserve.loader.model_loader import load_model
@@ -243,6 +243,7 @@ class ModelRunner:
             self.rejection_sampler(logits, meta, torch.zeros(rows, dtype=torch.int64, device=self.device))
         else:
             self.sampler(logits, meta)
+        warm_up_fused_sampler(logits)  # its variants compiled here, not in the first sampled step
         return rows
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -186,14 +186,19 @@ def test_async_scheduling_stays_on_and_matches_step_by_step(llm):
     assert engine.core.inflight is None  # nothing left in flight once every request ended
 
     step_by_step = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=False)
-    prompts = ["Write a person:", "p", "Pick:", "n", "Another person"]
+    # The regex with ignore_eos: EOS is allowed where the pattern may end, sampled, and not fed to the
+    # matcher (Request.grammar_consumes), so the output goes on constrained (the feed-ahead once fed it).
+    abc = StructuredOutputsParams(regex="[a-c]+")
+    prompts = ["Write a person:", "p", "Pick:", "n", "Another person", "x", "y"]
     params = [SamplingParams(temperature=1.0, seed=11, max_tokens=300, structured_outputs=_json()),
               SamplingParams(temperature=0.8, seed=12, max_tokens=60, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=13,
                              structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
               SamplingParams(n=2, temperature=1.0, seed=14, max_tokens=300,
                              structured_outputs=_json(disable_any_whitespace=True)),
-              SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=_json())]
+              SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=_json()),
+              SamplingParams(temperature=1.5, seed=4, max_tokens=30, ignore_eos=True, structured_outputs=abc),
+              SamplingParams(temperature=1.5, seed=5, max_tokens=30, ignore_eos=True, structured_outputs=abc)]
     want = [[c.token_ids for c in o.outputs] for o in step_by_step.generate(prompts, params, use_tqdm=False)]
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == want
@@ -202,6 +207,9 @@ def test_async_scheduling_stays_on_and_matches_step_by_step(llm):
     for c in completed:
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert got[2].outputs[0].text in ("yes", "no")
+    eos = llm.get_tokenizer().eos_token_id
+    assert any(eos in o.outputs[0].token_ids for o in got[5:])  # EOS was sampled and the output went on
+    assert all(re.fullmatch("[a-c]+", o.outputs[0].text) for o in got[5:])
 
 
 def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch):
@@ -226,6 +234,31 @@ def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch
                 done[out.request_id] = (out.outputs[0].text, bool(engine.core._compiling))
     assert done["fast"][1], "the fast request waited for the compile"
     assert done["slow"][0] in ("one", "two")
+
+
+def test_a_constrained_request_admitted_beside_drafting_requests_is_constrained():
+    # Drafting stops while any constrained request is unfinished, waiting ones included: one admitted in
+    # the same step as another request's drafts would otherwise be sampled in a verify step, which has no
+    # grammar mask (its first token went unconstrained and the grammar refused it).
+    llm = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    engine = llm.llm_engine
+    engine.add_request("u", "a b c a b c a b c a b c a b c a b c", SamplingParams(temperature=0, max_tokens=200,
+                                                                               ignore_eos=True))
+    done, drafts = {}, []
+    for i in range(400):
+        for out in engine.step():
+            done[out.request_id] = out
+        if i in (35, 70, 105):  # while "u" drafts (the "g"s take ~20 steps each)
+            drafts.append(engine.stats().spec_decode_num_drafts_total)
+            engine.add_request(f"g{i}", "x", SamplingParams(temperature=1.0, seed=i, max_tokens=20,
+                                                            structured_outputs=StructuredOutputsParams(regex="[0-9]{5}")))
+        if not engine.has_unfinished_requests():
+            break
+    assert 0 < drafts[0] < drafts[1] < drafts[2]  # they arrived beside a drafting request
+    for i in (35, 70, 105):
+        assert re.fullmatch("[0-9]{5}", done[f"g{i}"].outputs[0].text), done[f"g{i}"].outputs[0].text
 
 
 def test_structured_output_beside_speculative_decoding():

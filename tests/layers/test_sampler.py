@@ -440,3 +440,29 @@ def test_verify_rows_read_the_history_plus_their_earlier_drafts() -> None:
         assert torch.equal(apply_penalties(x.clone(), got), apply_penalties(x.clone(), want))
         assert torch.equal(got.output_counts, want.output_counts)
         outputs = [outputs[0] + [3, 9], outputs[1] + [4], outputs[2] + [6]]  # what the step kept
+
+
+def test_fused_sampler_warm_up_meets_every_variant_a_step_can(monkeypatch) -> None:
+    # Start-up compiles the fused kernel with and without a grammar mask and for both seed specializations
+    # (the sampler draws a fresh seed each step; Triton specializes integers divisible by 16), so no serving
+    # step waits for a compile. On CPU there is no fused sampler to warm.
+    from deepserve.layers import sampler as sampler_module
+
+    calls = []
+
+    def fake_fused(logits, temperature, greedy, seed, mask):
+        calls.append((seed, None if mask is None else (tuple(mask.shape), int(mask.min()), int(mask.max()))))
+        assert temperature.shape == greedy.shape == (logits.shape[0],) and not greedy.any()
+
+    class GpuLogits:  # what the warm-up reads of a CUDA tensor
+        is_cuda, shape, device = True, (8, 100), torch.device("cpu")
+
+        def __getitem__(self, rows):
+            return self
+
+    monkeypatch.setattr(sampler_module, "_fused_sampler", lambda: fake_fused)
+    assert sampler_module.warm_up_fused_sampler(GpuLogits()) == 4
+    assert {seed % 16 == 0 for seed, _ in calls} == {True, False}
+    assert sorted(calls, key=str) == sorted([(17, None), (32, None), (17, ((8, 4), -1, -1)), (32, ((8, 4), -1, -1))],
+                                            key=str)
+    assert sampler_module.warm_up_fused_sampler(torch.zeros(2, 100)) == 0  # a CPU tensor: nothing to warm
