@@ -67,6 +67,7 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
             if len(stamps) > 1:
                 per_request.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     tpot_median = statistics.median(tpots)
+    speculative = spec_decode_summary(engine, before)
     per_request_median = statistics.median(per_request) if per_request else None
     bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
     return {
@@ -77,20 +78,18 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
         "tpot_ms_median": 1e3 * tpot_median,
         "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
         "tpot_ms_per_request_median": 1e3 * per_request_median if per_request_median is not None else None,
-        "bandwidth_utilization": bandwidth_utilization(bytes_per_step, tpot_median, per_request_median),
+        "bandwidth_utilization": None if speculative else bandwidth_utilization(bytes_per_step, tpot_median),
         "async_scheduling": engine.core.async_scheduling,
-        "speculative": spec_decode_summary(engine, before),
+        "speculative": speculative,
     }
 
 
-def bandwidth_utilization(bytes_per_step: float, tpot_median_s: float, per_request_s: float | None) -> float | None:
-    """Share of HBM bandwidth one output token's time would use reading a step's bytes.
-
-    With speculative decoding most gaps between tokens are 0 (a step hands out several) and the median gap
-    can be 0: the per-request time per token is used then, which makes the figure an effective one (one
-    step's bytes serve several tokens). None when neither time is positive."""
-    seconds = tpot_median_s if tpot_median_s > 0 else per_request_s
-    return bytes_per_step / seconds / HBM_BYTES_PER_S if seconds else None
+def bandwidth_utilization(bytes_per_step: float, tpot_median_s: float) -> float | None:
+    """Share of HBM bandwidth a decode step uses reading its bytes, a step taking the median gap between
+    tokens. Not given with speculative decoding (measure_latency): a step hands out several tokens, most
+    gaps are 0 (the median was, on the H200, and this divided by it) and a per-token time would read
+    above 100 %. None for a gap that is not positive."""
+    return bytes_per_step / tpot_median_s / HBM_BYTES_PER_S if tpot_median_s > 0 else None
 
 
 def _weight_bytes(engine) -> float:
