@@ -129,7 +129,9 @@ def test_decode_split_counts(num_splits, group, nan_partials):
 def test_merge_variant_does_not_follow_the_split_count(monkeypatch):
     # An eager step's S follows its longest sequence; the decode graphs compiled the merge at start-up with
     # the graph bound's S. The launch's constexprs must not depend on S (BLOCK_S is MAX_SPLITS's), or each
-    # new S compiles a variant inside a timed run. The outputs stay right at every S (check_decode).
+    # new S compiles a variant inside a timed run. The outputs stay right at every S (check_decode). S itself
+    # is also kept out of Triton's integer specialization (do_not_specialize): the interpreter cannot show
+    # that, the sm_90 compile of the GPU run does.
     launches = []
     real = tpa._merge_splits_kernel
 

@@ -61,7 +61,7 @@ def test_deepseek_v2_tp2_async_matches_one_process(tmp_path, tokenizer):
 def test_llama_tp2_async_with_a_grammar_matches_one_process(llama_path):
     # Under async scheduling a grammar's masks are built inside rank 0's launch of step n+1, after it read
     # step n's tokens (EngineCore._attach_grammar_bitmask): under tensor parallelism too the tokens equal
-    # one process stepping one at a time, and the text matches the pattern.
+    # one process stepping one at a time, whose text (so the TP run's too) matches the pattern.
     import re
 
     from deepserve.sampling_params import StructuredOutputsParams
