@@ -193,3 +193,21 @@ def test_bench_serve_names_the_flag_when_prompt_ids_exceed_the_servers_vocabular
     # Without --random-vocab-size, bench serve's W1 is BENCHMARKS.md's, id for id.
     exact = serve.build_dataset("w1", 256, 0, 0, 0.0, None, 0)
     assert [p.token_ids for p in exact] == workloads.w1().prompts
+
+
+def test_w4_grid_reports_peak_batch_and_kv_usage_and_the_scaling_ratio():
+    # bench/w4_grid.py (BENCHMARKS.md's W4): one engine runs the grid's shapes; each row carries the run's
+    # own peak batch and KV usage (the scheduler's highs, reset at the start of each run).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "w4_grid.py"
+    spec = importlib.util.spec_from_file_location("w4_grid", path)
+    w4 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(w4)
+    rows = w4.run_engine("demo", 3, smoke=True)
+    assert [(r["input_len"], r["output_len"], r["num_requests"]) for r in rows] == w4.SMOKE_GRID
+    assert all(r["peak_batch"] == 3 and 0 < r["peak_kv_cache_usage"] < 1 for r in rows)  # 6 and 4 queued at once
+    doubled = [{**r, "max_num_seqs": 6, "output_tokens_per_second": 2 * r["output_tokens_per_second"]} for r in rows]
+    lines = w4.table("demo", rows + doubled)
+    assert lines[-2:] == ["scaling 16/8: max_num_seqs 6 / 3 = 2.00x", "scaling 32/16: max_num_seqs 6 / 3 = 2.00x"]

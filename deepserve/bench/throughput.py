@@ -39,6 +39,8 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
     before = llm.llm_engine.stats()
     compiles_before = llm.llm_engine.core.kernel_compiles()
     core = llm.llm_engine.core
+    if hasattr(core.scheduler, "reset_peaks"):
+        core.scheduler.reset_peaks()  # the run's own peak batch and KV usage (W4)
     steps_before, grammar_before = getattr(core, "num_steps", 0), dataclasses.replace(core.grammar_timing)
     meter.start()
     start = time.perf_counter()
@@ -62,6 +64,8 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
         "output_tokens_per_second": num_out / elapsed,
         "peak_memory_gib": peak_memory_gib(),
         "num_preemptions": stats.num_preemptions_total,
+        "peak_batch": stats.peak_num_running,
+        "peak_kv_cache_usage": stats.peak_kv_cache_usage,
         "num_swapped_out_blocks": stats.num_swapped_out_blocks_total,
         "kv_cache_blocks": llm.llm_engine.core.num_blocks,
         "output_tokens_per_joule": num_out / joules if joules else None,

@@ -45,6 +45,9 @@ class SchedulerStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    # Highs since start-up or the last reset_peaks() (W4 reports the peak batch and KV usage of a run)
+    peak_num_running: int = 0
+    peak_kv_cache_usage: float = 0.0
 
 
 class Scheduler:
@@ -78,6 +81,10 @@ class Scheduler:
         # Unfinished requests with a grammar, waiting ones included: no step drafts while there is one
         # (_schedule_running).
         self.num_with_grammar = 0
+        self.peak_num_running, self.peak_kv_cache_usage = 0, 0.0
+
+    def reset_peaks(self) -> None:
+        self.peak_num_running, self.peak_kv_cache_usage = 0, 0.0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -100,6 +107,8 @@ class Scheduler:
             self._unsent_swap_out, out.blocks_to_swap_out = out.blocks_to_swap_out, []
         elif self.block_manager.num_host_blocks:
             self._take_host_copies(out)
+        self.peak_num_running = max(self.peak_num_running, len(self.running))
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.block_manager.usage)
         return out
 
     def _take_host_copies(self, out: SchedulerOutput) -> None:
@@ -356,6 +365,8 @@ class Scheduler:
             spec_decode_num_drafts_total=self.num_spec_drafts,
             spec_decode_num_draft_tokens_total=self.num_spec_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.num_spec_accepted_tokens,
+            peak_num_running=self.peak_num_running,
+            peak_kv_cache_usage=self.peak_kv_cache_usage,
         )
 
 
