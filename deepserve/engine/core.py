@@ -289,8 +289,8 @@ class EngineCore:
         (kept for _finish_inflight, which then does not wait again) and feeds them to their requests'
         matchers ahead of the scheduler (grammar.feed_ahead), then builds the masks from the
         matchers as they stand after every earlier token."""
-        if self.grammars is None:
-            return
+        if self.grammars is None or not self.scheduler.num_with_grammar:
+            return  # nothing per step for unconstrained work
         rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
         if all(g is None for g in rows):
             return
