@@ -39,9 +39,8 @@ def measure_throughput(llm, workload: Workload) -> dict[str, Any]:
     before = llm.llm_engine.stats()
     compiles_before = llm.llm_engine.core.kernel_compiles()
     core = llm.llm_engine.core
-    if hasattr(core.scheduler, "reset_peaks"):
-        core.scheduler.reset_peaks()  # the run's own peak batch and KV usage (W4)
-    steps_before, grammar_before = getattr(core, "num_steps", 0), dataclasses.replace(core.grammar_timing)
+    core.scheduler.reset_peaks()  # the run's own peak batch and KV usage (W4)
+    steps_before, grammar_before = core.num_steps, dataclasses.replace(core.grammar_timing)
     meter.start()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, feed_ahead, fill_bitmasks
+from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmasks
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
@@ -287,7 +287,7 @@ class EngineCore:
         is queued, so the masks' CPU time overlaps the device's forward. Under async scheduling the step
         before is still in flight when this step is launched: the function first reads that step's tokens
         (kept for _finish_inflight, which then does not wait again) and feeds them to their requests'
-        matchers ahead of the scheduler (grammar.feed_ahead), then builds the masks from the
+        matchers ahead of the scheduler (GrammarState.feed_ahead), then builds the masks from the
         matchers as they stand after every earlier token."""
         if self.grammars is None or not self.scheduler.num_with_grammar:
             return  # nothing per step for unconstrained work
@@ -317,12 +317,12 @@ class EngineCore:
 def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]]) -> None:
     """Each constrained request's tokens of a finished step into its matcher, before the scheduler takes
     them. A request that ended before (its row's token will be dropped) is skipped."""
-    fed = []
     for sched, tokens in zip(out.scheduled, sampled, strict=True):
         request = sched.request
-        if request.grammar is not None and tokens and not request.is_finished:
-            fed.append((request.grammar, [t for t in tokens if request.grammar_consumes(t)]))
-    feed_ahead(fed)
+        if request.grammar is not None and not request.is_finished:
+            for token_id in tokens:
+                if request.grammar_consumes(token_id):
+                    request.grammar.feed_ahead(token_id)
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

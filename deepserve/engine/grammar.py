@@ -87,6 +87,13 @@ class GrammarState:
             return False
         return bool(self.matcher.consume_token(token_id))
 
+    def feed_ahead(self, token_id: int) -> None:
+        """Async scheduling: consume a token of the step before now, since the next step's mask depends on
+        it, before the scheduler takes it (Request.check_stop calls accept, which then returns this
+        result). One matcher at a time: a token costs ~5 us here, and llguidance's parallel
+        consume_token_par was slower for 256 matchers on a 2-core sandbox (1.8 against 1.4 ms)."""
+        self._ahead.append((token_id, bool(self.matcher.consume_token(token_id))))
+
     def bitmask(self) -> bytes:
         """Allowed next tokens, one bit each. EOS is allowed only where the grammar accepts."""
         return self.matcher.compute_bitmask()
@@ -111,16 +118,6 @@ class GrammarTiming:
     wait_s: float = 0.0
     feed_s: float = 0.0
     fill_s: float = 0.0
-
-
-def feed_ahead(tokens: list[tuple[GrammarState, list[int]]]) -> None:
-    """Async scheduling: each matcher consumes its request's tokens of the step before now, since the next
-    step's masks depend on them, before the scheduler takes the tokens (Request.check_stop calls accept,
-    which then returns these results). One after another: a token costs ~5 us here, and llguidance's
-    parallel consume_token_par was slower for 256 matchers on a 2-core sandbox (1.8 against 1.4 ms)."""
-    for state, ids in tokens:
-        for token_id in ids:
-            state._ahead.append((token_id, bool(state.matcher.consume_token(token_id))))
 
 
 class GrammarCompiler:
