@@ -273,10 +273,21 @@ def _compile_count(w1: dict) -> int | None:
     return counted["triton_compiles"] if counted and counted.get("watching", True) else None
 
 
+DETAIL_KEYS = ("engine_steps", "peak_batch", "peak_kv_cache_usage", "num_preemptions", "elapsed_time",
+               "grammar_host_ms", "kernel_compiles_during_run")
+
+
+def run_details(data: dict) -> dict:
+    """What explains each W1-type figure of one run (steps, peak batch, the grammar's host time per step),
+    kept in gate.json so one small file carries it back from the device."""
+    return {key.removesuffix("_detail"): {k: value[k] for k in DETAIL_KEYS if k in value}
+            for key, value in data.items() if key.endswith("_detail") and isinstance(value, dict)}
+
+
 def run_all(out: Path, smoke: bool, suite: str = "all") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    checks, figures, startup, notes = {}, {}, {}, []
+    checks, figures, startup, details, notes = {}, {}, {}, {}, []
     suite_checks, suite_runs = SUITES[suite]
     for name, cmd, timeout in [] if smoke else suite_checks:
         cmd = [part.replace("{out}", str(out)) for part in cmd]
@@ -297,6 +308,7 @@ def run_all(out: Path, smoke: bool, suite: str = "all") -> dict:
             data = json.loads(path.read_text())
             figures.update({f"{run.name}/{k}": v for k, v in data.items() if isinstance(v, int | float)})
             startup[run.name] = data.get("startup_s")
+            details[run.name] = run_details(data)
         else:
             notes.append(f"{run.name}: FAILED (rc={rc})\n{tail}")
     # The device machine's copy of the tree may carry a stale .git: gate.sh passes the commit it was sent.
@@ -304,7 +316,8 @@ def run_all(out: Path, smoke: bool, suite: str = "all") -> dict:
     dirty = commit.endswith("-dirty") if os.environ.get("GATE_COMMIT") else bool(_git("status", "--porcelain"))
     result = {"suite": suite, "runs": [r.name for r in runs], "commit": commit, "dirty": dirty,
               "gpu": _gpu(), "settings": "dummy weights, bf16, max_model_len 4096, defaults otherwise",
-              "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures, "startup_s": startup}
+              "date": time.strftime("%Y-%m-%d"), "checks": checks, "figures": figures, "startup_s": startup,
+              "details": details}
     (out / "gate.json").write_text(json.dumps(result, indent=1))
     (out / "baseline-candidate.json").write_text(json.dumps(
         {k: result[k] for k in ("commit", "gpu", "settings", "date", "figures")}, indent=1))

@@ -175,6 +175,31 @@ def kernel_table(fn, steps: int, path: str) -> list[tuple[str, float, int]]:
     return rows
 
 
+def host_profile(fn, steps: int, path: str) -> list[tuple[str, float, int]]:
+    """cProfile over `steps` calls: (function, own ms per step, calls per step), largest first, top 20;
+    the full cumulative listing goes to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+    rows = [(f"{file.rsplit('/', 2)[-1]}:{line}:{name}", tottime * 1e3 / steps, calls // steps)
+            for (file, line, name), (_, calls, tottime, _, _) in stats.stats.items()]
+    rows.sort(key=lambda r: -r[1])
+    return [(n, round(ms, 3), c) for n, ms, c in rows[:20]]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -185,6 +210,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="0: skip the prefill timing")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also time eager steps after a warm-up and cProfile them (where the host time goes)")
     ns = ap.parse_args()
     tag = f"{ns.model}-b{ns.batch}"
     # Room for the prefill window's prompts (512 tokens each) in one step. With max_num_seqs = batch = 1
@@ -231,10 +258,16 @@ def main() -> int:
         top_graph = kernel_table(graphs.graphs[size].replay, 5, f"{ns.out}/{tag}-graph-kernels.txt")
     engine.core.runner.graphs = None  # eager steps from here on
     top_eager = kernel_table(engine.step, 3, f"{ns.out}/{tag}-eager-kernels.txt")
+    eager_warm_ms = host_top = None
+    if ns.host_profile:  # the eager figure above includes any kernel compiling its first steps did
+        eager_warm_ms = timed_steps(engine, ns.steps)
+        host_top = host_profile(engine.step, 5, f"{ns.out}/{tag}-eager-host.txt")
 
     result = {"model": ns.model, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
               "wall_ms_per_step": round(wall_ms, 3), "async_wall_ms_per_step": round(async_ms, 3),
-              "eager_wall_ms_per_step": round(eager_ms, 3), "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
+              "eager_wall_ms_per_step": round(eager_ms, 3),
+              "eager_warm_wall_ms_per_step": eager_warm_ms and round(eager_warm_ms, 3),
+              "eager_host_top_tottime_ms": host_top, "graph_wall_again_ms_per_step": round(graph_again_ms, 3),
               "graph_replay_ms": replay and round(replay, 3),
               "prefill_ms": prefill and round(prefill, 2), "prefill_tokens": ns.prefill_tokens,
               "prefill_engine_steps": prefill_steps,
@@ -251,6 +284,9 @@ def main() -> int:
           f"in {prefill_steps} engine steps "
           f"({prefill_tflops} TFLOP/s in the linear layers), "
           f"graph replay {replay} ms, phases {phases}")
+    if host_top:
+        print(f"eager after warm-up {eager_warm_ms:.3f} ms/step; own time per step (ms, calls):")
+        print("\n".join(f"  {ms:8.3f} {calls:6d}  {name}" for name, ms, calls in host_top))
     return 0
 
 

@@ -26,8 +26,20 @@ GRID = [(128, 128, 3000), (1000, 1000, 1000), (2048, 128, 1000), (128, 2048, 500
 SMOKE_GRID = [(16, 8, 6), (32, 16, 4)]
 
 
-def run_engine(model: str, max_num_seqs: int, smoke: bool) -> list[dict]:
-    """One engine, every shape of the grid in order; a row per shape."""
+def pick_shapes(spec: str | None, smoke: bool) -> list[tuple[int, int, int]]:
+    """The grid's rows named by --shapes ("128/128,2048/128"), in the grid's order; all when None."""
+    grid = SMOKE_GRID if smoke else GRID
+    if spec is None:
+        return grid
+    wanted = set(spec.split(","))
+    known = {f"{isl}/{osl}" for isl, osl, _ in grid}
+    if not wanted <= known:
+        raise ValueError(f"--shapes: {', '.join(sorted(wanted - known))} not in the grid ({', '.join(sorted(known))})")
+    return [row for row in grid if f"{row[0]}/{row[1]}" in wanted]
+
+
+def run_engine(model: str, max_num_seqs: int, smoke: bool, shapes: str | None = None) -> list[dict]:
+    """One engine, the grid's shapes (or those --shapes names) in order; a row per shape."""
     from deepserve import LLM
     from deepserve.bench import workloads
     from deepserve.bench.throughput import measure_throughput
@@ -40,7 +52,7 @@ def run_engine(model: str, max_num_seqs: int, smoke: bool) -> list[dict]:
                   max_num_seqs=max_num_seqs)
     vocab = llm.llm_engine.config.model.hf_config.vocab_size
     rows = []
-    for isl, osl, n in SMOKE_GRID if smoke else GRID:
+    for isl, osl, n in pick_shapes(shapes, smoke):
         result = measure_throughput(llm, workloads.within_vocab(workloads.fixed(isl, osl, n), vocab))
         rows.append({"max_num_seqs": max_num_seqs, "input_len": isl, "output_len": osl, "num_requests": n,
                      **{k: result[k] for k in ("output_tokens_per_second", "elapsed_time", "peak_batch",
@@ -48,8 +60,9 @@ def run_engine(model: str, max_num_seqs: int, smoke: bool) -> list[dict]:
     return rows
 
 
-def child(model: str, max_num_seqs: int, smoke: bool) -> list[dict]:
+def child(model: str, max_num_seqs: int, smoke: bool, shapes: str | None = None) -> list[dict]:
     cmd = [sys.executable, __file__, "--model", model, "--child", str(max_num_seqs)] + (["--smoke"] if smoke else [])
+    cmd += ["--shapes", shapes] if shapes else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -82,10 +95,16 @@ def main() -> int:
     parser.add_argument("--model", default="deepseek-v2-lite", help="a preset (dummy weights)")
     parser.add_argument("--max-num-seqs", default="256", help="comma-separated: one engine per value")
     parser.add_argument("--smoke", action="store_true", help="CPU, the demo model, a tiny grid")
+    parser.add_argument("--shapes", help="comma-separated ISL/OSL of the grid to run, e.g. 128/128,2048/128 "
+                        "(the whole grid at batch 64 does not fit one 10-minute device call)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    try:
+        pick_shapes(ns.shapes, ns.smoke)
+    except ValueError as e:
+        parser.error(str(e))
     if ns.child:  # one engine; its rows as JSON on the last line
-        print(json.dumps(run_engine(ns.model, ns.child, ns.smoke)))
+        print(json.dumps(run_engine(ns.model, ns.child, ns.smoke, ns.shapes)))
         return 0
     try:
         sizes = [int(v) for v in ns.max_num_seqs.split(",")]
@@ -93,7 +112,7 @@ def main() -> int:
         parser.error("--max-num-seqs takes comma-separated integers, e.g. 64,256")
     if any(v < 1 for v in sizes):
         parser.error("--max-num-seqs values must be at least 1")
-    rows = [row for size in sizes for row in child(ns.model, size, ns.smoke)]
+    rows = [row for size in sizes for row in child(ns.model, size, ns.smoke, ns.shapes)]
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"w4-{ns.model}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(table("demo" if ns.smoke else ns.model, rows)))

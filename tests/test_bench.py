@@ -211,3 +211,24 @@ def test_w4_grid_reports_peak_batch_and_kv_usage_and_the_scaling_ratio():
     doubled = [{**r, "max_num_seqs": 6, "output_tokens_per_second": 2 * r["output_tokens_per_second"]} for r in rows]
     lines = w4.table("demo", rows + doubled)
     assert lines[-2:] == ["scaling 16/8: max_num_seqs 6 / 3 = 2.00x", "scaling 32/16: max_num_seqs 6 / 3 = 2.00x"]
+    assert w4.pick_shapes("32/16", smoke=True) == [(32, 16, 4)]  # --shapes: a subset, in the grid's order
+    assert w4.pick_shapes("2048/128,128/128", smoke=False) == [(128, 128, 3000), (2048, 128, 1000)]
+    with pytest.raises(ValueError, match="1/1 not in the grid"):
+        w4.pick_shapes("1/1", smoke=True)
+
+
+def test_check_spec_decode_tells_a_near_tie_from_a_fault():
+    # An H200 run flagged verify k=2's first token 26825 against the decode step's 3434, where the decode
+    # step's top-2 were [[26825, -9.8676], [3434, -9.8676]]: an exact tie, not a fault.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "check_spec_decode.py"
+    spec = importlib.util.spec_from_file_location("check_spec_decode", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.near_tie([[26825, -9.8676], [3434, -9.8676]], 26825)
+    assert check.near_tie([[5, -1.0], [7, -1.01]], 7)
+    assert not check.near_tie([[5, -1.0], [7, -1.5]], 7)  # a real margin: a fault
+    assert not check.near_tie([[5, -1.0], [7, -1.0]], 9)  # not among the reference's top-2
+    assert not check.near_tie([], 5)

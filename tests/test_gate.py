@@ -69,6 +69,8 @@ def test_the_whole_gate_runs_on_cpu(tmp_path):
     assert result["checks"] == {"run demo": "PASS"}
     assert result["figures"]["demo/w1"] > 0 and result["figures"]["demo/tpot"] > 0
     assert result["startup_s"]["demo"]["load"] > 0
+    w1 = result["details"]["demo"]["w1"]  # what explains the figure travels in gate.json too
+    assert w1["engine_steps"] > 0 and w1["peak_batch"] >= 1
     assert proc.stdout.strip().endswith("GATE PASSED")
     candidate = json.loads((tmp_path / "baseline-candidate.json").read_text())
     assert candidate["figures"] == result["figures"]
