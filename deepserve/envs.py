@@ -68,10 +68,6 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                            "int4 routed experts for at most this many tokens run one GEMV per "
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
                                            "0: never"),
-    "DEEPSERVE_PINNED_GRAMMAR_MASKS": (_flag("DEEPSERVE_PINNED_GRAMMAR_MASKS", False),
-                                       "1: structured output's masks reach the GPU through a reused pinned buffer "
-                                       "(a true async copy) instead of from pageable memory, which may block the "
-                                       "host until the queued forward ends; off until measured on the H200"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

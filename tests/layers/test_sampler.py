@@ -466,20 +466,3 @@ def test_fused_sampler_warm_up_meets_every_variant_a_step_can(monkeypatch) -> No
     assert sorted(calls, key=str) == sorted([(17, None), (32, None), (17, ((8, 4), -1, -1)), (32, ((8, 4), -1, -1))],
                                             key=str)
     assert sampler_module.warm_up_fused_sampler(torch.zeros(2, 100)) == 0  # a CPU tensor: nothing to warm
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging is for CUDA copies")
-def test_pinned_grammar_masks_arrive_unchanged(monkeypatch) -> None:
-    # DEEPSERVE_PINNED_GRAMMAR_MASKS=1: the masks pass through one reused pinned buffer; successive steps
-    # of different sizes each arrive as built (the buffer is rewritten only after its last copy ended).
-    from deepserve.layers.sampling_metadata import bitmask_tensor
-
-    monkeypatch.setenv("DEEPSERVE_PINNED_GRAMMAR_MASKS", "1")
-    device = torch.device("cuda")
-    for rows, vocab in ((4, 100), (64, 152064), (2, 33)):
-        data = bytearray(torch.randint(-2**31, 2**31 - 1, (rows * ((vocab + 31) // 32),), dtype=torch.int32).numpy()
-                         .tobytes())
-        want = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
-        got = bitmask_tensor(data, rows, vocab, device)
-        assert torch.equal(got.cpu(), want)
