@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
@@ -29,6 +29,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LogprobEntry = list[tuple[int, float, int]]
+
+
+def shallow_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, values shared, not copied: for messages packed right away (msgpack
+    walks lists and tuples itself). dataclasses.asdict deep-copies every element, which per engine step
+    for 256 outputs cost ~13 ms on a CPU core."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return {name: getattr(obj, name) for name in names}
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 class Runner(Protocol):
@@ -53,7 +66,9 @@ class EngineCoreRequest:
     wait_for: str | None = None  # sibling whose prompt is computed first (n > 1)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Shallow (the prompt list is shared, not copied: it is packed at once); asdict would deep-copy
+        # every prompt token, ~0.3 ms a request on the API server's event loop.
+        d = shallow_dict(self)
         d["sampling_params"] = asdict(self.sampling_params)
         return d
 
@@ -73,7 +88,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return shallow_dict(self)  # asdict's deep copy cost ~13 ms a step for 256 outputs (core process)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:

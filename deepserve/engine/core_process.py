@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, BinaryIO
 
 import msgpack
@@ -85,8 +85,14 @@ MESSAGES: dict[str, type] = {c.__name__: c for c in (AddRequests, AbortRequests,
                                                     StepOutputs, EngineFailed)}
 
 
+def _fields_of(obj: Any) -> dict[str, Any]:
+    """Shallow: every field is already plain data (dicts, lists, numbers, strings) that msgpack walks;
+    dataclasses.asdict would deep-copy each element (~13 ms a step for 256 outputs)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
 def encode(msg: Any) -> bytes:
-    body = msgpack.packb({"type": type(msg).__name__, **asdict(msg)}, use_bin_type=True)
+    body = msgpack.packb({"type": type(msg).__name__, **_fields_of(msg)}, use_bin_type=True)
     return _HEADER.pack(len(body)) + body
 
 
@@ -185,7 +191,7 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
                        if o.request_id in added_at and (o.new_token_ids or o.finish_reason)}
         now = time.monotonic()
         if outputs or msgs or now - last_sent > _SEND_EVERY:
-            stats = asdict(core.stats())
+            stats = _fields_of(core.stats())
             sock.sendall(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times, failed)))
             last_sent = now
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from deepserve.config import EngineConfig
 from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
-from deepserve.engine.detokenizer import IncrementalDetokenizer
+from deepserve.engine.detokenizer import IncrementalDetokenizer, backend_decode
 from deepserve.engine.grammar import GrammarCompiler
 from deepserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepserve.engine.token_bytes import TokenBytes
@@ -159,9 +159,10 @@ class _RequestState:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool | None = None) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output() for c in self.completions], self.finished,
+                             [c.output() for c in self.completions],
+                             self.finished if finished is None else finished,
                              self.prompt_logprobs, self.num_cached_tokens)
 
 
@@ -169,6 +170,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._token_bytes: TokenBytes | None = None  # built on the first logprobs
+        self._fast_decode = backend_decode(tokenizer) if tokenizer is not None else None
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, _Completion]] = {}
 
@@ -194,7 +196,7 @@ class OutputProcessor:
         if not p.detokenize or self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, core.prompt_token_ids, p.skip_special_tokens,
-                                      p.stop, p.include_stop_str_in_output, p.min_tokens)
+                                      p.stop, p.include_stop_str_in_output, p.min_tokens, self._fast_decode)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; the core ids to abort."""
@@ -228,7 +230,7 @@ class OutputProcessor:
             finished = state.finished
             if state.final_only and not finished:
                 continue
-            results.append(state.output())
+            results.append(state.output(finished))
             if finished:
                 del self.states[state.request_id]
         return results, to_abort

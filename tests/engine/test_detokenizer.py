@@ -292,3 +292,44 @@ def test_the_eos_that_ends_a_request_adds_no_text(tok, skip_special):
     proc.add_request("s", None, [EngineCoreRequest("s", [1, 2], params, [], 0.0)])
     (out,), _ = proc.process([EngineCoreOutput("s", ids + [eos], finish_reason="length")])
     assert out.outputs[0].text == "paged attention" + ("" if skip_special else SPECIAL_TOKENS[0])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decode_fast_path_gives_transformers_text(tok, skip):
+    # The API server decodes through the tokenizers library directly (2 calls a token; transformers'
+    # Python wrapper cost ~70 % of that): same text as tokenizer.decode with clean-up off, special tokens
+    # and characters split across tokens included, token by token as the detokenizer runs.
+    from deepserve.engine.detokenizer import backend_decode
+
+    fast = backend_decode(tok)
+    assert fast is not None
+    rng = random.Random(3)
+    specials = tok.convert_tokens_to_ids(SPECIAL_TOKENS[:2])
+    for _ in range(200):
+        ids = tok.encode(random_text(rng, rng.randint(1, 6)), add_special_tokens=False)
+        ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        window = ids[rng.randint(0, len(ids) - 1):]
+        assert fast(window, skip) == tok.decode(window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    ids = tok.encode(random_text(rng, 30), add_special_tokens=False)
+    prompt = tok.encode(random_text(rng, 5))
+    plain = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    quick = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, fast_decode=fast)
+    assert stream(plain, ids, random.Random(5)) == stream(quick, ids, random.Random(5))
+
+
+def test_no_fast_path_where_a_tokenizer_decodes_its_own_way(tok):
+    from deepserve.engine.detokenizer import backend_decode
+
+    class OwnDecode(type(tok)):  # a subclass that overrides decode: its text may differ from the backend's
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    mine = OwnDecode.__new__(OwnDecode)
+    mine.__dict__.update(tok.__dict__)
+    assert backend_decode(mine) is None
+
+    class DuckTyped:  # anything with a decode method, no Rust backend
+        def decode(self, ids, **kwargs):
+            return " ".join(map(str, ids))
+
+    assert backend_decode(DuckTyped()) is None

@@ -90,6 +90,16 @@ def test_round_trip_all_fields():
     assert EngineCoreOutput.from_dict(back.outputs[0]) == out and back.queue_times == {"r": 0.25}
 
 
+def test_messages_share_their_lists_instead_of_deep_copying():
+    # dataclasses.asdict deep-copied every token: ~13 ms an engine step for 256 outputs on one CPU core,
+    # on the core process's step loop. The dicts are packed at once, so sharing the lists is safe.
+    out = EngineCoreOutput("r", [7, 8])
+    assert out.to_dict()["new_token_ids"] is out.new_token_ids
+    req = request("r", 5)
+    d = req.to_dict()
+    assert d["prompt_token_ids"] is req.prompt_token_ids and isinstance(d["sampling_params"], dict)
+
+
 @pytest.mark.parametrize("payload", [{"type": "Exec", "code": "x"}, {"type": "AbortRequests"},
                                      {"type": "AbortRequests", "request_ids": [], "extra": 1}, [1, 2], {}])
 def test_unknown_or_malformed_messages_rejected(payload):
