@@ -232,3 +232,21 @@ def test_check_spec_decode_tells_a_near_tie_from_a_fault():
     assert not check.near_tie([[5, -1.0], [7, -1.5]], 7)  # a real margin: a fault
     assert not check.near_tie([[5, -1.0], [7, -1.0]], 9)  # not among the reference's top-2
     assert not check.near_tie([], 5)
+
+
+def test_api_host_cost_times_every_phase_of_the_serving_path():
+    # bench/api_host_cost.py: the per-step host time of the engine core's packing and the API server's
+    # unpacking, detokenizing and SSE encoding, for a batch of streams (the demo tokenizer, CPU).
+    import importlib.util
+    from pathlib import Path
+
+    from deepserve.config import EngineArgs
+    from deepserve.loader.tokenizer import load_tokenizer
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "api_host_cost.py"
+    spec = importlib.util.spec_from_file_location("api_host_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.measure(load_tokenizer(EngineArgs().model_path()), batch=8, steps=4, prompt_len=20)
+    assert set(result) == {"core", "core (asdict)", "api decode", "output processor", "deltas + SSE"}
+    assert all(ms > 0 for ms in result.values())
