@@ -232,6 +232,14 @@ def test_check_spec_decode_tells_a_near_tie_from_a_fault():
     assert not check.near_tie([[5, -1.0], [7, -1.5]], 7)  # a real margin: a fault
     assert not check.near_tie([[5, -1.0], [7, -1.0]], 9)  # not among the reference's top-2
     assert not check.near_tie([], 5)
+    # ...and only when the runs agree elsewhere: the verify step's own logprob for its token is 0.016 from
+    # the decode step's (a tie flipped by rounding); a wrong row would move it more.
+    drift = check.step_drift([[26825, -9.8676], [3434, -9.8676]], [[26825, -9.8517], [86657, -9.8829]])
+    assert abs(drift - 0.0159) < 1e-6 and check.is_near_tie([[26825, -9.8676], [3434, -9.8676]], 26825, drift)
+    assert not check.is_near_tie([[26825, -9.8676], [3434, -9.8676]], 26825, 0.3)
+    assert not check.is_near_tie([[26825, -9.8676], [3434, -9.8676]], 26825, None)  # nothing to compare
+    assert check.logprob_drift([-1.0, -2.0, -3.0], [-1.01, -2.2, -9.0], 2) == pytest.approx(0.2)  # before the split
+    assert check.logprob_drift([], [], None) is None
 
 
 def test_api_host_cost_times_every_phase_of_the_serving_path():

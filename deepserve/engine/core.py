@@ -33,8 +33,8 @@ LogprobEntry = list[tuple[int, float, int]]
 
 def shallow_dict(obj: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict, values shared, not copied: for messages packed right away (msgpack
-    walks lists and tuples itself). dataclasses.asdict deep-copies every element, which per engine step
-    for 256 outputs cost ~13 ms on a CPU core."""
+    walks lists and tuples itself). dataclasses.asdict deep-copies every element: for a step's 256
+    outputs 8-13 ms on one CPU core of the engine core process (bench/api_host_cost.py)."""
     names = _FIELD_NAMES.get(type(obj))
     if names is None:
         names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
@@ -88,7 +88,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return shallow_dict(self)  # asdict's deep copy cost ~13 ms a step for 256 outputs (core process)
+        return shallow_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:

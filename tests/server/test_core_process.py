@@ -93,11 +93,21 @@ def test_round_trip_all_fields():
 def test_messages_share_their_lists_instead_of_deep_copying():
     # dataclasses.asdict deep-copied every token: ~13 ms an engine step for 256 outputs on one CPU core,
     # on the core process's step loop. The dicts are packed at once, so sharing the lists is safe.
+    import dataclasses
+
     out = EngineCoreOutput("r", [7, 8])
     assert out.to_dict()["new_token_ids"] is out.new_token_ids
     req = request("r", 5)
     d = req.to_dict()
     assert d["prompt_token_ids"] is req.prompt_token_ids and isinstance(d["sampling_params"], dict)
+    # The bytes on the wire are what the deep-copying packing sent (logprob tuples, nested params and all).
+    outs = [EngineCoreOutput("r", [7], "stop", "</s>", [[(7, -0.5, 1), (8, -1.0, 2)]], [[(3, -0.1, 1)]], 3), out]
+    step = StepOutputs([o.to_dict() for o in outs], {"num_running": 1}, {"r": 0.25}, {"x": {"error": "e"}})
+    deep = msgpack.packb({"type": "StepOutputs", **dataclasses.asdict(step)}, use_bin_type=True)
+    assert encode(step)[4:] == deep
+    deep_req = {**dataclasses.asdict(req), "sampling_params": dataclasses.asdict(req.sampling_params)}
+    assert encode(AddRequests([d]))[4:] == msgpack.packb({"type": "AddRequests", "requests": [deep_req]},
+                                                         use_bin_type=True)
 
 
 @pytest.mark.parametrize("payload", [{"type": "Exec", "code": "x"}, {"type": "AbortRequests"},
