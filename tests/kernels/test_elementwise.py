@@ -149,8 +149,9 @@ def test_deepseek_through_the_kernels_matches_transformers(through_the_kernels, 
     path = save_checkpoint(hf_model, tokenizer, str(tmp_path / variant))
     runner = make_runner(path)
     runner.allocate_kv_cache(64)
-    requests = with_blocks(runner, PROMPTS)
+    prompts = PROMPTS[:2]  # a short and a long one (the interpreter's time grows with the tokens)
+    requests = with_blocks(runner, prompts)
     logits = run_step(runner, [(r, 0, len(r.prompt_token_ids)) for r in requests])
     assert {"silu_and_mul", "rms_norm", "apply_rope"} <= set(through_the_kernels)
-    for ids, got in zip(PROMPTS, logits.split([len(p) for p in PROMPTS]), strict=True):
+    for ids, got in zip(prompts, logits.split([len(p) for p in prompts]), strict=True):
         torch.testing.assert_close(got, hf_logits(hf_model, ids), atol=2e-5, rtol=1e-4)
