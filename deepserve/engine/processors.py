@@ -157,6 +157,8 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
+        if len(self.completions) == 1:  # n = 1, nearly every request: once per request and step, no generator
+            return self.completions[0].finish_reason is not None
         return all(c.finish_reason is not None for c in self.completions)
 
     def output(self, finished: bool | None = None) -> RequestOutput:
