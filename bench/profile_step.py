@@ -189,9 +189,9 @@ def host_profile(fn, steps: int, path: str) -> list[tuple[str, float, int]]:
         fn()
     sync()
     prof.disable()
-    stats = pstats.Stats(prof)
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(60)
     with open(path, "w") as f:
         f.write(buf.getvalue())
     rows = [(f"{file.rsplit('/', 2)[-1]}:{line}:{name}", tottime * 1e3 / steps, calls // steps)

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
@@ -29,19 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LogprobEntry = list[tuple[int, float, int]]
-
-
-def shallow_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass's fields as a dict, values shared, not copied: for messages packed right away (msgpack
-    walks lists and tuples itself). dataclasses.asdict deep-copies every element: for a step's 256
-    outputs 8-13 ms on one CPU core of the engine core process (bench/api_host_cost.py)."""
-    names = _FIELD_NAMES.get(type(obj))
-    if names is None:
-        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
-    return {name: getattr(obj, name) for name in names}
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 class Runner(Protocol):
@@ -66,9 +53,8 @@ class EngineCoreRequest:
     wait_for: str | None = None  # sibling whose prompt is computed first (n > 1)
 
     def to_dict(self) -> dict[str, Any]:
-        # Shallow (the prompt list is shared, not copied: it is packed at once); asdict would deep-copy
-        # every prompt token, ~0.3 ms a request on the API server's event loop.
-        d = shallow_dict(self)
+        # Shallow, as core_process.encode packs it at once: asdict would deep-copy every prompt token.
+        d = dict(vars(self))
         d["sampling_params"] = asdict(self.sampling_params)
         return d
 
@@ -88,7 +74,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return shallow_dict(self)
+        # Shallow (vars): asdict's deep copy cost 8-13 ms a step for 256 outputs (bench/api_host_cost.py).
+        return dict(vars(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:

@@ -161,10 +161,9 @@ class _RequestState:
             return self.completions[0].finish_reason is not None
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self, finished: bool | None = None) -> RequestOutput:
+    def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output() for c in self.completions],
-                             self.finished if finished is None else finished,
+                             [c.output() for c in self.completions], self.finished,
                              self.prompt_logprobs, self.num_cached_tokens)
 
 
@@ -172,7 +171,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._token_bytes: TokenBytes | None = None  # built on the first logprobs
-        self._fast_decode = backend_decode(tokenizer) if tokenizer is not None else None
+        self._fast_decode = backend_decode(tokenizer)
         self.states: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[_RequestState, _Completion]] = {}
 
@@ -232,7 +231,7 @@ class OutputProcessor:
             finished = state.finished
             if state.final_only and not finished:
                 continue
-            results.append(state.output(finished))
+            results.append(state.output())
             if finished:
                 del self.states[state.request_id]
         return results, to_abort

@@ -216,10 +216,8 @@ def bitmask_tensor(data: bytes | bytearray, rows: int, vocab_size: int, device: 
         raise ValueError(f"grammar bitmask has {len(data)} bytes, expected {rows} rows x {words} words x 4")
     host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.int32)
     host = host.view(rows, words)
-    if device.type != "cuda":
-        return host
     # From pageable memory: a reused pinned buffer measured 5 % slower on the H200 (bench/RESULTS.md).
-    return host.to(device, non_blocking=True)
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
