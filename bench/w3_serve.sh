@@ -3,7 +3,9 @@
 # --load-format dummy` driven by `deepserve bench serve` at three Poisson rates (~200 in / 180 out,
 # 30 s of arrivals each) and at saturation (W1's 256 requests at once through HTTP). Prints a table;
 # exits 1 if any request failed or the saturation throughput is under 90 % of the offline W1.
-#   MODEL=r1-distill-qwen-7b bash bench/w3_serve.sh        (about 8 minutes on one H200)
+#   MODEL=r1-distill-qwen-7b bash bench/w3_serve.sh        (about 3.5 minutes on one H200)
+# An A/B of a server setting: OUT=a DEEPSERVE_GC_FREEZE=0 bash bench/w3_serve.sh, then
+#   OUT=b W1_OFFLINE=a/w1-offline.json DEEPSERVE_GC_FREEZE=1 bash bench/w3_serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-r1-distill-qwen-7b}"
@@ -12,8 +14,12 @@ OUT="${OUT:-bench/results/w3-$(date -u +%Y%m%d-%H%M%S)}"
 KEY="sk-w3-$(python -c 'import secrets; print(secrets.token_hex(12))')"
 mkdir -p "$OUT"
 
-deepserve bench throughput --model "$MODEL" --load-format dummy --output-json "$OUT/w1-offline.json" \
-  > "$OUT/w1-offline.log" 2>&1
+if [ -n "${W1_OFFLINE:-}" ]; then  # an A/B of server settings in one call reuses the first run's offline W1
+  cp "$W1_OFFLINE" "$OUT/w1-offline.json"
+else
+  deepserve bench throughput --model "$MODEL" --load-format dummy --output-json "$OUT/w1-offline.json" \
+    > "$OUT/w1-offline.log" 2>&1
+fi
 
 deepserve serve "$MODEL" --load-format dummy --api-key "$KEY" --host 127.0.0.1 --port "$PORT" \
   > "$OUT/server.log" 2>&1 &
@@ -33,6 +39,7 @@ for RATE in 4 8 16; do
 done
 bench --dataset w1 --num-prompts 256 --request-rate inf --output-json "$OUT/w1-saturation.json"
 
+python bench/stream_silences.py "$OUT/w1-saturation.json" || true  # where the saturation run stalled
 python - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]

@@ -258,3 +258,22 @@ def test_api_host_cost_times_every_phase_of_the_serving_path():
     result = bench.measure(load_tokenizer(EngineArgs().model_path()), batch=8, steps=4, prompt_len=20)
     assert set(result) == {"core", "core (asdict)", "api decode", "output processor", "deltas + SSE"}
     assert all(ms > 0 for ms in result.values())
+
+
+def test_stream_silences_finds_the_stretch_every_stream_shares():
+    # bench/stream_silences.py: two streams sent at t = 0; both stop between 1.0 and 1.4 s (a server-wide
+    # stall), and one stream's own 0.3 s gap is covered by the other stream's chunks (not a silence).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "stream_silences.py"
+    spec = importlib.util.spec_from_file_location("stream_silences", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = {"ttfts": [0.1, 0.15], "itls": [[0.1] * 9 + [0.4, 0.1], [0.3, 0.1, 0.1, 0.1, 0.1, 0.6]]}
+    times = mod.arrival_times(result)
+    assert len(times) == 2 + 11 + 6 and times == sorted(times)
+    found = mod.silences(times, 0.15)
+    assert len(found) == 1
+    start, length = found[0]
+    assert start == pytest.approx(1.0) and length == pytest.approx(0.4)

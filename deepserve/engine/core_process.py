@@ -39,6 +39,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from deepserve.heap import freeze_startup_heap
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
@@ -229,6 +231,7 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
                      name="engine-reader").start()
     try:
         core = EngineCore.from_engine_args(EngineArgs(**engine_args))
+        freeze_startup_heap("engine core")
         serving.set()
         sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))
         return serve_core(core, sock, inbox)

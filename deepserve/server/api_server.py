@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from deepserve.heap import freeze_startup_heap
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import HeaderLimitMiddleware
 from deepserve.server.memory import TrimAfterLargeBodies
@@ -126,6 +127,7 @@ async def _start_engine(state: ServerState) -> None:
         state.load_error = str(e)
         on_dead(str(e))
         return
+    freeze_startup_heap("API server")
     state.loaded = True
     s = state.settings
     logger.info("engine ready in %.1fs; serving %s at %s://%s:%d/v1", time.monotonic() - t0, state.model_names,
