@@ -295,7 +295,8 @@ def _block_fp8_gemm_kernel(
 # those that matched (M and K/128 multiples of 4 and 16); unverified beyond them.
 CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
 CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
-# Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 0: off until measured.
+# Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 1 by default (bench/RESULTS.md:
+# faster than W8A8 at one token on every shape, W2 TPOT LLM-7B -q fp8 3.39 ms with it), 0: off.
 GEMV_MAX_M = min(16, int(envs.DEEPSERVE_FP8_GEMV_MAX_M))
 
 

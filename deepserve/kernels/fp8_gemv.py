@@ -16,8 +16,9 @@ path is more exact than the one it replaces. Two ways to multiply, chosen by the
 Triton's interpreter (CPU tests) gives wrong products for a bf16 tl.dot whose operand was widened from
 fp8 (seen with triton 3.x: the same dot in fp32 is right), so there the dot runs in fp32; the H200 check
 (bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials
-that fp8.py's split sum adds in order (+ bias). Off by default (fp8.GEMV_MAX_M = 0,
-DEEPSERVE_FP8_GEMV_MAX_M) until bench/fp8_decode_graphs.py --gemv-s has timed it on the H200.
+that fp8.py's split sum adds in order (+ bias). Taken for one token by default (fp8.GEMV_MAX_M,
+DEEPSERVE_FP8_GEMV_MAX_M = 1): timed per GEMM by bench/fp8_decode_graphs.py --gemv-s and in the engine
+(W2 TPOT DeepSeek-LLM-7B -q fp8 3.39 ms, V3 8-layer slice 2.68 ms; bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def default_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     the old guess, 32-wide, 1.19x), more rows on the tensor cores with 64-wide tiles and 2 waves
     (dot-64-128-2-4: 1.06x at M = 2, 1.05x at M = 4-16; fma-32 was 1.46x at M = 2). Against the W8A8 Triton
     path this config took 0.64-0.99x its time at M = 1 (every shape), 0.82-1.11x at M = 2 and up to 1.36x
-    above, so DEEPSERVE_FP8_GEMV_MAX_M = 1 is the setting to try; engine figures with it not measured yet."""
+    above, hence DEEPSERVE_FP8_GEMV_MAX_M = 1 (the default since the engine runs of 2026-12-02)."""
     if m == 1:
         return Fp8GemvConfig(numerics="fma", block_n=128, waves=4, num_warps=4)
     return Fp8GemvConfig(numerics="dot", block_n=64, waves=2, num_warps=4)

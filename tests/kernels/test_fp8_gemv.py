@@ -56,9 +56,8 @@ def test_bf16_activations_and_per_channel_scales(numerics):
 
 
 def test_the_linear_wrappers_take_it_up_to_gemv_max_m(monkeypatch):
-    # Off by default; with the switch at 4, M <= 4 gives the GEMV's (unquantized activations) result
-    # and M = 5 the W8A8 path's.
-    assert fp8.GEMV_MAX_M == 0
+    # With the switch at 4, M <= 4 gives the GEMV's (unquantized activations) result and M = 5 the
+    # W8A8 path's.
     n, k = 200, 256
     w_q, scale = block_weight(n, k, BLOCK, seed=3)
     w = ref.dequantize_weight_block(w_q, scale, BLOCK)
