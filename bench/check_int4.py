@@ -457,7 +457,8 @@ def print_variant_tables(report: dict) -> bool:
         won.get(kind, set()).add(m)
     skipped = [r for r in speed if r.get("skipped")]
     print(f"\nthe GEMV was best at M in {sorted(won['gemv'])}; dequantize + cuBLAS at M in "
-          f"{sorted(won['dequant+cublas'])} (DEEPSERVE_INT4_GEMV_MAX_M / DEEPSERVE_INT4_CUBLAS_MIN_M; 0 = off today)")
+          f"{sorted(won['dequant+cublas'])} (DEEPSERVE_INT4_GEMV_MAX_M / DEEPSERVE_INT4_CUBLAS_MIN_M; "
+          "defaults 0 and 64)")
     print(f"the expert GEMVs were best at T in {sorted(won['moe gemv'])} (DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS; 0 = off)")
     good = not failed and all(v.get("ok", True) for v in report["variant_graph"].values())
     print(f"wall {elapsed():.0f} s; {len(skipped)} timings skipped past {VARIANTS_DEADLINE_S:.0f} s; "

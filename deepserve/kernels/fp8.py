@@ -285,10 +285,11 @@ def _block_fp8_gemm_kernel(
 # --- linear layers ----------------------------------------------------------------------------------
 
 
-# Which GEMM a call takes, by token count M (measured on the H200, bench/RESULTS.md, FP8): decode batches
-# (CUDA graphs, M <= max_num_seqs) take the Triton kernels — torch._scaled_mm row-wise took 24.7 us for
-# V3's kv_a at M = 1 in a graph where the per-channel Triton path took 14.1 — and per-channel prefill-sized calls
-# cuBLAS's row-wise torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
+# Which GEMM a call takes, by token count M (measured on the H200, bench/RESULTS.md, FP8): one token takes
+# the weight-stream GEMV (GEMV_MAX_M below), other decode batches (CUDA graphs, M <= max_num_seqs) the
+# Triton kernels — torch._scaled_mm row-wise took 24.7 us for V3's kv_a at M = 1 in a graph where the
+# per-channel Triton path took 14.1 — and per-channel prefill-sized calls cuBLAS's row-wise
+# torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
 # Block-wise _scaled_mm is off by default: in gate FP8 run 2 it raised CUBLAS_STATUS_NOT_SUPPORTED at
 # M = 257 and returned wrong products (max relative error 21) for K = 11008 (86 scale groups) at M = 1024
 # and 8192, though it matched at 8192^3 and on V3's shapes. When switched on it takes only shapes like
@@ -298,10 +299,15 @@ CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
 # Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 1 by default (bench/RESULTS.md:
 # faster than W8A8 at one token on every shape, W2 TPOT LLM-7B -q fp8 3.39 ms with it), 0: off.
 GEMV_MAX_M = min(16, int(envs.DEEPSERVE_FP8_GEMV_MAX_M))
+GEMV_BLOCK_K = 128  # fp8_gemv's K tile, which must divide a block-scaled weight's K block
 
 
-def _gemv(x2: torch.Tensor) -> bool:
-    return 0 < x2.shape[0] <= GEMV_MAX_M and x2.stride(1) == 1  # (off at 0, an empty x included)
+def _gemv(x2: torch.Tensor, block_k: int | None = None) -> bool:
+    """Whether x2 [M, K] takes fp8_gemv: M within GEMV_MAX_M (off at 0, an empty x included), rows contiguous,
+    and a block-scaled weight's K block (block_k; None per channel) a multiple of its K tile (other blocks,
+    e.g. 96, take the W8A8 path)."""
+    fits = block_k is None or block_k % GEMV_BLOCK_K == 0
+    return 0 < x2.shape[0] <= GEMV_MAX_M and x2.stride(1) == 1 and fits
 
 
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
@@ -309,7 +315,7 @@ def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tens
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
     per token and bk-group by quantize_per_token_group."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if _gemv(x2):
+    if _gemv(x2, block[1]):
         from deepserve.kernels.fp8_gemv import fp8_gemv
 
         return fp8_gemv(x2, w_q, w_scale_inv, block, bias).view(*x.shape[:-1], w_q.shape[0])

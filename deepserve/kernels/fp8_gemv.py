@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepserve.kernels.fp8 import INTERPRET
+from deepserve.kernels.fp8 import GEMV_BLOCK_K, INTERPRET
 from deepserve.kernels.split_k import sm_count, sum_splits
 
 NUMERICS = ("dot", "fma")
@@ -38,7 +38,7 @@ NUMERICS = ("dot", "fma")
 @dataclass(frozen=True)
 class Fp8GemvConfig:
     block_n: int = 64  # output features per program
-    block_k: int = 128  # a power of two dividing the weight's scale block along K (128 for DeepSeek)
+    block_k: int = GEMV_BLOCK_K  # a power of two dividing the weight's scale block along K (128 for DeepSeek)
     split_k: int = 0  # programs along K; 0: enough for about `waves` programs per SM
     numerics: str = "dot"
     num_warps: int = 4

@@ -76,6 +76,20 @@ def test_the_linear_wrappers_take_it_up_to_gemv_max_m(monkeypatch):
         assert (exact < 1e-5) if m <= 4 else (1e-5 < exact < 5e-2)
 
 
+def test_one_token_takes_the_gemv_by_default_and_k_blocks_it_cannot_tile_take_w8a8():
+    # The default (DEEPSERVE_FP8_GEMV_MAX_M unset) streams one token's weight; a scale block of 96 along K,
+    # which the GEMV's 128-wide K tile does not divide (the loader accepts any weight_block_size), takes the
+    # W8A8 path instead of raising.
+    assert fp8.GEMV_MAX_M >= 1
+    n, k = 200, 384
+    for block, exact in (((128, 128), True), ((128, 96), False)):
+        w_q, scale = block_weight(n, k, block, seed=5)
+        w = ref.dequantize_weight_block(w_q, scale, block)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+        err = rel_err(fp8.block_fp8_linear(x, w_q, scale, block), reference(x, w, None))
+        assert (err < 1e-5) if exact else (1e-5 < err < 5e-2)
+
+
 def test_bad_shapes_are_refused_naming_what_to_pass():
     w_q, scale = block_weight(64, 128, BLOCK, seed=0)
     with pytest.raises(ValueError, match="M <= 16"):

@@ -149,7 +149,11 @@ def test_variants_on_awq_and_gptq_checkpoint_tensors(variant, method, bits, grou
 
 
 def test_choose_config_switches_by_token_count():
-    # both thresholds 0 (the defaults until measured): today's tile kernel for every M
+    # the defaults (measured on the H200): the tile kernel below 64 tokens, dequantize + cuBLAS from 64
+    assert isinstance(int4.choose_config(1, 4096, 4096), int4.Int4GemmConfig)
+    assert isinstance(int4.choose_config(63, 4096, 4096), int4.Int4GemmConfig)
+    assert isinstance(int4.choose_config(64, 4096, 4096), Int4DequantConfig)
+    # both thresholds 0: the tile kernel for every M
     for m in (1, 16, 8192):
         assert isinstance(int4.choose_config(m, 4096, 4096, gemv_max_m=0, cublas_min_m=0), int4.Int4GemmConfig)
     assert int4.choose_config(1, 4096, 4096, gemv_max_m=8, cublas_min_m=1024) == Int4GemvConfig()
