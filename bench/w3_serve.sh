@@ -15,7 +15,7 @@ KEY="sk-w3-$(python -c 'import secrets; print(secrets.token_hex(12))')"
 mkdir -p "$OUT"
 
 if [ -n "${W1_OFFLINE:-}" ]; then  # an A/B of server settings in one call reuses the first run's offline W1
-  cp "$W1_OFFLINE" "$OUT/w1-offline.json"
+  [ "$W1_OFFLINE" -ef "$OUT/w1-offline.json" ] || cp "$W1_OFFLINE" "$OUT/w1-offline.json"
 else
   deepserve bench throughput --model "$MODEL" --load-format dummy --output-json "$OUT/w1-offline.json" \
     > "$OUT/w1-offline.log" 2>&1

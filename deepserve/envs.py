@@ -71,10 +71,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
                                            "0: never"),
     "DEEPSERVE_GC_FREEZE": (_flag("DEEPSERVE_GC_FREEZE", False),
-                            "1: when start-up ends, the API server, the engine core process and LLM(...) collect "
-                            "once and freeze the surviving objects out of Python's garbage collection "
-                            "(deepserve/heap.py), so its full passes stop stalling every stream; off until "
-                            "measured on the H200"),
+                            "1: when start-up ends, the API server, the engine core process and the other "
+                            "ranks collect once and freeze the surviving objects out of Python's garbage "
+                            "collection (deepserve/heap.py), so its full passes walk only what serving made "
+                            "(shorter pauses on our CPU); off until measured on the H200"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

@@ -2,11 +2,12 @@
 
 A process that has imported torch, transformers and the server holds some 200-500 thousand objects the
 collector tracks, all of them alive until the process exits. CPython's oldest generation is collected
-when enough objects have survived into it, and that pass walks every tracked object: 300-430 ms each on
-our 2-core CPU sandbox, four of them in the API server during a 22 s saturation run of the demo model
-(bench/RESULTS.md). Every stream stops for that long. `gc.freeze()` after start-up moves what exists then
-into a permanent generation the collector never walks, so a full pass only sees objects made while
-serving. Cyclic garbage made later is still collected; what start-up left is collected once, first.
+when enough objects have survived into it, and that pass walks every tracked object: 170-314 ms each
+on our 2-core CPU sandbox, four of them in the API server during each 19-20 s saturation run of the
+demo model (bench/RESULTS.md; bench/gc_probe/ shows how), every stream stopped meanwhile. `gc.freeze()`
+after start-up moves what exists then into a permanent generation the collector never walks, so a full
+pass only sees objects made while serving. Cyclic garbage made later is still collected; what start-up
+left is collected once, first.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ logger = logging.getLogger(__name__)
 
 def freeze_startup_heap(where: str) -> int:
     """Collect once, then freeze every surviving object out of future collections (DEEPSERVE_GC_FREEZE;
-    a no-op when it is 0). Call once, when start-up is over and before serving. Returns how many objects
-    were frozen (0 when off)."""
+    a no-op when it is 0). Call once per process, when start-up is over and before serving: only in the
+    serving processes (API server, engine core, other ranks), never in `LLM(...)`, whose process is the
+    user's: frozen objects in reference cycles are never freed (a deleted engine's GPU memory with them).
+    Returns how many objects this call froze (0 when off)."""
     if not envs.DEEPSERVE_GC_FREEZE:
         return 0
     t0 = time.perf_counter()
+    before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
+    frozen = gc.get_freeze_count() - before
     logger.info("%s: %d start-up objects kept out of garbage collection (%.0f ms)", where, frozen,
                 (time.perf_counter() - t0) * 1e3)
     return frozen

@@ -261,8 +261,9 @@ def test_api_host_cost_times_every_phase_of_the_serving_path():
 
 
 def test_stream_silences_finds_the_stretch_every_stream_shares():
-    # bench/stream_silences.py: two streams sent at t = 0; both stop between 1.0 and 1.4 s (a server-wide
-    # stall), and one stream's own 0.3 s gap is covered by the other stream's chunks (not a silence).
+    # bench/stream_silences.py: two streams sent at t = 0; neither gets a chunk between 1.05 and 1.4 s (a
+    # server-wide stall), and one stream's own 0.3 s gap is covered by the other stream's chunks. A
+    # third request failed (no chunks, ttft 0): it must not put an arrival at 0 s.
     import importlib.util
     from pathlib import Path
 
@@ -270,10 +271,12 @@ def test_stream_silences_finds_the_stretch_every_stream_shares():
     spec = importlib.util.spec_from_file_location("stream_silences", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    result = {"ttfts": [0.1, 0.15], "itls": [[0.1] * 9 + [0.4, 0.1], [0.3, 0.1, 0.1, 0.1, 0.1, 0.6]]}
-    times = mod.arrival_times(result)
-    assert len(times) == 2 + 11 + 6 and times == sorted(times)
+    result = {"ttfts": [0.5, 0.55, 0.0], "itls": [[0.1] * 5 + [0.4, 0.1], [0.3, 0.1, 0.1, 0.5], []],
+              "errors": ["", "", "HTTP 500"]}
+    times, decode_from = mod.arrival_times(result)
+    assert len(times) == 2 + 7 + 4 and times == sorted(times) and times[0] == pytest.approx(0.5)
+    assert decode_from == pytest.approx(0.55)
     found = mod.silences(times, 0.15)
     assert len(found) == 1
     start, length = found[0]
-    assert start == pytest.approx(1.0) and length == pytest.approx(0.4)
+    assert start == pytest.approx(1.05) and length == pytest.approx(0.35)

@@ -12,7 +12,6 @@ from tqdm.auto import tqdm
 from deepserve.config import EngineArgs
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import RequestOutput
-from deepserve.heap import freeze_startup_heap
 from deepserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
@@ -26,9 +25,6 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; known: {sorted(known - {'model'})}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
-        # With DEEPSERVE_GC_FREEZE=1 what start-up built stays out of Python's full collections; objects of
-        # an earlier LLM in this process that sit in reference cycles are then never reclaimed.
-        freeze_startup_heap("LLM")
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

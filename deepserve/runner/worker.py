@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from deepserve import envs
 from deepserve.config import EngineConfig
+from deepserve.heap import freeze_startup_heap
 from deepserve.runner.rank_start import rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_from_message
 
@@ -194,6 +195,9 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
     from deepserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(runner_config(config))
+    # The model and the imports stay out of full collections (the KV cache and graphs come later, by
+    # command); a collection on any rank stalls every collective step.
+    freeze_startup_heap(f"rank {rank}")
     done = 1
     if progress is not None:
         progress[rank] = done  # loaded
