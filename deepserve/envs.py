@@ -75,6 +75,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                             "ranks collect once and freeze the surviving objects out of Python's garbage "
                             "collection (deepserve/heap.py), so its full passes walk only what serving made "
                             "(shorter pauses on our CPU); off until measured on the H200"),
+    "DEEPSERVE_CORE_SEND_THREAD": (_flag("DEEPSERVE_CORE_SEND_THREAD", False),
+                                   "1: the engine core process sends its step outputs to the API server from a "
+                                   "thread of its own (engine/core_process.py), so a busy API event loop no longer "
+                                   "stops the engine once the socket's buffer is full; off until measured on the "
+                                   "H200"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

@@ -280,3 +280,19 @@ def test_stream_silences_finds_the_stretch_every_stream_shares():
     assert len(found) == 1
     start, length = found[0]
     assert start == pytest.approx(1.05) and length == pytest.approx(0.35)
+
+
+def test_core_send_stall_runs_both_modes():
+    # bench/core_send_stall.py: the stand-in core serves over a real socket in each send mode and the
+    # figures come back (their values are timings: bench/RESULTS.md has the run; tests/server/
+    # test_core_process.py proves the sender thread's behaviour without timing).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "core_send_stall.py"
+    spec = importlib.util.spec_from_file_location("core_send_stall", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for mode in ("0", "1"):
+        gap, during = mod.run(mode, step_s=0.001, outputs=8, pause_s=0.02, steps=40)
+        assert 0 < gap < 5 and 0 <= during <= 40

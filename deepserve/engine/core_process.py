@@ -3,7 +3,8 @@
     API server process (asyncio)                    engine core process
     EngineCoreClient.add/abort  ── AddRequests ──▶  reader thread → inbox
                                 ── AbortRequests ▶  loop: drain inbox, core.step()
-    on_outputs(StepOutputs)     ◀── StepOutputs ──  outputs + scheduler stats
+    on_outputs(StepOutputs)     ◀── StepOutputs ──  outputs + scheduler stats (sent from the loop, or from
+                                                    a sender thread with DEEPSERVE_CORE_SEND_THREAD=1)
 
 Wire format: a 4-byte big-endian length, then a msgpack map whose "type" names one of the message
 dataclasses below; decoding checks the type and its fields (no pickle, nothing executable). The
@@ -39,6 +40,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from deepserve import envs
 from deepserve.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -175,7 +177,60 @@ def _add(core: Any, d: dict[str, Any], added_at: dict[str, float], failed: dict[
     added_at[req.request_id] = time.monotonic()
 
 
+class _Sender:
+    """Frames to the API server from a thread of their own, in order (DEEPSERVE_CORE_SEND_THREAD=1). The API
+    server reads on its event loop; while that loop is busy (a full garbage collection, a burst of streams)
+    the socket's buffer (~200 KB: some 7 steps of 256 outputs) fills, and a sendall on the step loop would
+    stop the engine until the loop reads again. Here the step loop only queues a frame; a full queue (a
+    reader that stopped for good) blocks it as the socket did. A failed send is raised on the next send."""
+
+    def __init__(self, sock: socket.socket, max_frames: int = 1024) -> None:
+        self.sock = sock
+        self.frames: queue.Queue = queue.Queue(maxsize=max_frames)
+        self.error: OSError | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="engine-sender")
+        self.thread.start()
+
+    def send(self, frame: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self.frames.put(frame)
+
+    def close(self, flush: bool, timeout: float = 2.0) -> None:
+        """Stop the thread: after the queued frames (flush), or dropping them (the reader is leaving)."""
+        while not flush:
+            try:
+                self.frames.get_nowait()
+            except queue.Empty:
+                break
+        with contextlib.suppress(queue.Full):
+            self.frames.put(None, timeout=timeout)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while (frame := self.frames.get()) is not None:
+            try:
+                self.sock.sendall(frame)
+            except OSError as e:
+                self.error = e
+                return
+
+
 def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
+    sender = _Sender(sock) if envs.DEEPSERVE_CORE_SEND_THREAD else None
+    try:
+        return _serve(core, sock.sendall if sender is None else sender.send, inbox)
+    except BaseException:
+        if sender is not None:  # what was queued goes before whatever the caller sends next (EngineFailed)
+            sender.close(flush=True)
+            sender = None
+        raise
+    finally:
+        if sender is not None:
+            sender.close(flush=False)  # a Shutdown: the API server is leaving
+
+
+def _serve(core: Any, send: Callable[[bytes], None], inbox: queue.Queue) -> int:
     added_at: dict[str, float] = {}  # request id → when it reached us, until its first output
     last_sent = 0.0
     while True:
@@ -190,7 +245,7 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
         now = time.monotonic()
         if outputs or msgs or now - last_sent > _SEND_EVERY:
             stats = dict(vars(core.stats()))
-            sock.sendall(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times, failed)))
+            send(encode(StepOutputs([o.to_dict() for o in outputs], stats, queue_times, failed)))
             last_sent = now
 
 

@@ -170,6 +170,54 @@ def start_loop(core: FakeCore) -> tuple[socket.socket, threading.Thread, dict]:
     return ours, loop, result
 
 
+class BigStepCore(FakeCore):
+    """FakeCore whose steps are counted (`steps`), each output carrying 2,000 tokens: ~16 KB a frame."""
+
+    steps = 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        self.steps += 1
+        outs = super().step()
+        return [EngineCoreOutput(o.request_id, o.new_token_ids * 2000, o.finish_reason, None, None, None, 0)
+                for o in outs]
+
+
+def test_send_thread_keeps_the_engine_stepping_while_the_api_server_reads_nothing(monkeypatch):
+    # DEEPSERVE_CORE_SEND_THREAD=1: the API server reads nothing until the core has taken 300 steps (~5 MB
+    # of frames, far more than a socket buffer holds, so a sendall on the step loop would have stopped the
+    # engine at a few dozen steps); then every frame arrives, in order, and the loop shuts down cleanly.
+    monkeypatch.setenv("DEEPSERVE_CORE_SEND_THREAD", "1")
+    core = BigStepCore()
+    ours, loop, result = start_loop(core)
+    ours.sendall(encode(AddRequests([request("long", 300).to_dict()])))
+    deadline = time.monotonic() + 30
+    while core.steps < 300 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.steps == 300, f"the engine stopped at step {core.steps} while nobody read"
+    frames, tokens = ours.makefile("rb"), []
+    while not tokens or tokens[-1] != 299:
+        for o in read_frame(frames).outputs:
+            tokens.append(o["new_token_ids"][0])
+            assert o["new_token_ids"] == [tokens[-1]] * 2000
+    assert tokens == list(range(300))
+    ours.sendall(encode(Shutdown()))
+    loop.join(timeout=10)
+    assert result["rc"] == 0
+
+
+def test_send_thread_raises_a_broken_pipe_on_the_step_loop(monkeypatch):
+    # The API server's end closes while the core is busy: the sender's error reaches the loop, which ends.
+    monkeypatch.setenv("DEEPSERVE_CORE_SEND_THREAD", "1")
+    ours, theirs = socket.socketpair()
+    inbox: queue.Queue = queue.Queue()
+    core = BigStepCore()
+    core.add_request(request("long", 10**9))
+    ours.close()
+    with pytest.raises(OSError):
+        serve_core(core, theirs, inbox)
+    theirs.close()
+
+
 def test_refused_request_is_reported_and_the_loop_serves_on():
     core = FakeCore()
     ours, loop, result = start_loop(core)
