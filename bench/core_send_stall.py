@@ -54,7 +54,18 @@ class TimedCore:
 
 
 def run(mode: str, step_s: float, outputs: int, pause_s: float, steps: int) -> tuple[float, int]:
+    before = os.environ.get("DEEPSERVE_CORE_SEND_THREAD")
     os.environ["DEEPSERVE_CORE_SEND_THREAD"] = mode
+    try:
+        return _run(step_s, outputs, pause_s, steps)
+    finally:  # the caller's setting (a test session's) stays as it was
+        if before is None:
+            del os.environ["DEEPSERVE_CORE_SEND_THREAD"]
+        else:
+            os.environ["DEEPSERVE_CORE_SEND_THREAD"] = before
+
+
+def _run(step_s: float, outputs: int, pause_s: float, steps: int) -> tuple[float, int]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     inbox: queue.Queue = queue.Queue()
     inbox.put(AddRequests([]))

@@ -11,16 +11,19 @@ OUT="${OUT:-bench/results/w3ab-$(date -u +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 FIRST=""
 for spec in "$@"; do
+  [[ $spec == *=* ]] || { echo "w3_ab.sh: each variant is LABEL=VAR=VALUE[,VAR=VALUE] or LABEL= (got '$spec')" >&2; exit 2; }
   label="${spec%%=*}" vars="${spec#*=}"
   env_args=()
   IFS=',' read -ra pairs <<< "$vars"
   for pair in "${pairs[@]}"; do [ -n "$pair" ] && env_args+=("$pair"); done
   echo "== $label: ${env_args[*]:-defaults}"
+  # Each variant starts from the defaults of the switches it may set, whatever the caller exported.
+  clean=(env -u DEEPSERVE_GC_FREEZE -u DEEPSERVE_CORE_SEND_THREAD)
   if [ -z "$FIRST" ]; then
-    env "${env_args[@]}" RATES="" OUT="$OUT/$label" bash bench/w3_serve.sh
-    FIRST="$OUT/$label/w1-offline.json"
+    "${clean[@]}" "${env_args[@]}" RATES="" OUT="$OUT/$label" bash bench/w3_serve.sh
+    [ -s "$OUT/$label/w1-offline.json" ] && FIRST="$OUT/$label/w1-offline.json"
   else
-    env "${env_args[@]}" RATES="" OUT="$OUT/$label" W1_OFFLINE="$FIRST" bash bench/w3_serve.sh
+    "${clean[@]}" "${env_args[@]}" RATES="" OUT="$OUT/$label" W1_OFFLINE="$FIRST" bash bench/w3_serve.sh
   fi
 done
 python - "$OUT" "$@" <<'PY'

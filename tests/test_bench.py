@@ -293,6 +293,10 @@ def test_core_send_stall_runs_both_modes():
     spec = importlib.util.spec_from_file_location("core_send_stall", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    import os
+
+    before = os.environ.get("DEEPSERVE_CORE_SEND_THREAD")
     for mode in ("0", "1"):
         gap, during = mod.run(mode, step_s=0.001, outputs=8, pause_s=0.02, steps=40)
         assert 0 < gap < 5 and 0 <= during <= 40
+    assert os.environ.get("DEEPSERVE_CORE_SEND_THREAD") == before  # the switch is not left set for later tests

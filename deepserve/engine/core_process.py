@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 512 * 1024 * 1024
 _SEND_EVERY = 0.25  # seconds: stats reach the API server at least this often while busy
+# Frames the sender thread may hold behind a reader that stopped reading: ~2.5 MB of 256-output frames, some
+# 0.6 s of H200 decode steps (a full garbage collection in the API server took up to ~0.3 s on our CPU).
+SEND_QUEUE_FRAMES = 64
 
 
 @dataclass
@@ -180,11 +183,12 @@ def _add(core: Any, d: dict[str, Any], added_at: dict[str, float], failed: dict[
 class _Sender:
     """Frames to the API server from a thread of their own, in order (DEEPSERVE_CORE_SEND_THREAD=1). The API
     server reads on its event loop; while that loop is busy (a full garbage collection, a burst of streams)
-    the socket's buffer (~200 KB: some 7 steps of 256 outputs) fills, and a sendall on the step loop would
-    stop the engine until the loop reads again. Here the step loop only queues a frame; a full queue (a
-    reader that stopped for good) blocks it as the socket did. A failed send is raised on the next send."""
+    the socket's buffer (~200 KB: 5-6 steps of 256 outputs) fills, and a sendall on the step loop would stop
+    the engine until the loop reads again. Here the step loop only queues a frame; a full queue (a reader
+    stopped for longer than max_frames steps) blocks it as the socket did, but never past a failed send,
+    which is raised on the step loop (the thread then discards what is queued, so nothing waits on it)."""
 
-    def __init__(self, sock: socket.socket, max_frames: int = 1024) -> None:
+    def __init__(self, sock: socket.socket, max_frames: int = SEND_QUEUE_FRAMES) -> None:
         self.sock = sock
         self.frames: queue.Queue = queue.Queue(maxsize=max_frames)
         self.error: OSError | None = None
@@ -192,12 +196,17 @@ class _Sender:
         self.thread.start()
 
     def send(self, frame: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self.frames.put(frame)
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.frames.put(frame, timeout=0.2)
+                return
+            except queue.Full:
+                continue
 
-    def close(self, flush: bool, timeout: float = 2.0) -> None:
-        """Stop the thread: after the queued frames (flush), or dropping them (the reader is leaving)."""
+    def close(self, flush: bool, timeout: float) -> None:
+        """Stop the thread: after the queued frames (flush, up to `timeout`), or dropping them."""
         while not flush:
             try:
                 self.frames.get_nowait()
@@ -209,25 +218,32 @@ class _Sender:
 
     def _run(self) -> None:
         while (frame := self.frames.get()) is not None:
-            try:
-                self.sock.sendall(frame)
-            except OSError as e:
-                self.error = e
-                return
+            if self.error is None:
+                try:
+                    self.sock.sendall(frame)
+                except OSError as e:
+                    self.error = e
 
 
 def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
+    """Serve until the API server says Shutdown or goes away (0), or the core fails (1, after telling the API
+    server: EngineFailed, behind every frame sent before it)."""
     sender = _Sender(sock) if envs.DEEPSERVE_CORE_SEND_THREAD else None
+    send = sock.sendall if sender is None else sender.send
+    failed = False
     try:
-        return _serve(core, sock.sendall if sender is None else sender.send, inbox)
-    except BaseException:
-        if sender is not None:  # what was queued goes before whatever the caller sends next (EngineFailed)
-            sender.close(flush=True)
-            sender = None
-        raise
+        return _serve(core, send, inbox)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the API server went away (a unix socket closed with unread data resets)
+    except Exception as e:
+        logger.exception("engine core failed")
+        failed = True
+        with contextlib.suppress(OSError):
+            send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        return 1
     finally:
-        if sender is not None:
-            sender.close(flush=False)  # a Shutdown: the API server is leaving
+        if sender is not None:  # a Shutdown or a vanished reader: what is queued has nobody to read it
+            sender.close(flush=failed, timeout=10.0 if failed else 2.0)
 
 
 def _serve(core: Any, send: Callable[[bytes], None], inbox: queue.Queue) -> int:
@@ -290,9 +306,9 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
         serving.set()
         sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))
         return serve_core(core, sock, inbox)
-    except BrokenPipeError:
+    except (BrokenPipeError, ConnectionResetError):
         return 0  # the API server went away first
-    except Exception as e:
+    except Exception as e:  # building the engine failed (serve_core reports its own failures)
         logger.exception("engine core failed")
         try:
             sock.sendall(encode(EngineFailed(f"{type(e).__name__}: {e}")))

@@ -23,6 +23,7 @@ from deepserve.engine.core import EngineCoreOutput, EngineCoreRequest
 from deepserve.engine.core_process import (
     AbortRequests,
     AddRequests,
+    EngineFailed,
     Shutdown,
     StepOutputs,
     _child_env,
@@ -171,51 +172,87 @@ def start_loop(core: FakeCore) -> tuple[socket.socket, threading.Thread, dict]:
 
 
 class BigStepCore(FakeCore):
-    """FakeCore whose steps are counted (`steps`), each output carrying 2,000 tokens: ~16 KB a frame."""
+    """FakeCore whose steps are counted (`steps`), each output carrying 2,000 tokens (a few KB a frame), and
+    which raises at step `fail_at`."""
 
     steps = 0
+    fail_at = 0
 
     def step(self) -> list[EngineCoreOutput]:
         self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("kernel fault")
         outs = super().step()
         return [EngineCoreOutput(o.request_id, o.new_token_ids * 2000, o.finish_reason, None, None, None, 0)
                 for o in outs]
 
 
+def wait_until_steps_stop(core: BigStepCore, limit_s: float = 30) -> int:
+    """The core's step count once it has not moved for 0.5 s (its send blocked), or after limit_s."""
+    deadline, last = time.monotonic() + limit_s, -1
+    while core.steps != last and time.monotonic() < deadline:
+        last = core.steps
+        time.sleep(0.5)
+    return core.steps
+
+
 def test_send_thread_keeps_the_engine_stepping_while_the_api_server_reads_nothing(monkeypatch):
-    # DEEPSERVE_CORE_SEND_THREAD=1: the API server reads nothing until the core has taken 300 steps (~5 MB
-    # of frames, far more than a socket buffer holds, so a sendall on the step loop would have stopped the
-    # engine at a few dozen steps); then every frame arrives, in order, and the loop shuts down cleanly.
+    # DEEPSERVE_CORE_SEND_THREAD=1: the API server reads nothing until the core has taken 100 steps (a
+    # sendall on the step loop stopped at 50, when the socket's buffer was full); then every frame
+    # arrives, in order, and the loop shuts down cleanly.
     monkeypatch.setenv("DEEPSERVE_CORE_SEND_THREAD", "1")
     core = BigStepCore()
     ours, loop, result = start_loop(core)
-    ours.sendall(encode(AddRequests([request("long", 300).to_dict()])))
-    deadline = time.monotonic() + 30
-    while core.steps < 300 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert core.steps == 300, f"the engine stopped at step {core.steps} while nobody read"
+    ours.sendall(encode(AddRequests([request("long", 100).to_dict()])))
+    assert wait_until_steps_stop(core) == 100, f"the engine stopped at step {core.steps} while nobody read"
+    assert "engine-sender" in {t.name for t in threading.enumerate()}
     frames, tokens = ours.makefile("rb"), []
-    while not tokens or tokens[-1] != 299:
+    while not tokens or tokens[-1] != 99:
         for o in read_frame(frames).outputs:
             tokens.append(o["new_token_ids"][0])
             assert o["new_token_ids"] == [tokens[-1]] * 2000
-    assert tokens == list(range(300))
+    assert tokens == list(range(100))
     ours.sendall(encode(Shutdown()))
     loop.join(timeout=10)
-    assert result["rc"] == 0
+    assert result["rc"] == 0 and "engine-sender" not in {t.name for t in threading.enumerate()}
 
 
-def test_send_thread_raises_a_broken_pipe_on_the_step_loop(monkeypatch):
-    # The API server's end closes while the core is busy: the sender's error reaches the loop, which ends.
+def test_send_thread_ends_the_loop_when_the_api_server_goes_away_behind_a_full_queue(monkeypatch):
+    # The API server stops reading until the sender's queue and the socket are full (the step loop blocks),
+    # then its end closes: the loop must end (0), not wait forever on a queue nobody empties.
     monkeypatch.setenv("DEEPSERVE_CORE_SEND_THREAD", "1")
-    ours, theirs = socket.socketpair()
-    inbox: queue.Queue = queue.Queue()
     core = BigStepCore()
     core.add_request(request("long", 10**9))
+    ours, theirs = socket.socketpair()
+    result: dict = {}
+    loop = threading.Thread(target=lambda: result.setdefault("rc", serve_core(core, theirs, queue.Queue())),
+                            daemon=True)
+    loop.start()
+    blocked_at = wait_until_steps_stop(core)
+    assert blocked_at < 10**6  # blocked: nobody reads
     ours.close()
-    with pytest.raises(OSError):
-        serve_core(core, theirs, inbox)
+    loop.join(timeout=10)
+    assert not loop.is_alive() and result["rc"] == 0
     theirs.close()
+
+
+def test_send_thread_sends_engine_failed_after_every_queued_frame(monkeypatch):
+    # The core fails at step 80 while the API server reads nothing: the 79 steps' frames come first, then
+    # EngineFailed, and the loop returns 1.
+    monkeypatch.setenv("DEEPSERVE_CORE_SEND_THREAD", "1")
+    core = BigStepCore()
+    core.fail_at = 80
+    ours, loop, result = start_loop(core)
+    ours.sendall(encode(AddRequests([request("long", 10**9).to_dict()])))
+    wait_until_steps_stop(core)
+    time.sleep(2.5)  # longer than a flush that gives up after 2 s would wait
+    frames, messages = ours.makefile("rb"), []
+    while not messages or not isinstance(messages[-1], EngineFailed):
+        messages.append(read_frame(frames))
+    tokens = [o["new_token_ids"][0] for m in messages[:-1] for o in m.outputs]
+    assert tokens == list(range(79)) and "kernel fault" in messages[-1].error
+    loop.join(timeout=10)
+    assert result["rc"] == 1
 
 
 def test_refused_request_is_reported_and_the_loop_serves_on():
