@@ -4,8 +4,7 @@
 # 30 s of arrivals each) and at saturation (W1's 256 requests at once through HTTP). Prints a table;
 # exits 1 if any request failed or the saturation throughput is under 90 % of the offline W1.
 #   MODEL=r1-distill-qwen-7b bash bench/w3_serve.sh        (about 3.5 minutes on one H200)
-# An A/B of a server setting: OUT=a DEEPSERVE_GC_FREEZE=0 bash bench/w3_serve.sh, then
-#   OUT=b W1_OFFLINE=a/w1-offline.json DEEPSERVE_GC_FREEZE=1 bash bench/w3_serve.sh
+# RATES="" runs the saturation point alone and W1_OFFLINE=FILE reuses an offline W1: bench/w3_ab.sh's A/B.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="${MODEL:-r1-distill-qwen-7b}"

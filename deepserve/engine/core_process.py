@@ -236,14 +236,19 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the API server went away (a unix socket closed with unread data resets)
     except Exception as e:
-        logger.exception("engine core failed")
         failed = True
-        with contextlib.suppress(OSError):
-            send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
-        return 1
+        return _report_failure(e, send)
     finally:
         if sender is not None:  # a Shutdown or a vanished reader: what is queued has nobody to read it
             sender.close(flush=failed, timeout=10.0 if failed else 2.0)
+
+
+def _report_failure(e: Exception, send: Callable[[bytes], None]) -> int:
+    """Log the core's failure and tell the API server (unless it is gone); the process's exit code."""
+    logger.exception("engine core failed")
+    with contextlib.suppress(OSError):
+        send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+    return 1
 
 
 def _serve(core: Any, send: Callable[[bytes], None], inbox: queue.Queue) -> int:
@@ -309,12 +314,7 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the API server went away first
     except Exception as e:  # building the engine failed (serve_core reports its own failures)
-        logger.exception("engine core failed")
-        try:
-            sock.sendall(encode(EngineFailed(f"{type(e).__name__}: {e}")))
-        except OSError:
-            pass
-        return 1
+        return _report_failure(e, sock.sendall)
 
 
 # ---------------------------------------------------------------- the client, in the API server

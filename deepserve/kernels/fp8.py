@@ -313,7 +313,8 @@ def _gemv(x2: torch.Tensor, block_k: int | None = None) -> bool:
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
-    per token and bk-group by quantize_per_token_group."""
+    per token and bk-group by quantize_per_token_group; up to GEMV_MAX_M tokens (_gemv) fp8_gemv's,
+    activations not quantized."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if _gemv(x2, block[1]):
         from deepserve.kernels.fp8_gemv import fp8_gemv
