@@ -7,7 +7,9 @@ on our 2-core CPU sandbox, four of them in the API server during each 19-20 s sa
 demo model (bench/RESULTS.md; bench/gc_probe/ shows how), every stream stopped meanwhile. `gc.freeze()`
 after start-up moves what exists then into a permanent generation the collector never walks, so a full
 pass only sees objects made while serving. Cyclic garbage made later is still collected; what start-up
-left is collected once, first.
+left is collected once, first. On one H200, W3's saturation point through HTTP (Qwen-7B) read 98.4 % of the
+offline W1 with the freeze and 89.5 % without, same machine, and the 170-300 ms pauses in which no stream
+got a token after the last request started were gone: on by default (DEEPSERVE_GC_FREEZE=0 turns it off).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def freeze_startup_heap(where: str) -> int:
-    """Collect once, then freeze every surviving object out of future collections (DEEPSERVE_GC_FREEZE;
-    a no-op when it is 0). Call once per process, when start-up is over and before serving: only in the
+    """Collect once, then freeze every surviving object out of future collections (a no-op with
+    DEEPSERVE_GC_FREEZE=0). Call once per process, when start-up is over and before serving: only in the
     serving processes (API server, engine core, other ranks), never in `LLM(...)`, whose process is the
     user's: frozen objects in reference cycles are never freed (a deleted engine's GPU memory with them).
     Returns how many objects this call froze (0 when off)."""

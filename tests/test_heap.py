@@ -22,10 +22,16 @@ def unfrozen():
     gc.unfreeze()
 
 
-def test_off_by_default_freezes_nothing(monkeypatch, unfrozen):
-    monkeypatch.delenv("DEEPSERVE_GC_FREEZE", raising=False)
+def test_zero_turns_it_off(monkeypatch, unfrozen):
+    monkeypatch.setenv("DEEPSERVE_GC_FREEZE", "0")
     assert freeze_startup_heap("test") == 0
     assert gc.get_freeze_count() == 0
+
+
+def test_on_by_default(monkeypatch, unfrozen):
+    monkeypatch.delenv("DEEPSERVE_GC_FREEZE", raising=False)
+    assert freeze_startup_heap("test") > 1000
+    assert gc.get_freeze_count() > 1000
 
 
 def test_on_collects_start_up_garbage_then_freezes_the_rest(monkeypatch, unfrozen, caplog):

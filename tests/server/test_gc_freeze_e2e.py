@@ -1,4 +1,4 @@
-"""DEEPSERVE_GC_FREEZE=1 on a real server: both processes freeze their start-up heap, then serve."""
+"""A real server, DEEPSERVE_GC_FREEZE unset (on by default): both processes freeze their start-up heap, then serve."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from serverkit import ADMIN
 
 
 def test_both_processes_freeze_their_start_up_heap_and_serve(server_factory, monkeypatch):
-    monkeypatch.setenv("DEEPSERVE_GC_FREEZE", "1")
+    monkeypatch.delenv("DEEPSERVE_GC_FREEZE", raising=False)
     srv = server_factory([])
     r = httpx.post(f"{srv.url}/v1/completions", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60,
                    json={"model": "deepserve-demo", "prompt": "hello", "max_tokens": 4})
