@@ -193,6 +193,8 @@ SWITCH_CHECKS = [
      ["env", "DEEPSERVE_TRITON_ELEMENTWISE=1", sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
     ("greedy = CPU reference with DEEPSERVE_PREFILL_WARMUP=1",
      ["env", "DEEPSERVE_PREFILL_WARMUP=1", sys.executable, "bench/gpu_check.py", "--no-parallel"], 180),
+    ("structured output with DEEPSERVE_GRAMMAR_OVERLAP=1 = without it",
+     [sys.executable, "bench/check_grammar_overlap.py"], 120),
 ]
 # Two device calls: "kv" (kernels and W1/W2 with an FP8 cache) and "kv-long" (the long-context point).
 SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS, KV_RUNS), "kv-long": ([], LONG_RUNS),

@@ -82,6 +82,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                    "stops the engine once the socket's buffer is full; off: on one H200 it added "
                                    "nothing to the heap freeze (W3 saturation 97.6 % with both, 98.4 % freeze "
                                    "alone, one run each)"),
+    "DEEPSERVE_GRAMMAR_OVERLAP": (_flag("DEEPSERVE_GRAMMAR_OVERLAP", False),
+                                  "1: with async scheduling, structured output's masks for a step are filled on a "
+                                  "thread of their own while the engine collects the step before, and the step's "
+                                  "sampling is queued after that (engine/core.py); off until measured on the "
+                                  "H200 (the structured suite: masks on the loop's critical path cost +1.63 ms "
+                                  "a step)"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

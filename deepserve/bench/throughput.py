@@ -89,7 +89,7 @@ def _grammar_ms(before, after) -> dict[str, float] | None:
     if not steps:
         return None
     return {"steps": steps, **{name: 1e3 * (getattr(after, f"{name}_s") - getattr(before, f"{name}_s")) / steps
-                               for name in ("wait", "feed", "fill")}}
+                               for name in ("wait", "feed", "fill", "join")}}
 
 
 def print_result(result: dict[str, Any]) -> None:

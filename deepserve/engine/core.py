@@ -14,10 +14,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from deepserve import envs
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmasks
+from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmasks, fill_bitmasks_beside
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
@@ -41,6 +42,8 @@ class Runner(Protocol):
     # Async scheduling: execute split in two, the launch not waiting for the device.
     def launch(self, out: SchedulerOutput, previous: Any = None) -> Any: ...
     def wait(self, pending: Any) -> RunnerOutput: ...
+    # DEEPSERVE_GRAMMAR_OVERLAP: queue the sampling a launch left waiting for its masks (a no-op otherwise).
+    def finish_launch(self, pending: Any) -> None: ...
 
 
 @dataclass
@@ -137,6 +140,11 @@ class EngineCore:
         # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
         self._compiling: list[tuple[Request, Future]] = []
         self._compile_pool: ThreadPoolExecutor | None = None
+        # Async + DEEPSERVE_GRAMMAR_OVERLAP: a step's masks fill on a thread of their own while the main
+        # thread collects the step before (_step_async); off until measured on the H200.
+        self.grammar_overlap = self.async_scheduling and envs.DEEPSERVE_GRAMMAR_OVERLAP
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._filling: Future | None = None  # the fill of the step being launched (join time, GrammarTiming)
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
         COMPILE_WATCH.arm()  # start-up is over: a kernel compiled from here on stalls a serving step
 
@@ -268,6 +276,15 @@ class EngineCore:
             # output count decides min_tokens and a seeded row's noise).
             self.scheduler.commit(scheduled)
         outputs = self._finish_inflight()
+        if launched is not None and self.grammar_overlap:
+            # The masks of the step just launched filled on their thread while step n was collected above;
+            # its sampling is queued now (before step n + 2's forward, which reads its tokens).
+            if self._filling is not None:
+                joining = time.perf_counter()
+                wait([self._filling])
+                self.grammar_timing.join_s += time.perf_counter() - joining
+                self._filling = None
+            self.runner.finish_launch(launched)
         self.inflight = launched
         if launched is not None and not self.scheduler.has_unfinished_requests():
             # Every request ended with the step just collected: the one launched after it holds only rows
@@ -291,40 +308,51 @@ class EngineCore:
         (kept for _finish_inflight, which then does not wait again) and feeds them to their requests'
         matchers ahead of the scheduler (GrammarState.feed_ahead), then builds the masks from the
         matchers as they stand after every earlier token."""
+        self._filling = None
         if self.grammars is None or not self.scheduler.num_with_grammar:
             return  # nothing per step for unconstrained work
         rows = [s.request.grammar for s in scheduled.scheduled if s.num_sampled]
         if all(g is None for g in rows):
             return
         num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
+        overlap = self.grammar_overlap
 
-        def masks() -> bytearray:
+        def masks() -> bytearray | Future:
             timing = self.grammar_timing
             start = time.perf_counter()
             if previous is not None and self._inflight_result is None:
                 self._inflight_result = self.runner.wait(previous)
                 waited = time.perf_counter()
-                _feed_ahead(previous.out, self._inflight_result.sampled)
+                _feed_ahead(previous.out, self._inflight_result.sampled, snapshot=overlap)
                 timing.wait_s += waited - start
                 timing.feed_s += time.perf_counter() - waited
+            timing.steps += 1
+            if overlap:  # the runner queues the sampling once the future is done (finish_launch)
+                self._filling = fill_bitmasks_beside(rows, num_bytes, self._mask_thread(), timing.add_fill)
+                return self._filling
             filling = time.perf_counter()
             buffer = fill_bitmasks(rows, num_bytes)
-            timing.steps += 1
-            timing.fill_s += time.perf_counter() - filling
+            timing.add_fill(time.perf_counter() - filling)
             return buffer
 
         scheduled.grammar_bitmask = masks
 
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="deepserve-masks")
+        return self._mask_pool
 
-def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]]) -> None:
+
+def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]], snapshot: bool = False) -> None:
     """Each constrained request's tokens of a finished step into its matcher, before the scheduler takes
-    them. A request that ended before (its row's token will be dropped) is skipped."""
+    them. A request that ended before (its row's token will be dropped) is skipped. snapshot: see
+    GrammarState.feed_ahead (the masks will fill beside the scheduler's update)."""
     for sched, tokens in zip(out.scheduled, sampled, strict=True):
         request = sched.request
         if request.grammar is not None and not request.is_finished:
             for token_id in tokens:
                 if request.grammar_consumes(token_id):
-                    request.grammar.feed_ahead(token_id)
+                    request.grammar.feed_ahead(token_id, snapshot)
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

@@ -24,7 +24,10 @@ import ctypes
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,28 +74,43 @@ class GrammarState:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self._ahead: deque[tuple[int, bool]] = deque()  # tokens fed before the scheduler took them
+        # Tokens fed before the scheduler took them: (token, accepted, stopped after it or None when not
+        # read, the error when refused).
+        self._ahead: deque[tuple[int, bool, bool | None, str]] = deque()
+        self._taken: tuple[bool, str] | None = None  # (stopped, error) of the token accept() just took
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False when the grammar refused it (then the matcher is stuck in an
         error state: the request must end). A token already fed ahead is not consumed twice."""
+        self._taken = None
         if self._ahead:
-            fed, accepted = self._ahead.popleft()
+            fed, accepted, stopped, error = self._ahead.popleft()
             if fed == token_id:  # the scheduler takes a step's tokens in the order they were fed
+                if stopped is not None:
+                    self._taken = (stopped, error)
                 return accepted
             # Out of step (a bug): the matcher's state is not this output's. Refused, so this request
             # ends with a warning instead of the step raising for every request in the engine.
             logger.error("grammar fed token %d ahead but the request took %d; ending the request", fed, token_id)
             self._ahead.clear()
+            self._taken = (True, f"token {fed} was fed ahead but the request took {token_id}")
             return False
         return bool(self.matcher.consume_token(token_id))
 
-    def feed_ahead(self, token_id: int) -> None:
+    def feed_ahead(self, token_id: int, snapshot: bool = False) -> None:
         """Async scheduling: consume a token of the step before now, since the next step's mask depends on
         it, before the scheduler takes it (Request.check_stop calls accept, which then returns this
         result). One matcher at a time: a token costs ~5 us here, and llguidance's parallel
-        consume_token_par was slower for 256 matchers on a 2-core sandbox (1.8 against 1.4 ms)."""
-        self._ahead.append((token_id, bool(self.matcher.consume_token(token_id))))
+        consume_token_par was slower for 256 matchers on a 2-core sandbox (1.8 against 1.4 ms).
+
+        snapshot: also read now whether the matcher stopped after this token (and its error if it refused
+        it), so that the scheduler's accept / is_finished / error for this token do not touch the matcher:
+        with DEEPSERVE_GRAMMAR_OVERLAP the next step's masks are being filled from the matchers on
+        another thread meanwhile, and a matcher lent to that fill cannot be called."""
+        accepted = bool(self.matcher.consume_token(token_id))
+        stopped = bool(self.matcher.is_stopped()) if snapshot else None
+        error = self.matcher.get_error() if snapshot and not accepted else ""
+        self._ahead.append((token_id, accepted, stopped, error))
 
     def bitmask(self) -> bytes:
         """Allowed next tokens, one bit each. EOS is allowed only where the grammar accepts."""
@@ -100,11 +118,16 @@ class GrammarState:
 
     @property
     def is_finished(self) -> bool:
-        """The grammar has completed (or failed): nothing but EOS could follow."""
+        """The grammar has completed (or failed): nothing but EOS could follow. Right after accept() took a
+        token fed ahead with a snapshot, as of that token (read at feed time)."""
+        if self._taken is not None:
+            return self._taken[0]
         return bool(self.matcher.is_stopped())
 
     @property
     def error(self) -> str:
+        if self._taken is not None:
+            return self._taken[1]
         return self.matcher.get_error()
 
 
@@ -117,7 +140,11 @@ class GrammarTiming:
     steps: int = 0
     wait_s: float = 0.0
     feed_s: float = 0.0
-    fill_s: float = 0.0
+    fill_s: float = 0.0  # with DEEPSERVE_GRAMMAR_OVERLAP: the fill thread's time, beside the main thread's work
+    join_s: float = 0.0  # DEEPSERVE_GRAMMAR_OVERLAP: the main thread waiting for a fill still running
+
+    def add_fill(self, seconds: float) -> None:
+        self.fill_s += seconds
 
 
 class GrammarCompiler:
@@ -196,15 +223,50 @@ def fill_bitmasks(states: list[GrammarState | None], num_bytes: int) -> bytearra
     buffer: W1's 256 JSON-schema rows took 7.1 ms a step one after another on a 2-core sandbox and 4.8 ms
     this way there (more cores, more of a gain). It checks num_bytes against its tokenizer's vocabulary
     (ValueError otherwise) and writes exactly num_bytes per row."""
-    buffer = bytearray(b"\xff" * (num_bytes * len(states)))
-    jobs = [(s.matcher, row) for row, s in enumerate(states) if s is not None and not s.is_finished]
-    if jobs:
-        view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
-        try:
-            _executor().unsafe_compute_mask_ptr(jobs, ctypes.addressof(view), num_bytes, len(states))
-        finally:
-            del view  # releases the export: the buffer may be handed on (torch.frombuffer)
+    buffer, jobs = _fill_jobs(states, num_bytes)
+    _fill(buffer, jobs, num_bytes, len(states))
     return buffer
+
+
+def fill_bitmasks_beside(states: list[GrammarState | None], num_bytes: int, pool: ThreadPoolExecutor,
+                         seconds: Callable[[float], None]) -> Future:
+    """fill_bitmasks on `pool`'s thread, returning once that thread is inside llguidance (which releases the
+    GIL), so the caller's Python runs beside the fill: a thread that has to win the GIL from a busy caller
+    starts late (CPython hands it over every 5 ms), and on a 2-core sandbox the fill then finished after
+    the caller's work instead of beside it. The rows are chosen here, on the caller's thread; `seconds`
+    gets the fill's own duration. The caller must not call these matchers until the future is done."""
+    buffer, jobs = _fill_jobs(states, num_bytes)
+    started = threading.Event()
+
+    def run() -> bytearray:
+        start = time.perf_counter()
+        started.set()
+        try:
+            _fill(buffer, jobs, num_bytes, len(states))
+        finally:
+            seconds(time.perf_counter() - start)
+        return buffer
+
+    future = pool.submit(run)
+    started.wait()
+    return future
+
+
+def _fill_jobs(states: list[GrammarState | None], num_bytes: int) -> tuple[bytearray, list]:
+    buffer = bytearray(b"\xff" * (num_bytes * len(states)))
+    # The matcher's own state, tokens fed ahead included (is_finished may answer for an earlier token).
+    jobs = [(s.matcher, row) for row, s in enumerate(states) if s is not None and not s.matcher.is_stopped()]
+    return buffer, jobs
+
+
+def _fill(buffer: bytearray, jobs: list, num_bytes: int, rows: int) -> None:
+    if not jobs:
+        return
+    view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
+    try:
+        _executor().unsafe_compute_mask_ptr(jobs, ctypes.addressof(view), num_bytes, rows)
+    finally:
+        del view  # releases the export: the buffer may be handed on (torch.frombuffer)
 
 
 _EXECUTOR: Any = None

@@ -337,3 +337,6 @@ class MultiprocExecutor:
 
     def wait(self, pending: Any) -> RunnerOutput:
         return self.runner.wait(pending)  # rank 0 alone: the tokens were sampled here
+
+    def finish_launch(self, pending: Any) -> None:
+        self.runner.finish_launch(pending)  # nothing left to queue: launch sampled (share_sampled)

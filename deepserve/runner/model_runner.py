@@ -9,7 +9,9 @@ next step while the device runs this one (async scheduling); `execute` is the tw
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
-from deepserve.layers.sampling_metadata import PenaltyHistory
+from deepserve.layers.sampling_metadata import PenaltyHistory, bitmask_tensor
 from deepserve.loader.checkpoint import init_dummy_weights, iterate_safetensors
 from deepserve.loader.model_loader import load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
@@ -60,6 +62,9 @@ class PendingStep:
     sampled: torch.Tensor | None = None  # [S] int64 on the device
     verify: bool = False  # speculative decoding: `sampled` holds each row's chosen token; _host[4] its acceptance
     hidden: torch.Tensor | None = None  # the main model's hidden states [T, E], kept for the MTP draft
+    # DEEPSERVE_GRAMMAR_OVERLAP: (logits, metadata, the masks' future) of a sampling not queued yet
+    # (ModelRunner.finish_launch queues it; `sampled` is None until then).
+    sample_later: tuple[torch.Tensor, Any, Future] | None = None
     _host: list[torch.Tensor | None] = field(default_factory=list)
     _ready: torch.cuda.Event | None = None
 
@@ -362,6 +367,7 @@ class ModelRunner:
         launched before, whose sampled tokens this step's placeholder inputs read on the device
         (async scheduling, Request.append_placeholder); `share_sampled` (tensor parallelism) also
         broadcasts this step's sampled tokens to the other ranks, for their next step's placeholders."""
+        self.finish_launch(previous)  # its tokens are this step's placeholders: its sampling comes first
         self._swap_blocks(out)
         inputs = prepare_inputs(out, self.block_size, self.device)
         if inputs.has_placeholders:
@@ -376,6 +382,14 @@ class ModelRunner:
             self._verify(out, inputs, logits, pending)
         elif logits is not None:
             pending.requests = [out.scheduled[i].request for i in inputs.sample_indices]
+            # Structured output: the rows' masks, in row order, computed now, while the device runs the
+            # forward queued above (EngineCore attaches the function). A future (DEEPSERVE_GRAMMAR_OVERLAP)
+            # leaves the sampling to finish_launch, so the engine's host work runs beside the fill; under
+            # tensor parallelism (share_sampled) the tokens are broadcast here, so it is awaited now.
+            masks = out.grammar_bitmask() if out.grammar_bitmask is not None else None
+            later = isinstance(masks, Future)
+            if later and share_sampled:
+                masks, later = masks.result(), False
             meta = SamplingMetadata.build(
                 [r.sampling_params for r in pending.requests],
                 [r.prompt_token_ids for r in pending.requests],
@@ -385,13 +399,12 @@ class ModelRunner:
                 self.device,
                 [r.serial for r in pending.requests],
                 self.penalty_history,
-                # Structured output: rows in the same order, computed now, while the device runs the
-                # forward queued above (EngineCore attaches the function).
-                out.grammar_bitmask() if out.grammar_bitmask is not None else None,
+                None if later else masks,
             )
-            result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
-            pending.sampled = result.sampled
-            pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
+            if later:
+                pending.sample_later = (logits, meta, masks)
+            else:
+                self._sample(pending, logits, meta)
         # Prompt logprobs are computed here, in the order the workers run their collectives (their
         # logits are all-gathered), and read on the host in wait.
         if hidden is not None:
@@ -399,6 +412,24 @@ class ModelRunner:
         if share_sampled and pending.sampled is not None:
             pdist.tp_broadcast_from_first(pending.sampled)
         return pending
+
+    def _sample(self, pending: PendingStep, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        result = self.sampler(logits, meta)  # the model dtype: each sampling path reads it as fp32
+        pending.sampled = result.sampled
+        pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
+
+    @torch.inference_mode()
+    def finish_launch(self, pending: PendingStep | None) -> None:
+        """Queue the sampling that launch left waiting for its masks (DEEPSERVE_GRAMMAR_OVERLAP); nothing
+        for any other step. wait() and the next launch call it too, so a caller that never does still gets
+        the step's tokens."""
+        if pending is None or pending.sample_later is None:
+            return
+        logits, meta, masks = pending.sample_later
+        pending.sample_later = None
+        meta.allowed_token_bitmask = bitmask_tensor(masks.result(), len(pending.requests), self.vocab_size,
+                                                    self.device)
+        self._sample(pending, logits, meta)
 
     def _verify(self, out: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor, pending: PendingStep) -> None:
         """Speculative decoding: sample every row of a verify step against its draft (RejectionSampler).
@@ -437,6 +468,7 @@ class ModelRunner:
     def wait(self, pending: PendingStep) -> RunnerOutput:
         """The step's tokens on the host (its one device -> host sync, which waits for this step only,
         not for a step launched after it)."""
+        self.finish_launch(pending)
         out = pending.out
         sampled: list[list[int]] = [[] for _ in out.scheduled]
         logprobs: list[list[LogprobEntry]] = [[] for _ in out.scheduled]

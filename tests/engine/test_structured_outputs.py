@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+import types
 
 import jsonschema
 import pytest
@@ -277,3 +280,86 @@ def test_structured_output_beside_speculative_decoding():
     alone = spec.generate(prompts, greedy, use_tqdm=False)  # and speculation still drafts on its own
     assert [o.outputs[0].token_ids for o in alone] == want
     assert spec.llm_engine.stats().spec_decode_num_drafts_total > 0
+
+
+class _WatchedMatcher:
+    """A matcher stand-in that reports a call from the engine's thread while a fill is running."""
+
+    def __init__(self, matcher, watch) -> None:
+        self._matcher, self._watch = matcher, watch
+
+    def __getattr__(self, name):
+        if self._watch.filling.is_set() and threading.current_thread() is threading.main_thread():
+            self._watch.clashes.append(name)
+        return getattr(self._matcher, name)
+
+
+def test_masks_filling_beside_the_engine_match_step_by_step(monkeypatch):
+    # DEEPSERVE_GRAMMAR_OVERLAP=1: a step's masks fill on their own thread while the engine collects the
+    # step before, and its sampling is queued after. Each fill is held 20 ms here, so the engine's work of
+    # that step surely runs during it: the engine never calls a matcher meanwhile (llguidance has lent
+    # them to the fill), and seeded outputs equal a step-by-step engine's token for token.
+    import deepserve.engine.core as core_module
+    import deepserve.engine.grammar as grammar_module
+    from deepserve.runner.model_runner import ModelRunner
+
+    watch = types.SimpleNamespace(filling=threading.Event(), clashes=[], fills=0, beside=0, deferred=0)
+    real_init, real_fill = grammar_module.GrammarState.__init__, grammar_module._fill
+    real_update, real_finish = core_module.Scheduler.update_from_output, ModelRunner.finish_launch
+
+    def init(self, matcher):
+        real_init(self, matcher if isinstance(matcher, _WatchedMatcher) else _WatchedMatcher(matcher, watch))
+
+    def fill(buffer, jobs, num_bytes, rows):  # llguidance's call, given the real matchers
+        jobs = [(m._matcher, row) for m, row in jobs]
+        if threading.current_thread() is threading.main_thread():  # the step-by-step engine's
+            return real_fill(buffer, jobs, num_bytes, rows)
+        watch.filling.set()
+        try:
+            time.sleep(0.02)
+            return real_fill(buffer, jobs, num_bytes, rows)
+        finally:
+            watch.fills += 1
+            watch.filling.clear()
+
+    def update(self, *args, **kwargs):
+        watch.beside += watch.filling.is_set()
+        return real_update(self, *args, **kwargs)
+
+    def finish(self, pending):
+        watch.deferred += pending is not None and pending.sample_later is not None
+        return real_finish(self, pending)
+
+    monkeypatch.setattr(grammar_module.GrammarState, "__init__", init)
+    monkeypatch.setattr(grammar_module, "_fill", fill)
+    monkeypatch.setattr(core_module.Scheduler, "update_from_output", update)
+    monkeypatch.setattr(ModelRunner, "finish_launch", finish)
+    monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", "1")
+    overlap = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
+    assert overlap.llm_engine.core.grammar_overlap
+    monkeypatch.delenv("DEEPSERVE_GRAMMAR_OVERLAP")
+    step_by_step = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=False)
+
+    # "q" asks a penalty: while it runs, steps go one at a time (execute: launch, then wait, which queues
+    # the sampling the launch deferred).
+    prompts = ["Write a person:", "p", "Pick:", "n", "x", "q"]
+    params = [SamplingParams(temperature=1.0, seed=21, max_tokens=200, structured_outputs=_json()),
+              SamplingParams(temperature=0.8, seed=22, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=23,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(n=2, temperature=1.0, seed=24, max_tokens=200, structured_outputs=_json()),
+              SamplingParams(temperature=1.5, seed=25, max_tokens=30, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex="[a-c]+")),
+              SamplingParams(temperature=1.0, seed=26, max_tokens=6, presence_penalty=0.5,
+                             structured_outputs=_json())]
+    want = [[c.token_ids for c in o.outputs] for o in step_by_step.generate(prompts, params, use_tqdm=False)]
+    got = overlap.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == want
+    assert watch.clashes == []
+    assert watch.fills > 10 and watch.deferred > 10  # the steps' sampling waited for their fills
+    assert watch.beside > 5  # and the step before was collected while a fill ran
+    timing = overlap.llm_engine.core.grammar_timing
+    assert timing.fill_s > 0.02 * 10 and timing.join_s > 0
+    for c in (c for i in (0, 3) for c in got[i].outputs if c.finish_reason == "stop"):
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert got[2].outputs[0].text in ("yes", "no") and re.fullmatch("[a-c]+", got[4].outputs[0].text)

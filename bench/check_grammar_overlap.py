@@ -1,0 +1,76 @@
+"""DEEPSERVE_GRAMMAR_OVERLAP's correctness on this machine's device: the built-in demo model with async
+scheduling, the same seeded structured-output requests with the switch off and on, one engine each; the
+token ids must be equal, every completed JSON output must parse and carry the schema's keys, and the
+switched engine must have filled its masks beside its host work (a fill thread, sampling queued later).
+Exit code 1 on a mismatch.
+    python bench/check_grammar_overlap.py          # GPU when there is one (the gate's switches suite)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from deepserve import LLM, SamplingParams
+from deepserve.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+
+
+def requests() -> tuple[list[str], list[SamplingParams]]:
+    as_json = StructuredOutputsParams(json=SCHEMA)
+    prompts, params = [], []
+    for i in range(48):  # a batch like a busy server's: constrained rows among plain ones
+        prompts.append(f"request {i}:")
+        if i % 4 == 3:
+            params.append(SamplingParams(temperature=0.9, seed=i, max_tokens=48, ignore_eos=True))
+        elif i % 4 == 2:
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True,
+                                         structured_outputs=StructuredOutputsParams(regex="[a-d]{3,}")))
+        else:
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=160, structured_outputs=as_json))
+    return prompts, params
+
+
+def run(overlap: bool) -> tuple[list, LLM]:
+    os.environ["DEEPSERVE_GRAMMAR_OVERLAP"] = "1" if overlap else "0"
+    llm = LLM(async_scheduling=True, max_model_len=512)
+    assert llm.llm_engine.core.grammar_overlap == overlap
+    return llm.generate(*requests(), use_tqdm=False), llm
+
+
+def main() -> int:
+    before = os.environ.get("DEEPSERVE_GRAMMAR_OVERLAP")
+    try:
+        off, _ = run(False)
+        on, llm = run(True)
+    finally:
+        os.environ.pop("DEEPSERVE_GRAMMAR_OVERLAP", None)
+        if before is not None:
+            os.environ["DEEPSERVE_GRAMMAR_OVERLAP"] = before
+    _, params = requests()
+    equal = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(off, on, strict=True))
+    bad = []
+    for i, (p, o) in enumerate(zip(params, on, strict=True)):
+        so, c = p.structured_outputs, o.outputs[0]
+        if so is not None and so.json is not None and c.finish_reason == "stop":
+            value = json.loads(c.text)
+            if not isinstance(value, dict) or set(value) != set(SCHEMA["required"]):
+                bad.append(i)
+        elif so is not None and so.regex is not None and not re.fullmatch("[a-d]*", c.text):
+            bad.append(i)
+    timing = llm.llm_engine.core.grammar_timing
+    print(f"device {llm.llm_engine.config.model.device}: {equal}/{len(on)} outputs equal with the switch off and on; "
+          f"{len(bad)} invalid constrained outputs; {timing.steps} steps built masks, fill "
+          f"{1e3 * timing.fill_s / max(timing.steps, 1):.2f} ms a step on its thread, the engine waited "
+          f"{1e3 * timing.join_s / max(timing.steps, 1):.2f} ms a step for it")
+    ok = equal == len(on) and not bad and timing.steps > 0 and timing.join_s > 0
+    print("grammar overlap = switch off:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
