@@ -1,16 +1,20 @@
 """DEEPSERVE_GRAMMAR_OVERLAP's correctness on this machine's device: the built-in demo model with async
 scheduling, the same seeded structured-output requests with the switch off and on, one engine each; the
 token ids must be equal, every completed JSON output must parse and carry the schema's keys, and the
-switched engine must have filled its masks beside its host work (a fill thread, sampling queued later).
+switched engine must have filled most steps' masks beside its host work (a fill thread, sampling queued
+later).
 Exit code 1 on a mismatch.
     python bench/check_grammar_overlap.py          # GPU when there is one (the gate's switches suite)"""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import sys
+
+import torch
 
 from deepserve import LLM, SamplingParams
 from deepserve.sampling_params import StructuredOutputsParams
@@ -35,18 +39,26 @@ def requests() -> tuple[list[str], list[SamplingParams]]:
     return prompts, params
 
 
-def run(overlap: bool) -> tuple[list, LLM]:
+def run(overlap: bool) -> tuple[list, object, str]:
+    """The outputs and the engine's GrammarTiming; the engine is gone when this returns (a second one in
+    the process would otherwise find the first one's KV cache taking the GPU's memory)."""
     os.environ["DEEPSERVE_GRAMMAR_OVERLAP"] = "1" if overlap else "0"
-    llm = LLM(async_scheduling=True, max_model_len=512)
+    llm = LLM(async_scheduling=True, max_model_len=512, num_gpu_blocks_override=512)
     assert llm.llm_engine.core.grammar_overlap == overlap
-    return llm.generate(*requests(), use_tqdm=False), llm
+    outputs, timing = llm.generate(*requests(), use_tqdm=False), llm.llm_engine.core.grammar_timing
+    device = llm.llm_engine.config.model.device
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outputs, timing, device
 
 
 def main() -> int:
     before = os.environ.get("DEEPSERVE_GRAMMAR_OVERLAP")
     try:
-        off, _ = run(False)
-        on, llm = run(True)
+        off, _, _ = run(False)
+        on, timing, device = run(True)
     finally:
         os.environ.pop("DEEPSERVE_GRAMMAR_OVERLAP", None)
         if before is not None:
@@ -62,12 +74,12 @@ def main() -> int:
                 bad.append(i)
         elif so is not None and so.regex is not None and not re.fullmatch("[a-d]*", c.text):
             bad.append(i)
-    timing = llm.llm_engine.core.grammar_timing
-    print(f"device {llm.llm_engine.config.model.device}: {equal}/{len(on)} outputs equal with the switch off and on; "
-          f"{len(bad)} invalid constrained outputs; {timing.steps} steps built masks, fill "
+    print(f"device {device}: {equal}/{len(on)} outputs equal with the switch off and on; "
+          f"{len(bad)} invalid constrained outputs; {timing.steps} steps built masks, {timing.beside} beside the "
+          f"engine's work, fill "
           f"{1e3 * timing.fill_s / max(timing.steps, 1):.2f} ms a step on its thread, the engine waited "
           f"{1e3 * timing.join_s / max(timing.steps, 1):.2f} ms a step for it")
-    ok = equal == len(on) and not bad and timing.steps > 0 and timing.join_s > 0
+    ok = equal == len(on) and not bad and timing.beside > timing.steps // 2
     print("grammar overlap = switch off:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -8,8 +8,11 @@ demo model (bench/RESULTS.md; bench/gc_probe/ shows how), every stream stopped m
 after start-up moves what exists then into a permanent generation the collector never walks, so a full
 pass only sees objects made while serving. Cyclic garbage made later is still collected; what start-up
 left is collected once, first. On one H200, W3's saturation point through HTTP (Qwen-7B) read 98.4 % of the
-offline W1 with the freeze and 89.5 % without, same machine, and the 170-300 ms pauses in which no stream
-got a token after the last request started were gone: on by default (DEEPSERVE_GC_FREEZE=0 turns it off).
+offline W1 with the freeze and 89.5 % without, same machine, and the two pauses (222 and 182 ms) in which
+no stream got a token after the last request had started were gone: on by default (DEEPSERVE_GC_FREEZE=0
+turns it off). The freeze's own collection takes ~0.25 s once per process at the end of start-up (234 and
+247 ms in that run's log). Objects that exist then and later become cyclic garbage are never freed (e.g. an
+API key table replaced by a reload, if it held a cycle): a bounded, one-time cost per such event.
 """
 
 from __future__ import annotations

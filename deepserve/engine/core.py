@@ -275,16 +275,18 @@ class EngineCore:
             # After the launch: the sampler saw the request as the step-by-step engine would (its
             # output count decides min_tokens and a seeded row's noise).
             self.scheduler.commit(scheduled)
-        outputs = self._finish_inflight()
-        if launched is not None and self.grammar_overlap:
-            # The masks of the step just launched filled on their thread while step n was collected above;
-            # its sampling is queued now (before step n + 2's forward, which reads its tokens).
+        try:
+            outputs = self._finish_inflight()
+        finally:
             if self._filling is not None:
+                # The masks of the step just launched filled on their thread while step n was collected
+                # above (joined even when that raised: no fill is left running); its sampling is queued
+                # now, before step n + 2's forward, which reads its tokens.
                 joining = time.perf_counter()
                 wait([self._filling])
                 self.grammar_timing.join_s += time.perf_counter() - joining
                 self._filling = None
-            self.runner.finish_launch(launched)
+                self.runner.finish_launch(launched)
         self.inflight = launched
         if launched is not None and not self.scheduler.has_unfinished_requests():
             # Every request ended with the step just collected: the one launched after it holds only rows
@@ -315,7 +317,7 @@ class EngineCore:
         if all(g is None for g in rows):
             return
         num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
-        overlap = self.grammar_overlap
+        overlap = self.grammar_overlap and previous is not None  # else nothing runs beside the fill
 
         def masks() -> bytearray | Future:
             timing = self.grammar_timing
@@ -329,6 +331,7 @@ class EngineCore:
             timing.steps += 1
             if overlap:  # the runner queues the sampling once the future is done (finish_launch)
                 self._filling = fill_bitmasks_beside(rows, num_bytes, self._mask_thread(), timing.add_fill)
+                timing.beside += 1
                 return self._filling
             filling = time.perf_counter()
             buffer = fill_bitmasks(rows, num_bytes)

@@ -142,6 +142,7 @@ class GrammarTiming:
     feed_s: float = 0.0
     fill_s: float = 0.0  # with DEEPSERVE_GRAMMAR_OVERLAP: the fill thread's time, beside the main thread's work
     join_s: float = 0.0  # DEEPSERVE_GRAMMAR_OVERLAP: the main thread waiting for a fill still running
+    beside: int = 0  # DEEPSERVE_GRAMMAR_OVERLAP: steps whose masks filled on their thread
 
     def add_fill(self, seconds: float) -> None:
         self.fill_s += seconds

@@ -418,13 +418,15 @@ class ModelRunner:
         pending.sampled = result.sampled
         pending.to_host([result.sampled, result.logprob_token_ids, result.logprobs, result.ranks])
 
-    @torch.inference_mode()
     def finish_launch(self, pending: PendingStep | None) -> None:
         """Queue the sampling that launch left waiting for its masks (DEEPSERVE_GRAMMAR_OVERLAP); nothing
-        for any other step. wait() and the next launch call it too, so a caller that never does still gets
-        the step's tokens."""
-        if pending is None or pending.sample_later is None:
-            return
+        for any other step (checked before inference mode is entered: this runs twice a step). wait() and
+        the next launch call it too, so a caller that never does still gets the step's tokens."""
+        if pending is not None and pending.sample_later is not None:
+            self._sample_later(pending)
+
+    @torch.inference_mode()
+    def _sample_later(self, pending: PendingStep) -> None:
         logits, meta, masks = pending.sample_later
         pending.sample_later = None
         meta.allowed_token_bitmask = bitmask_tensor(masks.result(), len(pending.requests), self.vocab_size,

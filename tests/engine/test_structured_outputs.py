@@ -213,6 +213,8 @@ def test_async_scheduling_stays_on_and_matches_step_by_step(llm):
     eos = llm.get_tokenizer().eos_token_id
     assert any(eos in o.outputs[0].token_ids for o in got[5:])  # EOS was sampled and the output went on
     assert all(re.fullmatch("[a-c]+", o.outputs[0].text) for o in got[5:])
+    # DEEPSERVE_GRAMMAR_OVERLAP unset: no fill thread, every step's sampling queued in its launch
+    assert llm.llm_engine.core._mask_pool is None and llm.llm_engine.core.grammar_timing.beside == 0
 
 
 def test_a_slow_grammar_compile_does_not_hold_up_other_requests(llm, monkeypatch):
@@ -359,7 +361,30 @@ def test_masks_filling_beside_the_engine_match_step_by_step(monkeypatch):
     assert watch.fills > 10 and watch.deferred > 10  # the steps' sampling waited for their fills
     assert watch.beside > 5  # and the step before was collected while a fill ran
     timing = overlap.llm_engine.core.grammar_timing
-    assert timing.fill_s > 0.02 * 10 and timing.join_s > 0
+    assert timing.beside == watch.fills and timing.fill_s > 0.02 * watch.fills
     for c in (c for i in (0, 3) for c in got[i].outputs if c.finish_reason == "stop"):
         jsonschema.validate(json.loads(c.text), SCHEMA)
     assert got[2].outputs[0].text in ("yes", "no") and re.fullmatch("[a-c]+", got[4].outputs[0].text)
+
+
+def test_a_fill_that_fails_fails_the_step_and_leaves_no_fill_running(monkeypatch):
+    # The error of a fill on its thread reaches the caller as it would without the switch (from the step
+    # that needed the masks), and the engine is left with no fill in flight.
+    import deepserve.engine.grammar as grammar_module
+
+    calls = []
+    real_fill = grammar_module._fill
+
+    def fill(buffer, jobs, num_bytes, rows):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 4:
+            raise ValueError("bitmask: 4th fill refused")
+        return real_fill(buffer, jobs, num_bytes, rows)
+
+    monkeypatch.setattr(grammar_module, "_fill", fill)
+    monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", "1")
+    llm = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=100, structured_outputs=_json())
+    with pytest.raises(ValueError, match="4th fill refused"):
+        llm.generate(["a", "b"], [params, params], use_tqdm=False)
+    assert calls[3].startswith("deepserve-masks") and llm.llm_engine.core._filling is None
