@@ -54,16 +54,36 @@ class NullRunner:
 
 
 def build(batch: int, prompt: int, steps: int) -> EngineCore:
-    block_size = 16
-    blocks = batch * ((prompt + steps + 64) // block_size + 2)
-    args = EngineArgs(device="cpu", block_size=block_size, max_model_len=prompt + steps + 64, async_scheduling=True,
+    """`batch` requests that are all still decoding after the prefills (up to 8 a step) and `steps` more."""
+    block_size, max_tokens = 16, steps + batch + 64
+    max_len = prompt + max_tokens + 16
+    args = EngineArgs(device="cpu", block_size=block_size, max_model_len=max_len, async_scheduling=True,
                       max_num_seqs=batch, max_num_batched_tokens=max(8192, prompt))
-    core = EngineCore(args.create_engine_config(), NullRunner(blocks))
+    core = EngineCore(args.create_engine_config(), NullRunner(batch * (max_len // block_size + 2)))
     for i in range(batch):
-        params = SamplingParams(max_tokens=steps + 32, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         core.add_request(EngineCoreRequest(f"r{i}", [100 + (i * 7 + j) % 900 for j in range(prompt)], params,
                                            [2], 0.0))
     return core
+
+
+def measure(batch: int, prompt: int, steps: int, profiler: cProfile.Profile | None = None) -> tuple[float, float]:
+    """(ms of host time per decode step, tokens a step) over `steps` steps once every request is decoding."""
+    core = build(batch, prompt, steps)
+    while core.scheduler.waiting or len(core.scheduler.running) < batch:  # prefills, then all decode
+        core.step()
+    for _ in range(5):
+        core.step()
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+    elapsed = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+    return 1e3 * elapsed / steps, tokens / steps
 
 
 def main() -> None:
@@ -73,23 +93,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--profile", action="store_true")
     ns = parser.parse_args()
-    core = build(ns.batch, ns.prompt, ns.steps)
-    while core.scheduler.waiting or len(core.scheduler.running) < ns.batch:  # prefills, then all decode
-        core.step()
-    for _ in range(5):
-        core.step()
     profiler = cProfile.Profile() if ns.profile else None
-    if profiler:
-        profiler.enable()
-    start = time.perf_counter()
-    tokens = 0
-    for _ in range(ns.steps):
-        tokens += sum(len(o.new_token_ids) for o in core.step())
-    elapsed = time.perf_counter() - start
-    if profiler:
-        profiler.disable()
-    print(f"batch {ns.batch}, prompt {ns.prompt}: {1e3 * elapsed / ns.steps:.3f} ms of host time per decode step "
-          f"({tokens / ns.steps:.0f} tokens a step{', under cProfile' if profiler else ''})")
+    ms, tokens = measure(ns.batch, ns.prompt, ns.steps, profiler)
+    print(f"batch {ns.batch}, prompt {ns.prompt}: {ms:.3f} ms of host time per decode step "
+          f"({tokens:.0f} tokens a step{', under cProfile' if profiler else ''})")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 

@@ -54,16 +54,17 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0  # the cache budget on CPU, where there is no device to measure
 
     def __post_init__(self) -> None:
+        # Each message names the LLM(...) argument and the CLI flag: the same check serves both.
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+            raise ValueError(f"block_size (--block-size) must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+            raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+            raise ValueError(f"num_gpu_blocks_override (--num-gpu-blocks-override) must be >= 1, got "
+                             f"{self.num_gpu_blocks_override}")
         if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+            raise ValueError(f"swap_space (--swap-space) must be >= 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype (kv_cache_dtype) {self.kv_cache_dtype!r} is not supported; use one of "

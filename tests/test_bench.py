@@ -195,6 +195,18 @@ def test_bench_serve_names_the_flag_when_prompt_ids_exceed_the_servers_vocabular
     assert [p.token_ids for p in exact] == workloads.w1().prompts
 
 
+def test_bench_serve_names_the_api_key_flag_on_401_and_takes_a_base_url_ending_in_v1(capsys):
+    from deepserve.bench import serve
+
+    outcome = serve.Outcome(input_len=4, error='HTTP 401: {"error": {"message": "missing or malformed key"}}')
+    serve.print_result(serve.summarize([outcome], 1.0, {}, [99.0]), [99.0])
+    assert "--api-key" in capsys.readouterr().out
+    # The openai client's form of the address (…/v1) and the server's root give the same URL.
+    assert serve.join_url("http://h:8000/v1/", "/v1/completions") == "http://h:8000/v1/completions"
+    assert serve.join_url("http://h:8000", "/v1/completions") == "http://h:8000/v1/completions"
+    assert serve.join_url("http://h:8000/proxy/", "/v1/chat/completions") == "http://h:8000/proxy/v1/chat/completions"
+
+
 def test_w4_grid_reports_peak_batch_and_kv_usage_and_the_scaling_ratio():
     # bench/w4_grid.py (BENCHMARKS.md's W4): one engine runs the grid's shapes; each row carries the run's
     # own peak batch and KV usage (the scheduler's highs, reset at the start of each run).
@@ -300,3 +312,32 @@ def test_core_send_stall_runs_both_modes():
         gap, during = mod.run(mode, step_s=0.001, outputs=8, pause_s=0.02, steps=40)
         assert 0 < gap < 5 and 0 <= during <= 40
     assert os.environ.get("DEEPSERVE_CORE_SEND_THREAD") == before  # the switch is not left set for later tests
+
+
+def _bench_module(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_core_host_cost_times_decode_steps_of_the_whole_batch():
+    # bench/core_host_cost.py: once every request decodes, each step hands every request one token.
+    ms, tokens = _bench_module("core_host_cost").measure(batch=8, prompt=40, steps=10)
+    assert ms > 0 and tokens == 8
+
+
+def test_check_grammar_overlap_passes_and_restores_the_switch(monkeypatch, capsys):
+    # bench/check_grammar_overlap.py (the gate's switches suite): the demo model off and on, on this CPU.
+    import os
+
+    monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", "0")
+    assert _bench_module("check_grammar_overlap").main() == 0
+    out = capsys.readouterr().out
+    assert "48/48 outputs equal" in out and "0 invalid constrained outputs" in out and "PASS" in out
+    assert os.environ["DEEPSERVE_GRAMMAR_OVERLAP"] == "0"

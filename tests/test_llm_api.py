@@ -174,7 +174,7 @@ def test_cli_hf_overrides_replace_config_fields():
 def test_swap_space_is_validated_and_refused_under_pipeline_parallelism():
     from deepserve.config import CacheConfig, EngineArgs
 
-    with pytest.raises(ValueError, match="swap_space must be >= 0"):
+    with pytest.raises(ValueError, match=r"swap_space \(--swap-space\) must be >= 0"):
         CacheConfig(swap_space=-1.0)
     with pytest.raises(ValueError, match="--swap-space"):
         EngineArgs(device="cpu", swap_space=1.0, pipeline_parallel_size=2).create_engine_config()

@@ -136,11 +136,20 @@ async def _arrivals(n: int, rate: float, burstiness: float, seed: int):
             await asyncio.sleep(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
 
 
+def join_url(base_url: str, endpoint: str) -> str:
+    """The server's root and the endpoint's path; a base URL given as the openai client takes it (ending in
+    /v1) loses that /v1 when the endpoint starts with one, instead of asking for /v1/v1/completions (404)."""
+    base = base_url.rstrip("/")
+    if base.endswith("/v1") and endpoint.startswith("/v1/"):
+        base = base[:-3]
+    return base + endpoint
+
+
 async def run(base_url: str, endpoint: str, model: str, api_key: str | None, prompts: list[Prompt], rate: float,
               burstiness: float, max_concurrency: int | None, ignore_eos: bool, seed: int) -> tuple[list, float]:
     import aiohttp
 
-    url = base_url.rstrip("/") + endpoint
+    url = join_url(base_url, endpoint)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     # aiohttp, as vLLM's benchmark: an httpx AsyncClient adds milliseconds per request on a busy host.
@@ -219,6 +228,9 @@ def print_result(r: dict, percentiles: list[float]) -> None:
         if any("outside the vocabulary" in e for e in errors):
             print("hint: the server's vocabulary is smaller than the prompt ids: pass --random-vocab-size N "
                   "(N at most its size; the demo model: 1000)")
+        if any(e.startswith("HTTP 401") for e in errors):
+            print("hint: the server wants an API key: pass --api-key KEY (or set OPENAI_API_KEY); a server started "
+                  "without --api-key answers every request 401")
     print("=" * 60)
 
 

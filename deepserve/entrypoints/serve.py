@@ -178,9 +178,13 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     add.add_argument("--role", required=True, choices=["admin", "user", "metrics"])
     add.add_argument("--file", default="keys.yaml", help="key file to create or extend (default: keys.yaml)")
     add.add_argument("--models", nargs="+", default=["*"], help="served model names the key may use")
-    add.add_argument("--requests-per-minute", type=int, default=None)
-    add.add_argument("--tokens-per-minute", type=int, default=None)
-    add.add_argument("--max-concurrent", type=int, default=None)
+    add.add_argument("--requests-per-minute", type=int, default=None,
+                     help="requests this key may start per minute (a 429 beyond; default: no limit)")
+    add.add_argument("--tokens-per-minute", type=int, default=None,
+                     help="tokens this key may use per minute; a request reserves prompt + max_tokens x n, and "
+                          "what it did not use comes back (default: no limit)")
+    add.add_argument("--max-concurrent", type=int, default=None,
+                     help="requests of this key in flight at once (default: no limit)")
     add.set_defaults(func=cmd_keys_add)
     ls = sub.add_parser("list", help="show the keys in a file (names, roles, models, limits; never secrets)")
     ls.add_argument("--file", default="keys.yaml")

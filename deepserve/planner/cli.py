@@ -16,7 +16,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), bf16 or fp8")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) or fp8 (fp8_e4m3), as serve takes them; bf16 / fp16 plan as auto on "
+                        "a model of that dtype")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -41,7 +43,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         enforce_eager=ns.enforce_eager, quantization=ns.quantization,
     ))
     print(json.dumps(result.to_dict(), indent=2) if ns.json else format_plan(result))
-    return 0 if result.fits else 1  # scripts can gate a rollout on it
+    return 0 if result.fits and not result.engine_refuses else 1  # scripts can gate a rollout on it
 
 
 def _gib(n: int) -> str:
@@ -69,7 +71,10 @@ def format_plan(p) -> str:
         + (f" (the scheduler runs at most --max-num-seqs {p.request.max_num_seqs})" if p.fits else ""),
         "",
     ]
-    if p.fits:
+    if p.fits and p.engine_refuses:
+        lines += ["fits in memory, but this deepserve version refuses the command (see the note below):",
+                  "  " + shlex.join(p.serve_command)]
+    elif p.fits:
         lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
         if "--nnodes" in p.serve_command:
             lines += ["  (that is node 0, with NODE0_ADDRESS its address; on node k the same with --node-rank k)"]

@@ -79,6 +79,9 @@ class Plan:
     fits: bool
     serve_command: list[str]
     warnings: list[str] = field(default_factory=list)
+    # The memory fits but this engine version refuses a setting of the serve command (said in warnings):
+    # the CLI exits 1 as when it does not fit, so a script gating a rollout on it does not go ahead.
+    engine_refuses: bool = False
     advice: list[dict] = field(default_factory=list)
     formulas: dict[str, str] = field(default_factory=lambda: dict(FORMULAS))
 
@@ -92,6 +95,9 @@ class Plan:
 def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     _check(req)
     name, hf_config, is_preset = resolve_model(req.model)
+    from deepserve.distributed.layout import check_tp_divides
+
+    check_tp_divides(hf_config, req.tensor_parallel_size)  # names the flag and the sizes that fit
     dtype = _resolve_dtype(req.dtype, hf_config)
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
     from deepserve.layers.quantization import resolve_quantization
@@ -131,6 +137,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
         fits=tokens // max_len >= 1, serve_command=_serve_command(engine_req, name, max_len, is_preset),
     )
     result.warnings = _engine_warnings(engine_req)
+    result.engine_refuses = bool(result.warnings)
     if load_peak > budget:
         result.warnings.append(
             f"--quantization fp8 loads the {dtype} weights first ({load_peak / 2**30:.1f} GiB per GPU, over the "

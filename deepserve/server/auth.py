@@ -171,13 +171,13 @@ def authorize(store: KeyStore, route_path: str | None, auth_headers: list[str],
     if route_path in PUBLIC_ROUTES:
         return None
     token = bearer_token(auth_headers)
+    hint = "" if store.configured else " (this server has no API keys configured; see --api-key)"
     if token is None:
-        hint = "" if store.configured else " (this server has no API keys configured; see --api-key)"
         raise APIError(401, "missing or malformed 'Authorization: Bearer <key>' header" + hint,
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     key = store.lookup(token)
     if key is None:
-        raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(401, "invalid API key" + hint, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     allowed = (ROUTE_ROLES if route_roles is None else route_roles).get(route_path or "", frozenset())
     if key.role not in allowed:
         raise RoleDenied(key, route_path)

@@ -76,8 +76,10 @@ def test_tensor_parallel_splits_heads_but_not_the_mla_latent():
     assert dense[0].weights_bytes / 2 < dense[1].weights_bytes < dense[0].weights_bytes * 0.51
     mla = plan(PlanRequest("deepseek-v2-lite", tensor_parallel_size=2, max_model_len=4096))
     assert mla.kv_bytes_per_token == 31_104  # the latent is replicated on every rank
-    gqa = plan(PlanRequest("r1-distill-qwen-7b", tensor_parallel_size=8, max_model_len=4096))
-    assert gqa.kv_bytes_per_token == 2 * 1 * 128 * 28 * 2  # 4 kv heads over 8 ranks: one (replicated) per rank
+    gqa = plan(PlanRequest("r1-distill-qwen-7b", tensor_parallel_size=4, max_model_len=4096))
+    assert gqa.kv_bytes_per_token == 2 * 1 * 128 * 28 * 2  # 4 kv heads over 4 ranks: one per rank
+    with pytest.raises(ValueError, match="Sizes that fit: 1, 2, 4"):  # 28 query heads: the engine refuses 8
+        plan(PlanRequest("r1-distill-qwen-7b", tensor_parallel_size=8, max_model_len=4096))
 
 
 def test_fp8_kv_halves_the_cache_and_both_preset_spellings_work():
@@ -97,6 +99,15 @@ def test_a_bf16_kv_cache_on_a_bf16_model_is_planned_as_the_engines_auto():
     assert not p.warnings
     fp16 = plan(PlanRequest("deepseek-v2-lite", gpu="h100", kv_cache_dtype="fp16", max_model_len=4096))
     assert "--kv-cache-dtype" in fp16.serve_command and "refuses it" in fp16.warnings[0]  # no engine spelling
+    assert fp16.fits and fp16.engine_refuses and not p.engine_refuses
+
+
+def test_cli_exits_1_when_the_engine_would_refuse_the_planned_command(capsys):
+    # fp8_e5m2 sizes like fp8 in memory, but serve refuses it: a rollout gated on the exit code must stop.
+    assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--kv-cache-dtype", "fp8_e5m2"]) == 1
+    out = capsys.readouterr().out
+    assert "fits in memory, but this deepserve version refuses the command" in out and "fits. run:" not in out
+    assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--kv-cache-dtype", "fp8"]) == 0
 
 
 def test_tokens_and_sequences_follow_the_budget_arithmetic():
@@ -187,3 +198,9 @@ def test_deepseek_v3_int4_fits_eight_a100s():
     assert awq.serve_command[-4:] == ["--quantization", "awq", "--load-format", "dummy"]
     gptq = plan(PlanRequest("deepseek-llm-7b", gpu="a100-80g", max_model_len=4096, quantization="gptq"))
     assert gptq.weights_bytes < 0.45 * plan(PlanRequest("deepseek-llm-7b", max_model_len=4096)).weights_bytes
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_model_names_the_flag_and_the_sizes_that_fit(capsys):
+    assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size 3 does not fit this model" in err and "Sizes that fit: 1, 2, 4, 8" in err

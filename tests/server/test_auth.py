@@ -103,9 +103,14 @@ def test_authorize_matrix(tmp_path):
         assert e.value.status == status, (path, header)
 
 
-def test_no_keys_message_points_to_flag():
+def test_no_keys_message_points_to_flag(tmp_path):
     with pytest.raises(APIError, match="--api-key"):
         authorize(KeyStore(), "/v1/models", [])
+    with pytest.raises(APIError, match="no API keys configured; see --api-key"):  # a key sent, none to match
+        authorize(KeyStore(), "/v1/models", ["Bearer sk-local-demo"])
+    with pytest.raises(APIError) as e:  # a server with keys: a wrong key is just wrong
+        authorize(KeyStore(write(tmp_path / "k.yaml", [entry("u", "sk-u-1")])), "/v1/models", ["Bearer nope"])
+    assert e.value.message == "invalid API key"
 
 
 def test_every_app_route_has_a_policy():
