@@ -55,3 +55,20 @@ def test_cycles_made_after_the_freeze_are_still_collected(monkeypatch, unfrozen)
     del later
     gc.collect()
     assert dead() is None
+
+
+def test_the_frozen_heap_is_unfrozen_at_exit():
+    # At exit the frozen objects go back to the collector, so the interpreter's last collections free them
+    # (left frozen, Triton's nanobind bindings printed "leaked instances" on every server stop).
+    import os
+    import subprocess
+    import sys
+
+    code = ("import atexit, gc\n"
+            "from deepserve.heap import freeze_startup_heap\n"
+            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+            "assert freeze_startup_heap('test') > 0 and gc.get_freeze_count() > 0\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "DEEPSERVE_GC_FREEZE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "frozen at exit: 0" in out.stdout  # atexit runs the last registered first: the unfreeze, then the print
