@@ -200,7 +200,8 @@ def test_bench_serve_names_the_api_key_flag_on_401_and_takes_a_base_url_ending_i
 
     outcome = serve.Outcome(input_len=4, error='HTTP 401: {"error": {"message": "missing or malformed key"}}')
     serve.print_result(serve.summarize([outcome], 1.0, {}, [99.0]), [99.0])
-    assert "--api-key" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--api-key" in out and out.startswith("no request completed (1 failed)") and "Mean TTFT" not in out
     # The openai client's form of the address (…/v1) and the server's root give the same URL.
     assert serve.join_url("http://h:8000/v1/", "/v1/completions") == "http://h:8000/v1/completions"
     assert serve.join_url("http://h:8000", "/v1/completions") == "http://h:8000/v1/completions"

@@ -208,6 +208,10 @@ def summarize(outcomes: list[Outcome], duration: float, slos: dict[str, float], 
 
 
 def print_result(r: dict, percentiles: list[float]) -> None:
+    if not r["completed"]:  # a table of zeros would only bury the reason
+        print(f"no request completed ({r['failed']} failed)")
+        _print_errors(r)
+        return
     print("{s:{c}^60}".format(s=" Serving Benchmark Result ", c="="))
     rows = [("Successful requests:", r["completed"]), ("Failed requests:", r["failed"]),
             ("Benchmark duration (s):", f"{r['duration']:.2f}"), ("Total input tokens:", r["total_input_tokens"]),
@@ -223,6 +227,11 @@ def print_result(r: dict, percentiles: list[float]) -> None:
         rows += [(f"P{_pct_name(p)[1:]} {unit} (ms):", f"{r[f'{_pct_name(p)}_{name}_ms']:.2f}") for p in percentiles]
     for label, value in rows:
         print(f"{label:<40}{value:<20}")
+    _print_errors(r)
+    print("=" * 60)
+
+
+def _print_errors(r: dict) -> None:
     if errors := [e for e in r["errors"] if e]:
         print(f"first error ({len(errors)} failed): {errors[0]}")
         if any("outside the vocabulary" in e for e in errors):
@@ -231,7 +240,6 @@ def print_result(r: dict, percentiles: list[float]) -> None:
         if any(e.startswith("HTTP 401") for e in errors):
             print("hint: the server wants an API key: pass --api-key KEY (or set OPENAI_API_KEY); a server started "
                   "without --api-key answers every request 401")
-    print("=" * 60)
 
 
 def main(ns) -> dict:

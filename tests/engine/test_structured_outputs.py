@@ -96,6 +96,28 @@ def test_json_object_means_an_object(llm):
     assert obj.lstrip().startswith("{")
 
 
+def test_a_token_fed_ahead_with_a_snapshot_answers_for_itself(llm):
+    # feed_ahead(snapshot=True) (the masks then fill on another thread): the scheduler's accept, is_finished
+    # and error for that token come from what was read at feed time, as the matcher said them then, not
+    # from the matcher (fed further ahead meanwhile, or lent to the fill).
+    compiler = llm.llm_engine.input_processor.grammars or _compiler(llm)
+    tok = llm.get_tokenizer()
+    done = tok.encode("done", add_special_tokens=False)
+    choice = StructuredOutputsParams(choice=["done"])
+    plain, ahead = compiler.compile(choice), compiler.compile(choice)
+    for t in done:
+        ahead.feed_ahead(t, snapshot=True)
+    for t in done:  # the scheduler takes them later, in order
+        assert plain.accept(t) and ahead.accept(t)
+        assert ahead.is_finished == plain.is_finished and ahead.error == plain.error == ""
+    assert ahead.is_finished  # "done" completes the choice
+    refused, wrong = compiler.compile(choice), tok.encode("{", add_special_tokens=False)[0]
+    refused.feed_ahead(wrong, snapshot=True)
+    refused.feed_ahead(done[0], snapshot=True)  # a later token: the matcher's state moves on (or stays stuck)
+    assert not refused.accept(wrong)
+    assert refused.is_finished and refused.error  # as read right after the refused token
+
+
 def _compiler(llm):
     llm.llm_engine.input_processor.check_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(
         json_object=True)))
@@ -149,6 +171,23 @@ def test_matcher_survives_preemption():
         else:  # cut by max_tokens: still a valid prefix the grammar accepted (no stray token)
             assert c.finish_reason == "length"
     assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_preemption_with_the_masks_filling_beside_gives_the_same_tokens(monkeypatch):
+    # DEEPSERVE_GRAMMAR_OVERLAP=1 under preemption (recompute with a token in flight): the same schedule and
+    # tokens as with it off, the matchers kept across preemption, most steps' masks filled beside.
+    outputs, cores = [], []
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", overlap)
+        small = LLM(device="cpu", num_gpu_blocks_override=12, max_model_len=192, async_scheduling=True)
+        params = [SamplingParams(temperature=1.0, seed=40 + s, max_tokens=150,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA)) for s in range(4)]
+        outputs.append([o.outputs[0].token_ids for o in small.generate(["Write a person, please:"] * 4, params,
+                                                                       use_tqdm=False)])
+        cores.append(small.llm_engine.core)
+    assert outputs[0] == outputs[1]
+    assert cores[1].scheduler.stats().num_preemptions_total > 0
+    assert cores[1].grammar_overlap and cores[1].grammar_timing.beside > cores[1].grammar_timing.steps // 2
 
 
 @pytest.mark.parametrize("so, needle", [
