@@ -202,6 +202,10 @@ def test_bench_serve_names_the_api_key_flag_on_401_and_takes_a_base_url_ending_i
     serve.print_result(serve.summarize([outcome], 1.0, {}, [99.0]), [99.0])
     out = capsys.readouterr().out
     assert "--api-key" in out and out.startswith("no request completed (1 failed)") and "Mean TTFT" not in out
+    wrong = serve.Outcome(input_len=4, error='HTTP 401: {"error": {"message": "invalid API key"}}')
+    serve.print_result(serve.summarize([wrong], 1.0, {}, [99.0]), [99.0])
+    assert "the server refused the key" in capsys.readouterr().out
+    assert serve.join_url("http://h:8000/v1", "/completions") == "http://h:8000/v1/completions"
     # The openai client's form of the address (…/v1) and the server's root give the same URL.
     assert serve.join_url("http://h:8000/v1/", "/v1/completions") == "http://h:8000/v1/completions"
     assert serve.join_url("http://h:8000", "/v1/completions") == "http://h:8000/v1/completions"

@@ -237,7 +237,10 @@ def _print_errors(r: dict) -> None:
         if any("outside the vocabulary" in e for e in errors):
             print("hint: the server's vocabulary is smaller than the prompt ids: pass --random-vocab-size N "
                   "(N at most its size; the demo model: 1000)")
-        if any(e.startswith("HTTP 401") for e in errors):
+        if any(e.startswith("HTTP 401") and "invalid API key" in e for e in errors):
+            print("hint: the server refused the key: check --api-key (or OPENAI_API_KEY) against the server's "
+                  "--api-key or key file")
+        elif any(e.startswith("HTTP 401") for e in errors):
             print("hint: the server wants an API key: pass --api-key KEY (or set OPENAI_API_KEY); a server started "
                   "without --api-key answers every request 401")
 

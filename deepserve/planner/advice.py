@@ -27,9 +27,9 @@ def advise(failed) -> list[dict]:
     more = _more_gpus(failed, plan)
     if more is not None:
         out.append(more)
-    if req.kv_cache_dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+    if req.kv_cache_dtype not in ("fp8", "fp8_e4m3"):  # fp8_e5m2 too: the engine takes fp8 (e4m3) only
         alt = _try(plan, dataclasses.replace(req, kv_cache_dtype="fp8", max_model_len=failed.max_model_len))
-        if alt is not None and alt.fits:
+        if _runs(alt):
             out.append(_entry("fp8 KV cache", "--kv-cache-dtype fp8", alt,
                               f"halves KV bytes per token to {alt.kv_bytes_per_token:,}"))
     if failed.kv_tokens >= req.block_size:
@@ -48,13 +48,21 @@ def advise(failed) -> list[dict]:
 
 
 def _more_gpus(failed, plan) -> dict | None:
+    """More tensor-parallel ranks in one node, then pipeline stages across nodes at the largest size in a
+    node that the model divides by (28 heads: 4, not 8)."""
+    from deepserve.distributed.layout import fitting_tp_sizes
+    from deepserve.planner.shapes import resolve_model
+
     req = failed.request
-    candidates = [(tp, req.pipeline_parallel_size) for tp in _TP_SIZES if tp > req.tensor_parallel_size]
-    candidates += [(max(8, req.tensor_parallel_size), pp) for pp in _PP_SIZES if pp > req.pipeline_parallel_size]
+    in_node = fitting_tp_sizes(resolve_model(req.model)[1], GPUS_PER_NODE)
+    node_tp = req.tensor_parallel_size if req.tensor_parallel_size > GPUS_PER_NODE else max(in_node)
+    candidates = [(tp, req.pipeline_parallel_size) for tp in _TP_SIZES
+                  if tp > req.tensor_parallel_size and tp in in_node]
+    candidates += [(max(node_tp, req.tensor_parallel_size), pp) for pp in _PP_SIZES if pp > req.pipeline_parallel_size]
     for tp, pp in candidates:
         alt = _try(plan, dataclasses.replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                              max_model_len=failed.max_model_len))
-        if alt is not None and alt.fits:
+        if _runs(alt):
             flags = f"--tensor-parallel-size {tp}" + (f" --pipeline-parallel-size {pp}" if pp > 1 else "")
             nodes = nodes_needed(tp * pp)
             flags += f" --nnodes {nodes}" if nodes > 1 else ""
@@ -62,6 +70,11 @@ def _more_gpus(failed, plan) -> dict | None:
             return _entry("more GPUs", flags, alt, f"{tp * pp} GPUs ({where}); weights "
                           f"{alt.weights_bytes / GIB:.1f} GiB per GPU")
     return None
+
+
+def _runs(alt) -> bool:
+    """A re-plan worth advising: it fits, and this engine version would take its serve line."""
+    return alt is not None and alt.fits and not alt.engine_refuses
 
 
 def _try(plan, req):

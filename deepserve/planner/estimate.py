@@ -167,7 +167,8 @@ def _check(req: PlanRequest) -> None:
     if not 0.0 < req.gpu_memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {req.gpu_memory_utilization}")
     if req.kv_cache_dtype != "auto" and req.kv_cache_dtype not in _KV_BYTES:
-        raise ValueError(f"--kv-cache-dtype must be auto, bf16 or fp8, got {req.kv_cache_dtype!r}")
+        raise ValueError(f"--kv-cache-dtype must be auto or fp8 (bf16 / fp16 plan as auto on a model of that "
+                         f"dtype), got {req.kv_cache_dtype!r}")
     if req.dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, bfloat16, float16, float32; got {req.dtype!r}")
     if req.max_num_seqs < 1 or req.block_size < 1:

@@ -204,3 +204,22 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_model_names_the_flag_an
     assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "--tensor-parallel-size 3 does not fit this model" in err and "Sizes that fit: 1, 2, 4, 8" in err
+
+
+def test_more_gpus_advice_uses_the_largest_tensor_parallel_size_the_model_divides():
+    # R1-Distill-Qwen-7B's 28 heads take TP 4 at most in a node (the engine refuses 8): with too little
+    # memory per GPU the advice is TP 4 with pipeline stages, not a TP 8 that serve would refuse.
+    p = plan(PlanRequest("r1-distill-qwen-7b", gpu="5", max_model_len=32768, enforce_eager=True))
+    assert not p.fits
+    more = [a for a in p.advice if a["change"] == "more GPUs"]
+    assert more and "--tensor-parallel-size 4 --pipeline-parallel-size" in more[0]["flags"], p.advice
+
+
+def test_advice_never_offers_a_re_plan_the_engine_would_refuse():
+    # fp8_e5m2 sizes like fp8 but serve refuses it: TP 2 would fit in memory (as it does with the model's
+    # own cache dtype) yet is not offered with it; the note says what the engine refuses.
+    refused = plan(PlanRequest("deepseek-llm-7b", gpu="16", kv_cache_dtype="fp8_e5m2", max_model_len=4096))
+    auto = plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096))
+    assert not refused.fits and refused.engine_refuses and "refuses it" in refused.warnings[0]
+    assert [a["change"] for a in auto.advice][0] == "more GPUs"
+    assert "more GPUs" not in [a["change"] for a in refused.advice]
