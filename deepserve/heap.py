@@ -11,8 +11,9 @@ left is collected once, first. On one H200, W3's saturation point through HTTP (
 offline W1 with the freeze and 89.5 % without, same machine, and the two pauses (222 and 182 ms) in which
 no stream got a token after the last request had started were gone: on by default (DEEPSERVE_GC_FREEZE=0
 turns it off). The freeze's own collection takes ~0.25 s once per process at the end of start-up (234 and
-247 ms in that run's log). Objects that exist then and later become cyclic garbage are never freed (e.g. an
-API key table replaced by a reload, if it held a cycle): a bounded, one-time cost per such event.
+247 ms in that run's log). Objects that exist then and later become cyclic garbage stay until the process
+exits (e.g. an API key table replaced by a reload, if it held a cycle): a bounded, one-time cost per such
+event. At exit the heap is unfrozen, so the interpreter's last collections free it as before.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def freeze_startup_heap(where: str) -> int:
     """Collect once, then freeze every surviving object out of future collections (a no-op with
     DEEPSERVE_GC_FREEZE=0). Call once per process, when start-up is over and before serving: only in the
     serving processes (API server, engine core, other ranks), never in `LLM(...)`, whose process is the
-    user's: frozen objects in reference cycles are never freed (a deleted engine's GPU memory with them).
+    user's: frozen objects in reference cycles are not freed while it runs (a deleted engine's GPU memory
+    with them).
     Returns how many objects this call froze (0 when off)."""
     if not envs.DEEPSERVE_GC_FREEZE:
         return 0

@@ -356,6 +356,8 @@ def _feed_ahead(out: SchedulerOutput, sampled: list[list[int]], snapshot: bool =
             for token_id in tokens:
                 if request.grammar_consumes(token_id):
                     request.grammar.feed_ahead(token_id, snapshot)
+
+
 def _proposer(config: EngineConfig) -> NgramProposer | ModelDrafts | None:
     spec = config.speculative
     if spec is None:

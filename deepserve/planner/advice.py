@@ -55,10 +55,11 @@ def _more_gpus(failed, plan) -> dict | None:
 
     req = failed.request
     in_node = fitting_tp_sizes(resolve_model(req.model)[1], GPUS_PER_NODE)
+    # At least the request's own size: it fits (plan checked it), so within a node it is in in_node.
     node_tp = req.tensor_parallel_size if req.tensor_parallel_size > GPUS_PER_NODE else max(in_node)
     candidates = [(tp, req.pipeline_parallel_size) for tp in _TP_SIZES
                   if tp > req.tensor_parallel_size and tp in in_node]
-    candidates += [(max(node_tp, req.tensor_parallel_size), pp) for pp in _PP_SIZES if pp > req.pipeline_parallel_size]
+    candidates += [(node_tp, pp) for pp in _PP_SIZES if pp > req.pipeline_parallel_size]
     for tp, pp in candidates:
         alt = _try(plan, dataclasses.replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                              max_model_len=failed.max_model_len))
