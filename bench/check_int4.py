@@ -286,6 +286,10 @@ VARIANT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)
 VARIANT_CHECK_MS = (1, 3, 16, 33, 64, 257, 1024)  # correctness: each variant at the M it is timed at
 VARIANTS_DEADLINE_S = 210.0
 GEMV_MAX_TIMED_M = 32  # the GEMV unpacks the weight once per token: past this it cannot win
+# (block_n, block_k, programs per SM, warps) of the prefetching GEMV at one token: wider tiles and more
+# programs an SM keep more of the weight stream in flight (the variants' M = 1 rows read 0.5-0.9 TB/s).
+PREFETCH_VARIANTS = ((64, 128, 4, 4), (64, 128, 8, 4), (64, 128, 16, 4), (128, 128, 8, 4), (128, 128, 8, 8),
+                     (64, 256, 8, 4), (32, 256, 8, 4), (32, 128, 16, 4))
 # Every kind of variant is timed at some M: several tokens a program needs M >= 2, dequantize + cuBLAS 64.
 # One shape (odd: every tile edge masked): the kernels' even and odd shapes are checked one by one in
 # tests/kernels; this run checks the script (each variant at its M), and the interpreter is slow.
@@ -304,6 +308,14 @@ def variant_configs(m: int, n: int, k: int, every: bool = True) -> dict:
             out[f"gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
         for bn, bk in ((32, 256), (16, 512)) if every else ((32, 256),):
             out[f"gemv-factored n{bn} k{bk}"] = Int4GemvConfig(bn, bk, factored=True)
+        if m == 1:  # one token a program: the next tile's words loaded before this one's unpacking
+            for bn, bk, pps, warps in PREFETCH_VARIANTS if every else ((64, 128, 8, 4),):
+                out[f"gemv n{bn} k{bk} pf pps{pps} w{warps}"] = Int4GemvConfig(
+                    bn, bk, prefetch=True, programs_per_sm=pps, num_warps=warps)
+            for pps in (8, 16) if every else ():
+                out[f"gemv n64 k128 pps{pps}"] = Int4GemvConfig(64, 128, programs_per_sm=pps)
+            out["gemv-factored n64 k128 pf pps8 w4"] = Int4GemvConfig(64, 128, factored=True, prefetch=True,
+                                                                      programs_per_sm=8)
         for bm in (4, 8, 16) if every else (4,):  # several tokens a program: one unpacking for them all
             if m >= 2 and bm <= max(4, m):
                 out[f"gemv m{bm} n16 k128"] = Int4GemvConfig(16, 128, block_m=bm)
@@ -324,6 +336,10 @@ def moe_variant_configs(t: int, cfg: dict, every: bool = True) -> dict:
     for bn, bk in ((16, 256), (32, 256), (64, 128)) if every else ((32, 256),):
         out[f"moe gemv n{bn} k{bk}"] = Int4GemvConfig(bn, bk)
     out["moe gemv-factored n32 k256"] = Int4GemvConfig(32, 256, factored=True)
+    for bn, bk in ((16, 128), (32, 128), (64, 128)) if every else ((32, 128),):
+        out[f"moe gemv n{bn} k{bk} pf"] = Int4GemvConfig(bn, bk, prefetch=True)
+    if every:
+        out["moe gemv-factored n32 k128 pf"] = Int4GemvConfig(32, 128, factored=True, prefetch=True)
     return out
 
 
@@ -501,16 +517,17 @@ def run_variant_graphs(device) -> dict:
 
 def run_variants(args, device) -> int:
     shapes = SMOKE_VARIANTS["shapes"] if args.smoke else VARIANT_SHAPES
+    # --ms / --moe-tokens: time (and check) only these, e.g. the decode GEMVs at one token
+    check_ms = args.ms or (SMOKE_VARIANTS["check_ms"] if args.smoke else VARIANT_CHECK_MS)
+    time_ms = args.ms or (SMOKE_VARIANTS["ms"] if args.smoke else VARIANT_MS)
+    moe_tokens = args.moe_tokens or ((1,) if args.smoke else MOE_VARIANT_TOKENS)
     report = dict(env=bench_env.environment(device))
-    report["variant_checks"] = run_variant_correctness(
-        shapes, SMOKE_VARIANTS["check_ms"] if args.smoke else VARIANT_CHECK_MS, device)
+    report["variant_checks"] = run_variant_correctness(shapes, check_ms, device)
     report["variant_graph"] = run_variant_graphs(device)
-    moe_checks, moe_speed = run_moe_variants(SMOKE["moe"] if args.smoke else MOE, (1, 3) if args.smoke
-                                             else MOE_VARIANT_CHECK_TOKENS, (1,) if args.smoke else MOE_VARIANT_TOKENS,
-                                             device, time_every=not args.smoke)
+    moe_checks, moe_speed = run_moe_variants(SMOKE["moe"] if args.smoke else MOE, args.moe_tokens or (
+        (1, 3) if args.smoke else MOE_VARIANT_CHECK_TOKENS), moe_tokens, device, time_every=not args.smoke)
     report["variant_checks"] += moe_checks
-    report["variant_speed"] = run_variant_speed(shapes, SMOKE_VARIANTS["ms"] if args.smoke else VARIANT_MS, device,
-                                                every=not args.smoke)
+    report["variant_speed"] = run_variant_speed(shapes, time_ms, device, every=not args.smoke)
     report["variant_speed"] += moe_speed
     report["wall_s"] = elapsed()
     report["timed_in_graphs"] = f"{sum(TIMED_IN_GRAPHS)} of {len(TIMED_IN_GRAPHS)}"
@@ -528,6 +545,10 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--variants", action="store_true",
                         help="check and time every GEMM variant (tile, GEMV, dequantize + cuBLAS) instead")
+    parser.add_argument("--ms", type=lambda v: tuple(int(m) for m in v.split(",")),
+                        help="with --variants: only these token counts, e.g. 1,2")
+    parser.add_argument("--moe-tokens", type=lambda v: tuple(int(m) for m in v.split(",")),
+                        help="with --variants: only these token counts for the fused MoE")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from deepserve import envs
 from deepserve.kernels import fp8_ref, int4_ref, int4_tile
-from deepserve.kernels.int4_gemv import Int4GemvConfig
+from deepserve.kernels.int4_gemv import Int4GemvConfig, default_moe_gemv_config
 from deepserve.kernels.int4_moe_gemv import int4_moe_gemv
 from deepserve.kernels.int4_tile import dequantize_tile
 
@@ -704,7 +704,7 @@ def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if t == 0:
         return x.new_empty(0, h)
     if config is None and t <= INT4_GEMV_MAX_TOKENS:
-        config = Int4GemvConfig()
+        config = default_moe_gemv_config()
     if isinstance(config, Int4GemvConfig):
         return int4_moe_gemv(x, w13, w2, topk_weights, topk_ids, int4.bits, int4.operands("w13"),
                              int4.operands("w2"), _workspace(t * k, two_i // 2, x), _output(t * k, h, x, skips),

@@ -48,23 +48,27 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     factored: bool = False
+    prefetch: bool = False  # load the next K tile before unpacking this one (int4_tile.gemv_rows; BLOCK_M 1)
+    programs_per_sm: int = PROGRAMS_PER_SM  # with split_k 0: the split count aims at this many programs an SM
 
 
 def default_gemv_config(m: int) -> Int4GemvConfig:
-    """The GEMV's tiles by token count, unmeasured guesses to be set from bench/check_int4.py --variants:
-    one token a program at M = 1, else up to 16 tokens a program on narrower tiles (the 3-D product holds
-    block_m x block_n x block_k / pack fp32 values a program)."""
+    """The GEMV's tiles by token count (taken only where DEEPSERVE_INT4_GEMV_MAX_M lets the GEMV run). One
+    token: the prefetching loop, 64 rows x 128 inputs, about 8 programs an SM (the best no-prefetch
+    config of the H200 variants, n64 k128, read 0.5-0.9 TB/s: loads not kept in flight; these settings
+    are to be confirmed by bench/check_int4.py --variants --ms 1). More tokens: up to 16 a program on
+    narrower tiles (the 3-D product holds block_m x block_n x block_k / pack fp32 values a program)."""
     if m <= 1:
-        return Int4GemvConfig()
+        return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8)
     return Int4GemvConfig(block_n=16, block_k=128, block_m=min(16, triton.next_power_of_2(m)))
 
 
 def gemv_split_count(m: int, n: int, k: int, cfg: Int4GemvConfig, num_sms: int) -> int:
-    """Splits along K that bring the programs to about PROGRAMS_PER_SM per SM, rounded so every split
+    """Splits along K that bring the programs to about cfg.programs_per_sm per SM, rounded so every split
     gets the same number of K tiles (an empty split would still write its zero partial)."""
     k_tiles = triton.cdiv(k, cfg.block_k)
     programs = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    want = max(1, min(k_tiles, triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)))
+    want = max(1, min(k_tiles, triton.cdiv(cfg.programs_per_sm * num_sms, programs)))
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
 
 
@@ -90,7 +94,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         m, n, k, split, x.stride(0), qweight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_G_IDX=g_idx is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, FACTORED=cfg.factored, PARTIAL=partial, HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, FACTORED=cfg.factored, PREFETCH=cfg.prefetch, PARTIAL=partial,
+        HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
@@ -104,7 +109,7 @@ def _w4a16_gemv_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, split_k, stride_am, stride_qn, stride_sn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr,
-    PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # c[row, n] = sum_k a[row, k] * w[n, k], w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or
     # k // GROUP. Rows past M and N wrap around (modulo) so every load is in bounds; the store masks them.
@@ -120,9 +125,17 @@ def _w4a16_gemv_kernel(
     q_cols, s_cols, z_cols = q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn
     if BLOCK_M == 1:
         out = gemv_rows(a_ptr + pid_m.to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first, last, K,
-                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)[None, :]
+                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH)[None, :]
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = gemv_rows_block(a_ptr + (rows % M).to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first,
                               last, K, BITS, GROUP, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
     store_tile(c_ptr, bias_ptr, out, pid_m, pid_n, split, M, N, N, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)  # out: [M, N]
+
+
+def default_moe_gemv_config() -> Int4GemvConfig:
+    """The expert GEMVs' tiles (kernels/int4_moe_gemv.py; taken up to DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS
+    tokens): each program streams one expert's rows over the whole K (no split), so the grid is small at
+    decode and prefetching the next K tile is what keeps its loads in flight (a guess until
+    bench/check_int4.py --variants --moe-tokens 1 times it against n32 k256 without)."""
+    return Int4GemvConfig(block_n=32, block_k=128, prefetch=True)

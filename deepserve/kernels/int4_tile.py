@@ -63,45 +63,72 @@ def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.
 @triton.jit
 def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr, GROUP: tl.constexpr,
               HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              FACTORED: tl.constexpr):
+              FACTORED: tl.constexpr, PREFETCH: tl.constexpr):
     """sum over the K tiles first .. last - 1 of a_row[k] * w[n, k] -> [BLOCK_N] fp32, for the BLOCK_N
     output rows whose packed codes start at q_cols and scales / zero points at s_cols / z_cols ([BLOCK_N]
     pointers), one token's inputs at a_row. kernels/int4_gemv.py's docstring has the loop and the two
-    numerics (FACTORED)."""
+    numerics (FACTORED).
+
+    PREFETCH: the next K tile's words are loaded before this tile is unpacked, so each program keeps a
+    load in flight while it computes (Triton's pipeliner stages loads that feed tl.dot, not these: without
+    it a program waits out the memory latency once per tile, and a GEMV at M = 1 is all loads). The last
+    tile's prefetch reads that tile again (an L2 hit) instead of branching."""
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    span = tl.arange(0, WORDS)
+    if PREFETCH:
+        final = tl.cdiv(K, BLOCK_K) - 1
+        packed = _load_words(q_cols, tl.minimum(first, final) * WORDS + span, K, PACK, EVEN_K)
+        for t in range(first, last):
+            following = _load_words(q_cols, tl.minimum(t + 1, final) * WORDS + span, K, PACK, EVEN_K)
+            acc = _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, t * WORDS + span, K, BITS, GROUP,
+                             HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
+            packed = following
+    else:
+        for t in range(first, last):
+            words = t * WORDS + span
+            acc = _gemv_tile(acc, _load_words(q_cols, words, K, PACK, EVEN_K), a_row, s_cols, z_cols, g_ptr, t,
+                             words, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, words, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+               HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               FACTORED: tl.constexpr):
+    """acc [BLOCK_N, WORDS] + K tile t's products: its packed words [BLOCK_N, WORDS] (at `words`) unpacked
+    one bit field at a time, each field's inputs k = word * pack + field."""
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
     MASK: tl.constexpr = (1 << BITS) - 1
     WORD_GROUP: tl.constexpr = (not HAS_G_IDX) and GROUP % PACK == 0  # _word_scales
-    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-    for t in range(first, last):
-        words = t * WORDS + tl.arange(0, WORDS)
-        packed = _load_words(q_cols, words, K, PACK, EVEN_K)
-        if WORD_GROUP:
-            s, zs = _word_scales(s_cols, z_cols, t, words, K, PACK, GROUP, BLOCK_K)
+    if WORD_GROUP:
+        s, zs = _word_scales(s_cols, z_cols, t, words, K, PACK, GROUP, BLOCK_K)
+    if FACTORED and WORD_GROUP:
+        qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        sx = tl.zeros([WORDS], dtype=tl.float32)
+    for f in tl.static_range(PACK):
+        ks = words * PACK + f
+        if EVEN_K:
+            x = tl.load(a_row + ks).to(tl.float32)
+        else:
+            x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        code = _codes_to_float((packed >> (f * BITS)) & MASK)
         if FACTORED and WORD_GROUP:
-            qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-            sx = tl.zeros([WORDS], dtype=tl.float32)
-        for f in tl.static_range(PACK):
-            ks = words * PACK + f
-            if EVEN_K:
-                x = tl.load(a_row + ks).to(tl.float32)
+            qx += code * x[None, :]
+            sx += x
+        else:
+            if WORD_GROUP:
+                w = code * s - zs
             else:
-                x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-            code = _codes_to_float((packed >> (f * BITS)) & MASK)
-            if FACTORED and WORD_GROUP:
-                qx += code * x[None, :]
-                sx += x
-            else:
-                if WORD_GROUP:
-                    w = code * s - zs
-                else:
-                    s_k, zs_k = _input_scales(s_cols, z_cols, g_ptr, ks, K, GROUP, HAS_G_IDX)
-                    w = code * s_k - zs_k
-                w = w.to(a_row.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
-                acc += w * x[None, :]
-        if FACTORED and WORD_GROUP:
-            acc += qx * s - zs * sx[None, :]
-    return tl.sum(acc, axis=1)
+                s_k, zs_k = _input_scales(s_cols, z_cols, g_ptr, ks, K, GROUP, HAS_G_IDX)
+                w = code * s_k - zs_k
+            w = w.to(a_row.dtype.element_ty).to(tl.float32)  # the weight as int4_ref rounds it
+            acc += w * x[None, :]
+    if FACTORED and WORD_GROUP:
+        acc += qx * s - zs * sx[None, :]
+    return acc
 
 
 @triton.jit

@@ -318,7 +318,8 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
 
     def run():
         x = torch.randn(2, k, dtype=torch.bfloat16)
-        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), replace(gemv, block_m=4),
+        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), replace(gemv, prefetch=True),
+                    replace(gemv, prefetch=True, factored=True, split_k=2), replace(gemv, block_m=4),
                     replace(gemv, block_m=4, block_n=16, block_k=128, factored=True), dequant,
                     replace(dequant, reshape_unpack=False)):
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
@@ -391,6 +392,7 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
                                            (176, False, False)):
             w13, w2, int4 = experts(inter, act_order)
             fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
+            fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored, prefetch=True), int4=int4)
 
     _compile_all(_record(monkeypatch, int4_moe_gemv, run, execute=False))  # the routing kernels still run
 

@@ -64,13 +64,13 @@ def test_skipped_assignments_contribute_nothing():
 GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # the decode GEMVs (kernels/int4_moe_gemv.py)
 
 
-@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("factored,prefetch", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("tokens,bits,group,act_order", [(1, 4, 32, False), (4, 4, 16, True), (5, 8, 32, False),
                                                          (3, 4, 8, False)])
-def test_int4_expert_gemvs_match_the_reference(tokens, bits, group, act_order, factored):
+def test_int4_expert_gemvs_match_the_reference(tokens, bits, group, act_order, factored, prefetch):
     # groups of 32 = block_k (a scale per K step), 16 and 8 (a scale per word), act order (per input)
     x, w13, w2, weights, ids, int4 = make_case(tokens, 8, 2, 64, 48, bits, group, act_order, seed=tokens)
-    got = fm.fused_moe(x, w13, w2, weights, ids, replace(GEMV, factored=factored), int4=int4)
+    got = fm.fused_moe(x, w13, w2, weights, ids, replace(GEMV, factored=factored, prefetch=prefetch), int4=int4)
     want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, int4)
     assert rel_err(got, want) < 1e-4, rel_err(got, want)
 

@@ -38,7 +38,8 @@ FACTORED = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, factored=True)
 DEQUANT = Int4DequantConfig(block_n=16, block_k=32)
 GATHER = Int4DequantConfig(block_n=16, block_k=32, reshape_unpack=False)
 BLOCK4 = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, block_m=4)  # 4 tokens a program
-VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-block4": BLOCK4,
+VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-prefetch": replace(GEMV, prefetch=True),
+            "gemv-factored-prefetch": replace(FACTORED, prefetch=True), "gemv-block4": BLOCK4,
             "gemv-block4-factored": replace(BLOCK4, factored=True), "dequant": DEQUANT, "dequant-gather": GATHER}
 
 
@@ -90,17 +91,27 @@ def test_gemv_split_k_sums_the_partials_with_bias(split):
     check(Int4GemvConfig(16, 32, split_k=split, num_stages=2), 3, 24, 128, 4, 32, bias=True)
     check(Int4GemvConfig(16, 32, split_k=split, num_stages=2, factored=True), 3, 24, 128, 4, 32, bias=True)
     check(replace(BLOCK4, split_k=split), 5, 24, 128, 4, 32, bias=True)  # two token blocks, one partial
+    # prefetching: the last split's lookahead re-reads its own last tile; an empty split reads a valid one
+    check(Int4GemvConfig(16, 32, split_k=split, num_stages=2, prefetch=True), 3, 24, 128, 4, 32, bias=True)
+
+
+def test_gemv_prefetch_with_more_splits_than_k_steps_writes_zero_partials():
+    # K 64 = 2 steps of 32 over 3 splits: one split has no step; its prefetch still reads in bounds
+    check(Int4GemvConfig(16, 32, split_k=3, num_stages=2, prefetch=True), 1, 24, 64, 4, 32)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 22016, 4096), (8, 4096, 11008), (16, 576, 2048)])
-def test_gemv_split_count_fills_the_sms_with_no_empty_split(m, n, k):
-    cfg = Int4GemvConfig()
+@pytest.mark.parametrize("programs_per_sm", [4, 8, 16])
+def test_gemv_split_count_fills_the_sms_with_no_empty_split(m, n, k, programs_per_sm):
+    cfg = Int4GemvConfig(programs_per_sm=programs_per_sm)
     split = gemv_split_count(m, n, k, cfg, num_sms=132)
     k_tiles = -(-k // cfg.block_k)
     per_split = -(-k_tiles // split)
     assert 1 <= split <= k_tiles and (split - 1) * per_split < k_tiles  # every split has K steps
     programs = m * -(-n // cfg.block_n) * split
-    assert programs >= 132 or split == k_tiles  # the SMs are busy unless K cannot be split further
+    # the SMs are busy unless K cannot be split further
+    assert programs >= 132 or split == k_tiles
+    assert programs >= programs_per_sm * 132 // 2 or split == k_tiles  # about the programs asked for
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -156,7 +167,8 @@ def test_choose_config_switches_by_token_count():
     # both thresholds 0: the tile kernel for every M
     for m in (1, 16, 8192):
         assert isinstance(int4.choose_config(m, 4096, 4096, gemv_max_m=0, cublas_min_m=0), int4.Int4GemmConfig)
-    assert int4.choose_config(1, 4096, 4096, gemv_max_m=8, cublas_min_m=1024) == Int4GemvConfig()
+    one = int4.choose_config(1, 4096, 4096, gemv_max_m=8, cublas_min_m=1024)
+    assert isinstance(one, Int4GemvConfig) and one.block_m == 1 and one.prefetch
     assert int4.choose_config(8, 4096, 4096, gemv_max_m=8, cublas_min_m=1024).block_m == 8
     assert isinstance(int4.choose_config(9, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), int4.Int4GemmConfig)
     assert isinstance(int4.choose_config(1024, 4096, 4096, gemv_max_m=8, cublas_min_m=1024), Int4DequantConfig)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# DEEPSERVE_GRAMMAR_OVERLAP's A/B on the structured run, one device call: the switch's correctness check,
+# then `gate.py model r1-distill-qwen-7b-json` (W1 with a JSON schema on every request and the same
+# lengths unconstrained, one engine) with the switch 0,1,1,0 (order alternated so drift cancels), each run
+# started only while the call's budget holds one more; the ratios last.
+#   device run: bash bench/structured_ab.sh        ($OUT gets the JSONs and the logs)
+export PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/deepserve-pycache
+unset PYTHONDONTWRITEBYTECODE
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/structured-ab}; mkdir -p "$OUT"; START=$SECONDS; BUDGET=${BUDGET:-560}; RUN_S=${RUN_S:-120}
+python3 bench/check_grammar_overlap.py >"$OUT/overlap-check.log" 2>&1; echo "overlap check rc $? ($((SECONDS-START)) s)"
+tail -3 "$OUT/overlap-check.log"
+i=0
+for v in ${ORDER:-0 1 1 0}; do
+  i=$((i+1))
+  if [ $((SECONDS-START+RUN_S)) -gt "$BUDGET" ]; then echo "skipped run $i (overlap=$v): budget"; continue; fi
+  DEEPSERVE_GRAMMAR_OVERLAP=$v python3 bench/gate.py model r1-distill-qwen-7b-json --json "$OUT/json-$i-ov$v.json" \
+    >"$OUT/json-$i-ov$v.log" 2>&1
+  echo "run $i overlap=$v rc $? ($((SECONDS-START)) s)"
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+print(f"{'run':16} {'W1 json':>9} {'same len':>9} {'ratio':>7}")
+for p in sorted(pathlib.Path(sys.argv[1]).glob("json-*.json")):
+    d = json.loads(p.read_text()); r = d.get("result", d)
+    a, b = r.get("w1"), r.get("w1_same_lengths")
+    print(f"{p.stem:16} {a or 0:>9.0f} {b or 0:>9.0f} {(a / b if a and b else 0):>7.3f}")
+PY
