@@ -160,8 +160,10 @@ def test_variants_on_awq_and_gptq_checkpoint_tensors(variant, method, bits, grou
 
 
 def test_choose_config_switches_by_token_count():
-    # the defaults (measured on the H200): the tile kernel below 64 tokens, dequantize + cuBLAS from 64
-    assert isinstance(int4.choose_config(1, 4096, 4096), int4.Int4GemmConfig)
+    # the defaults (measured on the H200): the GEMV at one token, the tile kernel below 64 tokens,
+    # dequantize + cuBLAS from 64
+    assert isinstance(int4.choose_config(1, 4096, 4096), Int4GemvConfig)
+    assert isinstance(int4.choose_config(2, 4096, 4096), int4.Int4GemmConfig)
     assert isinstance(int4.choose_config(63, 4096, 4096), int4.Int4GemmConfig)
     assert isinstance(int4.choose_config(64, 4096, 4096), Int4DequantConfig)
     # both thresholds 0: the tile kernel for every M
