@@ -20,9 +20,10 @@ for v in ${ORDER:-0 1 1 0}; do
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
-print(f"{'run':16} {'W1 json':>9} {'same len':>9} {'ratio':>7}")
+print(f"{'run':16} {'W1 json':>9} {'same len':>9} {'ratio':>7} {'json 2nd':>9} {'ratio':>7}")
 for p in sorted(pathlib.Path(sys.argv[1]).glob("json-*.json")):
     d = json.loads(p.read_text()); r = d.get("result", d)
-    a, b = r.get("w1"), r.get("w1_same_lengths")
-    print(f"{p.stem:16} {a or 0:>9.0f} {b or 0:>9.0f} {(a / b if a and b else 0):>7.3f}")
+    a, b, c = r.get("w1"), r.get("w1_same_lengths"), r.get("w1_2nd")
+    print(f"{p.stem:16} {a or 0:>9.0f} {b or 0:>9.0f} {(a / b if a and b else 0):>7.3f} {c or 0:>9.0f}"
+          f" {(c / b if c and b else 0):>7.3f}")
 PY
