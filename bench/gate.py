@@ -205,17 +205,12 @@ SUITES = {"all": (CHECKS, RUNS), "fp8": (FP8_CHECKS, FP8_RUNS), "kv": (KV_CHECKS
 ALL_RUNS = RUNS + FP8_RUNS + KV_RUNS + LONG_RUNS + INT4_RUNS + STRUCTURED_RUNS[1:]
 
 
-def run_model(run: ModelRun, smoke: bool, w1_repeats: int = 1) -> dict:
-    """One engine: time to ready, W1, then W2 (BENCHMARKS.md's definitions; smaller with smoke).
-    w1_repeats > 1 runs W1 again in the same engine (figure: the first; w1_runs: all; w1_runs_compiles:
-    the Triton variants compiled inside each), to tell a first-run cost from the machine's spread."""
+def make_llm(run: ModelRun):
+    """The run's engine (its preset on dummy weights, or the demo model), warmed by one tiny request.
+    Only the options a run sets are passed, so an older tree (bench/ab.py) that lacks them runs the others."""
     from deepserve import LLM, SamplingParams
-    from deepserve.bench import workloads
-    from deepserve.bench.latency import measure_latency
-    from deepserve.bench.throughput import measure_throughput
 
     engine = dict(model=run.preset, skip_tokenizer_init=True)
-    # Only the options a run sets, so an older tree (bench/ab.py) that lacks them still runs the others.
     options = dict(quantization=run.quantization, kv_cache_dtype=run.kv_cache_dtype, swap_space=run.swap_space)
     engine.update({k: v for k, v in options.items() if v not in (None, 0, "auto")})
     if run.preset is not None:
@@ -231,6 +226,18 @@ def run_model(run: ModelRun, smoke: bool, w1_repeats: int = 1) -> dict:
             engine["tokenizer"] = vocab_tokenizer_dir(run.preset, resolve_hf_config(run.preset, None, "dummy"))
     llm = LLM(**engine)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def run_model(run: ModelRun, smoke: bool, w1_repeats: int = 1) -> dict:
+    """One engine: time to ready, W1, then W2 (BENCHMARKS.md's definitions; smaller with smoke).
+    w1_repeats > 1 runs W1 again in the same engine (figure: the first; w1_runs: all; w1_runs_compiles:
+    the Triton variants compiled inside each), to tell a first-run cost from the machine's spread."""
+    from deepserve.bench import workloads
+    from deepserve.bench.latency import measure_latency
+    from deepserve.bench.throughput import measure_throughput
+
+    llm = make_llm(run)
     import deepserve
 
     result = {"ready": time.perf_counter() - PROCESS_START,

@@ -1,0 +1,308 @@
+"""Where each engine step's time goes, host and device, step by step: the questions the aggregate figures
+left open (bench/RESULTS.md, sixth session of 2026-12-02): structured output adds 1.4-2.0 ms a W1 step that
+the masks' host time does not explain, and the first step of a request (the prefill's launch) holds the
+host for the whole TTFT.
+
+    python3 bench/step_trace.py r1-distill-qwen-7b [--json-schema] [--out trace.json]   # W1, every step
+    python3 bench/step_trace.py deepseek-llm-7b --quantization fp8 --ttft                 # one request's steps
+    python3 bench/step_trace.py demo --smoke [--json-schema]                              # CPU plumbing
+
+W1 (or --ttft: 8 requests of 1,024 tokens, one at a time, each then again for prefix-cache hits) runs with
+the engine core's parts wrapped, nothing in the engine changed: per step the host time of schedule, launch
+(and inside it the forward's launch, the masks, the sampling's launch), the wait for the step in flight and
+update_from_output; on the GPU, CUDA events around the forward and the sampling, so each step's device time
+and the device's idle gap before it. Steps are grouped by kind (graph replay or eager; with or without
+masks) and the table prints means per kind. --profile N: torch.profiler over the first N steps of the
+timed run (or --ttft's first request), its top host ops by self time (a cudaStreamSynchronize or a
+pageable copy inside a launch shows there)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gate  # noqa: E402  (bench/gate.py: the presets' engines as the gate builds them)
+
+
+class StepTracer:
+    """Wraps one EngineCore's scheduler and runner methods with timers; `steps` holds one dict per
+    core.step() call. Device events exist on CUDA only (CPU runs record host times)."""
+
+    def __init__(self, core) -> None:
+        import torch
+
+        self.core, self.steps, self.current = core, [], None
+        self.cuda = core.runner.device.type == "cuda"
+        self._torch = torch
+        self._wrap(core, "step", self._step)
+        self._wrap(core.scheduler, "schedule", self._timed("schedule"))
+        self._wrap(core.scheduler, "update_from_output", self._timed("update"))
+        self._wrap(core.runner, "launch", self._timed("launch"))
+        self._wrap(core.runner, "wait", self._timed("wait"))
+        self._wrap(core.runner, "_forward", self._forward)
+        self._wrap(core.runner, "_sample", self._sample)
+        self._wrap(core, "_attach_grammar_bitmask", self._attach)
+
+    @staticmethod
+    def _wrap(obj, name: str, make) -> None:
+        original = getattr(obj, name)
+        setattr(obj, name, make(original))
+
+    def _add(self, key: str, seconds: float) -> None:
+        if self.current is not None:
+            self.current[key] = self.current.get(key, 0.0) + 1e3 * seconds
+
+    def _timed(self, key: str):
+        def make(original):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._add(key, time.perf_counter() - start)
+            return timed
+        return make
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _step(self, original):
+        def step(*args, **kwargs):
+            self.current = {"events": {}}
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current["wall"] = 1e3 * (time.perf_counter() - start)
+                self.steps.append(self.current)
+                self.current = None
+        return step
+
+    def _forward(self, original):
+        def forward(out, inputs):
+            runner = self.core.runner
+            if self.current is not None:
+                graphs = runner.graphs
+                self.current["graph"] = bool(graphs is not None and graphs.can_run(inputs))
+                self.current["tokens"] = int(inputs.input_ids.shape[0])
+                self.current["events"]["forward_start"] = self._event()
+            start = time.perf_counter()
+            result = original(out, inputs)
+            self._add("forward_launch", time.perf_counter() - start)
+            if self.current is not None:
+                self.current["events"]["forward_end"] = self._event()
+            return result
+        return forward
+
+    def _sample(self, original):
+        def sample(pending, logits, meta):
+            start = time.perf_counter()
+            result = original(pending, logits, meta)
+            self._add("sample_launch", time.perf_counter() - start)
+            if self.current is not None:
+                self.current["masked"] = meta.allowed_token_bitmask is not None
+                self.current["events"]["sample_end"] = self._event()
+            return result
+        return sample
+
+    def _attach(self, original):
+        def attach(scheduled):
+            original(scheduled)
+            masks = scheduled.grammar_bitmask
+            if masks is None:
+                return
+
+            def timed_masks():
+                start = time.perf_counter()
+                try:
+                    return masks()
+                finally:
+                    self._add("masks", time.perf_counter() - start)
+            scheduled.grammar_bitmask = timed_masks
+        return attach
+
+    def finish(self) -> list[dict]:
+        """Device times from the events (after a synchronize): forward, sample, and the idle gap
+        between the previous step's last event and this step's forward."""
+        if self.cuda:
+            self._torch.cuda.synchronize()
+        previous_end = None
+        for step in self.steps:
+            events = step.pop("events")
+            start, mid, end = events.get("forward_start"), events.get("forward_end"), events.get("sample_end")
+            if start is not None and mid is not None:
+                step["gpu_forward"] = start.elapsed_time(mid)
+                if end is not None:
+                    step["gpu_sample"] = mid.elapsed_time(end)
+                if previous_end is not None:
+                    step["gpu_gap"] = previous_end.elapsed_time(start)
+            previous_end = end or mid or previous_end
+        return self.steps
+
+
+COLUMNS = ("wall", "schedule", "launch", "forward_launch", "masks", "sample_launch", "wait", "update",
+           "gpu_forward", "gpu_sample", "gpu_gap")
+
+
+def summarize(steps: list[dict]) -> list[dict]:
+    """Mean ms of each column per kind of step (graph / eager, masked or not), and over all steps."""
+    kinds: dict[str, list[dict]] = {}
+    for step in steps:
+        if "graph" not in step:
+            continue  # a step that launched nothing (only collected the one in flight)
+        kind = ("graph" if step["graph"] else "eager") + (" +masks" if step.get("masked") else "")
+        kinds.setdefault(kind, []).append(step)
+        kinds.setdefault("all", []).append(step)
+    rows = []
+    for kind, group in sorted(kinds.items()):
+        row = {"kind": kind, "steps": len(group), "tokens": statistics.mean(s["tokens"] for s in group)}
+        for column in COLUMNS:
+            values = [s[column] for s in group if column in s]
+            row[column] = statistics.mean(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}: mean ms per step (host: wall of core.step and its parts; gpu: CUDA events)")
+    header = f"{'kind':14} {'steps':>5} {'tokens':>7} " + " ".join(f"{c[:12]:>12}" for c in COLUMNS)
+    print(header)
+    for row in rows:
+        cells = " ".join(f"{row[c]:>12.3f}" if row[c] is not None else f"{'-':>12}" for c in COLUMNS)
+        print(f"{row['kind']:14} {row['steps']:>5} {row['tokens']:>7.0f} {cells}")
+
+
+def profiled(n_steps: int, core, run):
+    """Run `run()` under torch.profiler for the core's first n_steps steps; print the top host ops."""
+    import torch
+
+    if n_steps <= 0:
+        return run()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    original, seen = core.step, [0]
+    profiler = torch.profiler.profile(activities=activities)
+
+    def step(*args, **kwargs):
+        if seen[0] == 0:
+            profiler.start()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seen[0] += 1
+            if seen[0] == n_steps:
+                profiler.stop()
+                print(f"\ntorch.profiler, the first {n_steps} steps: top host ops by self time")
+                print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    core.step = step
+    try:
+        return run()
+    finally:
+        core.step = original
+        if 0 < seen[0] < n_steps:
+            profiler.stop()
+
+
+def trace_w1(llm, ns) -> dict:
+    from deepserve.bench import workloads
+    from deepserve.bench.throughput import measure_throughput
+
+    workload = workloads.w1()
+    if ns.smoke:  # the demo model's vocabulary has 1,000 tokens
+        workload = workloads.fixed(32, 8, 8)
+        workload.prompts = [[t % 1000 for t in p] for p in workload.prompts]
+    if ns.json_schema:
+        workload = workloads.with_json_schema(workload)
+    core = llm.llm_engine.core
+    measure_throughput(llm, workload)  # warm: the traced run is the second, as the gate's w1_2nd
+    llm.reset_prefix_cache()
+    tracer = StepTracer(core)
+    result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
+    steps = tracer.finish()
+    rows = summarize(steps)
+    print_table(f"W1{' + JSON schema' if ns.json_schema else ''}, {result['output_tokens_per_second']:.0f} out tok/s",
+                rows)
+    return {"w1": result["output_tokens_per_second"], "summary": rows, "steps": steps}
+
+
+def trace_ttft(llm, ns) -> dict:
+    import random
+
+    from deepserve import SamplingParams
+
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    vocab = 1000 if ns.smoke else min(engine.config.model.hf_config.vocab_size, 10001)
+    rng = random.Random(1)
+    length = 32 if ns.smoke else 1024
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = {}
+    for label in ("fresh", "prefix hits"):
+        tracer = StepTracer(core)
+        firsts = []
+        for i, prompt in enumerate(prompts):
+            count = len(tracer.steps)
+            profile = ns.profile if (i == 2 and label == "fresh") else 0
+            first = profiled(profile, core, lambda: _first_token_ms(engine, f"{label}-{i}", prompt, params))  # noqa: B023
+            firsts.append((first, count))
+        steps = tracer.finish()
+        first_steps = [steps[c] for _, c in firsts[2:]]  # each request's first step (the prefill's launch)
+        rows = summarize(first_steps)
+        print_table(f"TTFT, {label}: each request's first step (median TTFT "
+                    f"{statistics.median(f for f, _ in firsts[2:]):.1f} ms)", rows)
+        out[label] = {"ttft_ms": [f for f, _ in firsts], "first_steps": first_steps, "summary": rows}
+        _unwrap(core)
+    return out
+
+
+def _first_token_ms(engine, request_id: str, prompt: list[int], params) -> float | None:
+    """Run one request to its end; ms from adding it to the step that returned its first token."""
+    engine.add_request(request_id, prompt, params)
+    start, first = time.perf_counter(), None
+    while engine.has_unfinished_requests():
+        if any(o.outputs[0].token_ids for o in engine.step()) and first is None:
+            first = 1e3 * (time.perf_counter() - start)
+    return first
+
+
+def _unwrap(core) -> None:
+    """Drop the tracer's wrappers (instance attributes shadowing the class methods)."""
+    for obj, names in ((core, ("step", "_attach_grammar_bitmask")),
+                       (core.scheduler, ("schedule", "update_from_output")),
+                       (core.runner, ("launch", "wait", "_forward", "_sample"))):
+        for name in names:
+            obj.__dict__.pop(name, None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a preset (dummy weights) or demo")
+    parser.add_argument("--quantization", default=None, help="fp8, awq, ... (default: the preset's)")
+    parser.add_argument("--json-schema", action="store_true", help="W1 with the gate's JSON schema on every request")
+    parser.add_argument("--ttft", action="store_true", help="one request at a time: each one's first steps")
+    parser.add_argument("--profile", type=int, default=0, help="torch.profiler over this many steps")
+    parser.add_argument("--smoke", action="store_true", help="tiny workloads (CPU)")
+    parser.add_argument("--out", type=Path, help="write every step's record and the summaries here (JSON)")
+    ns = parser.parse_args()
+    run = gate.ModelRun("trace", None if ns.model == "demo" else ns.model, w2=False, quantization=ns.quantization,
+                        json_schema=ns.json_schema)
+    llm = gate.make_llm(run)
+    report = trace_ttft(llm, ns) if ns.ttft else trace_w1(llm, ns)
+    if ns.out:
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+        ns.out.write_text(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
