@@ -4,7 +4,7 @@ these shapes). Variants: bf16 F.linear, the block-scaled Triton path with and wi
 block-wise _scaled_mm, and for per-channel weights the Triton path and torch._scaled_mm row-wise.
 
     python bench/fp8_decode_graphs.py [--json OUT] [--sweep-s 120]   # --sweep-s: also sweep the GEMM's tiles
-    python bench/fp8_decode_graphs.py --gemv-s 240 [--json OUT]       # the weight-stream GEMV's configs only
+    python bench/fp8_decode_graphs.py --gemv-s 240 [--gemv-m 1] [--json OUT]   # the weight-stream GEMV's configs only
 
 --gemv-s: kernels/fp8_gemv.py (the linears take it up to DEEPSERVE_FP8_GEMV_MAX_M tokens, 1 by default;
 here the other columns are the W8A8 path at every M) for M = 1..16 on every shape, each config checked
@@ -119,12 +119,15 @@ def sweep(deadline_s: float) -> list[dict]:
 
 
 GEMV_BATCHES = (1, 2, 4, 8, 16)
-GEMV_CONFIGS = [dict(numerics=nu, block_n=bn, block_k=128, waves=wv, num_warps=4)
+GEMV_CONFIGS = [dict(numerics=nu, block_n=bn, block_k=128, waves=wv, num_warps=4, prefetch=False)
                 for nu in ("fma", "dot") for bn in (16, 32, 64, 128) for wv in (2, 4, 8)]
+# the prefetching loop (the next K tile loaded before this one is multiplied), at the one-token sizes
+GEMV_CONFIGS += [dict(numerics="fma", block_n=bn, block_k=128, waves=wv, num_warps=4, prefetch=True)
+                 for bn in (64, 128) for wv in (2, 4, 8)]
 
 
-def gemv_sweep(deadline_s: float) -> tuple[list[dict], bool]:
-    """Every GEMV config per (shape, M) until the deadline: (rows, all correct)."""
+def gemv_sweep(deadline_s: float, batches: tuple[int, ...] = GEMV_BATCHES) -> tuple[list[dict], bool]:
+    """Every GEMV config per (shape, M in batches) until the deadline: (rows, all correct)."""
     import time
 
     from deepserve.kernels import fp8_gemv
@@ -137,7 +140,7 @@ def gemv_sweep(deadline_s: float) -> tuple[list[dict], bool]:
         wc, sc = quantize_weight_per_channel(w)
         weights = {"block": (wb, sb, (128, 128), dequantize_weight_block(wb, sb, (128, 128)).float()),
                    "channel": (wc, sc, None, wc.float() * sc[:, None])}
-        for m in GEMV_BATCHES:
+        for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "M": m, "fp8_MB": n * k / 1e6,
                    "bf16": graph_us(lambda x=x, w=w: torch.nn.functional.linear(x, w)),
@@ -175,6 +178,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--sweep-s", type=float, default=0.0, help="seconds for the tile sweep (0: none)")
     ap.add_argument("--gemv-s", type=float, default=0.0, help="seconds for the GEMV configs alone (0: none)")
+    ap.add_argument("--gemv-m", type=lambda v: tuple(int(m) for m in v.split(",")), default=GEMV_BATCHES,
+                    help="with --gemv-s: the token counts, e.g. 1 (default 1,2,4,8,16)")
     ns = ap.parse_args()
     # The "block triton" / "w8a8 triton" columns time the W8A8 path at every M; the GEMV, which the linears
     # take at one token by default, is timed through its own configs (--gemv-s).
@@ -214,9 +219,9 @@ def main() -> int:
 
 
 def _gemv_main(ns: argparse.Namespace) -> int:
-    rows, correct = gemv_sweep(ns.gemv_s)
+    rows, correct = gemv_sweep(ns.gemv_s, ns.gemv_m)
     print(f"{'shape':>11} {'M':>3} {'bf16':>7} {'w8a8':>7} {'gemv':>7} {'TB/s':>5}  best config "
-          "(numerics-block_n-block_k-waves-warps), us in a CUDA graph")
+          "(numerics-block_n-block_k-waves-warps-prefetch), us in a CUDA graph")
     for r in rows:
         if not r["best"]:
             print(f"{r['shape']:>11} {r['M']:>3} {r['bf16']:7.1f} {r['w8a8 triton']:7.1f}  (no config timed)")

@@ -44,6 +44,7 @@ class Fp8GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     waves: int = 4  # with split_k 0: programs per SM to aim for
+    prefetch: bool = False  # load the next K tile before multiplying this one (see the kernel)
 
 
 def default_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
@@ -92,8 +93,8 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
         x, w_q, scale2, partials, m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
         scale2.stride(0), scale2.stride(1), GROUP_N=group_n, GROUP_K=group_k, PER_CHANNEL=block is None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.numerics == "dot",
-        IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     sum_splits(partials, out, bias)
     return out
@@ -118,45 +119,72 @@ def _check(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn,
                      stride_sn, stride_sk, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split].
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
+    # PREFETCH: the next K tile's weights are loaded before this tile is multiplied (Triton pipelines
+    # loads that feed tl.dot; the fma path's are not, and a one-token GEMV is all weight loads). The last
+    # tile's lookahead reads that tile again (an L2 hit) instead of branching.
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     k_tiles = tl.cdiv(K, BLOCK_K)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, k_tiles)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1] (DOT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(first, last):
-        ks = t * BLOCK_K + offs_k
-        k_ok = ks < K
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :])  # [BLOCK_N, BLOCK_K] fp8
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
-        wf = w.to(tl.float32)
-        if not PER_CHANNEL:  # one scale per (row block, K block): BLOCK_K divides GROUP_K
-            s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (t * BLOCK_K // GROUP_K) * stride_sk)
-            wf = wf * s[:, None]
-        if DOT:
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if IEEE:  # fp32 activations (fp32 models), or the interpreter: an fp32 product, no tf32 rounding
-                acc += tl.dot(x.to(tl.float32), tl.trans(wf), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(wf.to(x.dtype)), out_dtype=tl.float32)
-        else:
-            for r in tl.static_range(BLOCK_M):  # row r of x, read straight from memory (it stays in cache)
-                row_ok = (offs_k * 0 + r) < M  # as a tensor: a mask must be one
-                xr = tl.load(x_ptr + r * stride_xm + ks, mask=k_ok & row_ok, other=0.0).to(tl.float32)
-                part = tl.sum(wf * xr[None, :], axis=1)  # [BLOCK_N]
-                acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    if PREFETCH:
+        w = _load_weight_tile(w_rows, tl.minimum(first, k_tiles - 1), K, BLOCK_K, EVEN_K)
+        for t in range(first, last):
+            following = _load_weight_tile(w_rows, tl.minimum(t + 1, k_tiles - 1), K, BLOCK_K, EVEN_K)
+            acc = _gemv_tile(acc, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
+                             GROUP_N, GROUP_K, PER_CHANNEL, BLOCK_M, BLOCK_K, DOT, IEEE)
+            w = following
+    else:
+        for t in range(first, last):
+            w = _load_weight_tile(w_rows, t, K, BLOCK_K, EVEN_K)
+            acc = _gemv_tile(acc, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
+                             GROUP_N, GROUP_K, PER_CHANNEL, BLOCK_M, BLOCK_K, DOT, IEEE)
     if PER_CHANNEL:  # constant along K: applied once
         acc = acc * tl.load(s_ptr + offs_n * stride_sn)[None, :]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = ws_ptr + split.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out, acc, mask=m_ok[:, None] & (cols[None, :] < N))
+    tl.store(out, acc, mask=(offs_m < M)[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _load_weight_tile(w_rows, t, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # [BLOCK_N, BLOCK_K] fp8 of K tile t; inputs past K read as 0
+    ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(w_rows + ks[None, :])
+    return tl.load(w_rows + ks[None, :], mask=(ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_tile(acc, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
+               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[:, K tile t] times the tile's weights w [BLOCK_N, BLOCK_K] (fp8)."""
+    ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    m_ok = offs_m < M
+    wf = w.to(tl.float32)
+    if not PER_CHANNEL:  # one scale per (row block, K block): BLOCK_K divides GROUP_K
+        s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (t * BLOCK_K // GROUP_K) * stride_sk)
+        wf = wf * s[:, None]
+    if DOT:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if IEEE:  # fp32 activations (fp32 models), or the interpreter: an fp32 product, no tf32 rounding
+            acc += tl.dot(x.to(tl.float32), tl.trans(wf), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(wf.to(x.dtype)), out_dtype=tl.float32)
+    else:
+        for r in tl.static_range(BLOCK_M):  # row r of x, read straight from memory (it stays in cache)
+            row_ok = (ks * 0 + r) < M  # as a tensor: a mask must be one
+            xr = tl.load(x_ptr + r * stride_xm + ks, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+            part = tl.sum(wf * xr[None, :], axis=1)  # [BLOCK_N]
+            acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    return acc

@@ -29,27 +29,31 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return out if bias is None else out + bias.float()
 
 
-@pytest.mark.parametrize("numerics", ["dot", "fma"])
+@pytest.mark.parametrize("numerics", ["dot", "fma", "fma-prefetch"])
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n, k", [(200, 256), (130, 328)])
 @pytest.mark.parametrize("split_k", [1, 3, 0])
 def test_block_scaled_gemv_equals_the_dequantized_product(numerics, m, n, k, split_k):
+    # split 3 over K 256 (4 tiles of 64): the last split has one tile, its lookahead re-reads it
     w_q, scale = block_weight(n, k, BLOCK, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     bias = torch.randn(n).to(DEVICE) if split_k != 1 else None
-    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, split_k=split_k, numerics=numerics)
+    prefetch = numerics.endswith("-prefetch")
+    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, split_k=split_k, numerics=numerics.removesuffix("-prefetch"),
+                             prefetch=prefetch)
     out = gemv.fp8_gemv(x, w_q, scale, BLOCK, bias, cfg)
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert rel_err(out, reference(x, ref.dequantize_weight_block(w_q, scale, BLOCK), bias)) < TOLERANCE[x.dtype]
 
 
-@pytest.mark.parametrize("numerics", ["dot", "fma"])
-def test_bf16_activations_and_per_channel_scales(numerics):
+@pytest.mark.parametrize("numerics,prefetch", [("dot", False), ("fma", False), ("fma", True), ("dot", True)])
+def test_bf16_activations_and_per_channel_scales(numerics, prefetch):
+    # K 200: the last K tile of 64 is partial (masked), also in the prefetched load
     n, k = 96, 200
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, n)[:, None]
     w_q, scale = ref.quantize_weight_per_channel(w.to(DEVICE))
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
-    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, numerics=numerics)
+    cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, numerics=numerics, prefetch=prefetch)
     out = gemv.fp8_gemv(x, w_q, scale, None, None, cfg)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, reference(x, w_q.float() * scale[:, None], None)) < TOLERANCE[torch.bfloat16]
