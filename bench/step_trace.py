@@ -9,8 +9,9 @@ host for the whole TTFT.
 
 W1 (or --ttft: 8 requests of 1,024 tokens, one at a time, each then again for prefix-cache hits) runs with
 the engine core's parts wrapped, nothing in the engine changed: per step the host time of schedule, launch
-(and inside it the forward's launch, the masks, the sampling's launch), the wait for the step in flight and
-update_from_output; on the GPU, CUDA events around the forward and the sampling, so each step's device time
+(and inside it the forward's launch, the masks without the wait inside them, the sampling's launch), the
+wait for the step in flight and update_from_output; on the GPU, CUDA events around the forward and the
+sampling: each step's device time, the stall between its forward and its sampling (the masks not ready),
 and the device's idle gap before it. Steps are grouped by kind (graph replay or eager; with or without
 masks) and the table prints means per kind. --profile N: torch.profiler over the first N steps of the
 timed run (or --ttft's first request), its top host ops by self time (a cudaStreamSynchronize or a
@@ -36,6 +37,8 @@ class StepTracer:
     def __init__(self, core) -> None:
         import torch
 
+        if not hasattr(core.runner, "_forward"):  # a tensor-parallel executor: the ranks' runners are elsewhere
+            raise SystemExit("step_trace: one GPU only (the engine core's runner must be in this process)")
         self.core, self.steps, self.current = core, [], None
         self.cuda = core.runner.device.type == "cuda"
         self._torch = torch
@@ -88,11 +91,14 @@ class StepTracer:
         return step
 
     def _forward(self, original):
+        from deepserve.runner.model_runner import _wants_prompt_logprobs
+
         def forward(out, inputs):
             runner = self.core.runner
-            if self.current is not None:
+            if self.current is not None:  # the runner's own test for a graph replay
                 graphs = runner.graphs
-                self.current["graph"] = bool(graphs is not None and graphs.can_run(inputs))
+                self.current["graph"] = bool(graphs is not None and graphs.can_run(inputs)
+                                             and not _wants_prompt_logprobs(out))
                 self.current["tokens"] = int(inputs.input_ids.shape[0])
                 self.current["events"]["forward_start"] = self._event()
             start = time.perf_counter()
@@ -105,6 +111,8 @@ class StepTracer:
 
     def _sample(self, original):
         def sample(pending, logits, meta):
+            if self.current is not None:
+                self.current["events"]["sample_start"] = self._event()
             start = time.perf_counter()
             result = original(pending, logits, meta)
             self._add("sample_launch", time.perf_counter() - start)
@@ -122,27 +130,35 @@ class StepTracer:
                 return
 
             def timed_masks():
+                # Under async scheduling the masks first wait for the step in flight (runner.wait, timed
+                # as "wait"): "masks" is the rest (feeding the matchers and filling the masks).
+                waited = (self.current or {}).get("wait", 0.0)
                 start = time.perf_counter()
                 try:
                     return masks()
                 finally:
-                    self._add("masks", time.perf_counter() - start)
+                    inside = (self.current or {}).get("wait", 0.0) - waited
+                    self._add("masks", time.perf_counter() - start - inside / 1e3)
             scheduled.grammar_bitmask = timed_masks
         return attach
 
     def finish(self) -> list[dict]:
-        """Device times from the events (after a synchronize): forward, sample, and the idle gap
-        between the previous step's last event and this step's forward."""
+        """Device times from the events (after a synchronize): the forward; the sampling (its kernels
+        and the masks' copy); the stall between them (the device idle while the host fed and filled the
+        masks, or past it when they were ready); and the gap from the previous step's last event to this
+        step's forward (the device idle between steps, whatever the host did then)."""
         if self.cuda:
             self._torch.cuda.synchronize()
         previous_end = None
         for step in self.steps:
             events = step.pop("events")
-            start, mid, end = events.get("forward_start"), events.get("forward_end"), events.get("sample_end")
+            start, mid = events.get("forward_start"), events.get("forward_end")
+            sample_start, end = events.get("sample_start"), events.get("sample_end")
             if start is not None and mid is not None:
                 step["gpu_forward"] = start.elapsed_time(mid)
-                if end is not None:
-                    step["gpu_sample"] = mid.elapsed_time(end)
+                if sample_start is not None and end is not None:
+                    step["gpu_stall"] = mid.elapsed_time(sample_start)
+                    step["gpu_sample"] = sample_start.elapsed_time(end)
                 if previous_end is not None:
                     step["gpu_gap"] = previous_end.elapsed_time(start)
             previous_end = end or mid or previous_end
@@ -150,7 +166,7 @@ class StepTracer:
 
 
 COLUMNS = ("wall", "schedule", "launch", "forward_launch", "masks", "sample_launch", "wait", "update",
-           "gpu_forward", "gpu_sample", "gpu_gap")
+           "gpu_forward", "gpu_stall", "gpu_sample", "gpu_gap")
 
 
 def summarize(steps: list[dict]) -> list[dict]:
@@ -229,6 +245,7 @@ def trace_w1(llm, ns) -> dict:
     tracer = StepTracer(core)
     result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
     steps = tracer.finish()
+    _unwrap(core)
     rows = summarize(steps)
     print_table(f"W1{' + JSON schema' if ns.json_schema else ''}, {result['output_tokens_per_second']:.0f} out tok/s",
                 rows)
@@ -257,6 +274,8 @@ def trace_ttft(llm, ns) -> dict:
             firsts.append((first, count))
         steps = tracer.finish()
         first_steps = [steps[c] for _, c in firsts[2:]]  # each request's first step (the prefill's launch)
+        for step in first_steps:  # its gap runs back to the request before: host time between requests
+            step.pop("gpu_gap", None)
         rows = summarize(first_steps)
         print_table(f"TTFT, {label}: each request's first step (median TTFT "
                     f"{statistics.median(f for f, _ in firsts[2:]):.1f} ms)", rows)

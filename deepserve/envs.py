@@ -61,8 +61,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 1),
                                   "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
                                   "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never. Default 1: "
-                                  "with its prefetching loop W2 TPOT DeepSeek-LLM-7B AWQ 4.46 ms against 6.21 with "
-                                  "the tile kernel (one H200, same machine)"),
+                                  "with its one-token tiles (64 x 128, 8 programs an SM, prefetching) W2 TPOT "
+                                  "DeepSeek-LLM-7B AWQ 4.46 ms against 6.21 with the tile kernel (one H200, same "
+                                  "machine)"),
     "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 64),
                                     "int4 linears with at least this many tokens dequantize the weight and run "
                                     "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never. Default "

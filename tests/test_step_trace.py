@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,3 +57,63 @@ def test_ttft_trace_times_each_requests_first_step_and_unwraps_between_labels():
         s["tokens"] for s in report["fresh"]["first_steps"])
     core = llm.llm_engine.core
     assert "step" not in vars(core) and "launch" not in vars(core.runner)  # the wrappers came off
+
+
+class _Scheduled:
+    scheduled: list = []  # no rows: _wants_prompt_logprobs has nothing to ask
+    grammar_bitmask = None
+
+
+class _FakeRunner:
+    """launch runs a forward, the step's masks (which first wait for the step in flight, as the engine's
+    do under async scheduling), then a sampling; wait sleeps 20 ms, the masks' own work 10 ms."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device, self.graphs = torch.device("cpu"), None
+
+    def launch(self, scheduled, previous=None):
+        import types
+
+        import torch
+
+        self._forward(scheduled, types.SimpleNamespace(input_ids=torch.zeros(3)))
+        scheduled.grammar_bitmask()
+        self._sample(None, None, types.SimpleNamespace(allowed_token_bitmask=object()))
+
+    def wait(self, pending):
+        time.sleep(0.02)
+
+    def _forward(self, out, inputs):
+        return None, None
+
+    def _sample(self, pending, logits, meta):
+        return None
+
+
+class _FakeCore:
+    def __init__(self) -> None:
+        import types
+
+        self.runner = _FakeRunner()
+        self.scheduler = types.SimpleNamespace(schedule=_Scheduled, update_from_output=lambda *a: [])
+
+    def _attach_grammar_bitmask(self, scheduled) -> None:
+        scheduled.grammar_bitmask = lambda: (self.runner.wait(None), time.sleep(0.01))
+
+    def step(self) -> list:
+        scheduled = self.scheduler.schedule()
+        self._attach_grammar_bitmask(scheduled)
+        self.runner.launch(scheduled)
+        return []
+
+
+def test_the_masks_column_leaves_out_the_wait_inside_them():
+    core = _FakeCore()
+    tracer = step_trace.StepTracer(core)
+    core.step()
+    (step,) = tracer.finish()
+    assert step["wait"] >= 20 and step["masks"] >= 10 and step["masked"] and step["tokens"] == 3
+    # counted once: the masks and the wait inside them both fit in the launch that ran them
+    assert step["launch"] + 0.5 >= step["masks"] + step["wait"]

@@ -124,8 +124,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stri
     # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split].
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
     # PREFETCH: the next K tile's weights are loaded before this tile is multiplied (Triton pipelines
-    # loads that feed tl.dot; the fma path's are not, and a one-token GEMV is all weight loads). The last
-    # tile's lookahead reads that tile again (an L2 hit) instead of branching.
+    # loads that feed tl.dot; the fma path's are not, and a one-token GEMV is all weight loads). The
+    # lookahead of a split's last step reads the next split's first tile (clamped at K's last tile) and
+    # discards it, as int4_tile.gemv_rows does. Off by default: not timed on a GPU yet.
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_m = tl.arange(0, BLOCK_M)

@@ -16,9 +16,9 @@ Three variants, chosen by the config's type (choose_config picks one per M; benc
 --variants checks and times them all):
   Int4GemmConfig     the tile kernel below (tl.dot); the default below DEEPSERVE_INT4_CUBLAS_MIN_M
   Int4GemvConfig     int4_gemv.py: split-K GEMV without tensor cores, for decode; taken for
-                     M <= DEEPSERVE_INT4_GEMV_MAX_M (1 by default: with its prefetching loop, W2 TPOT of
-                     DeepSeek-LLM-7B AWQ 4.46 ms against the tile kernel's 6.21 on one H200; before the
-                     prefetch, at M <= 16, it made it worse, 7.98 against 6.19)
+                     M <= DEEPSERVE_INT4_GEMV_MAX_M (1 by default: with its one-token tiles, W2 TPOT of
+                     DeepSeek-LLM-7B AWQ 4.46 ms against the tile kernel's 6.21 on one H200; with the old
+                     default tiles, n32 k256, at M <= 16 it made it worse, 7.98 against 6.19)
   Int4DequantConfig  int4_dequant.py: dequantize to a scratch weight, then cuBLAS, for prefill; taken for
                      M >= DEEPSERVE_INT4_CUBLAS_MIN_M (64 by default: W1 DeepSeek-LLM-7B AWQ 5,041 out
                      tok/s against 4,067 with the tile kernel, same H200)

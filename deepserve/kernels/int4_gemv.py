@@ -48,16 +48,18 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     factored: bool = False
-    prefetch: bool = False  # load the next K tile before unpacking this one (int4_tile.gemv_rows; BLOCK_M 1)
+    prefetch: bool = False  # load the next K tile before unpacking this one (int4_tile.gemv_rows; block_m 1 only)
     programs_per_sm: int = PROGRAMS_PER_SM  # with split_k 0: the split count aims at this many programs an SM
 
 
 def default_gemv_config(m: int) -> Int4GemvConfig:
     """The GEMV's tiles by token count (taken only where DEEPSERVE_INT4_GEMV_MAX_M lets the GEMV run). One
-    token: the prefetching loop, 64 rows x 128 inputs, about 8 programs an SM (the best no-prefetch
-    config of the H200 variants, n64 k128, read 0.5-0.9 TB/s: loads not kept in flight; these settings
-    are to be confirmed by bench/check_int4.py --variants --ms 1). More tokens: up to 16 a program on
-    narrower tiles (the 3-D product holds block_m x block_n x block_k / pack fp32 values a program)."""
+    token: 64 rows x 128 inputs a program, about 8 programs an SM, prefetching. On the H200
+    (bench/check_int4.py --variants --ms 1, bench/RESULTS.md) the tile shape and the program count did most
+    of it: 7B gate_up 113 µs with the old default (n32 k256, 4 an SM), 53.7 with n64 k128, 49.2 at 8 an SM,
+    48.4 with the prefetch; the factored numerics read 42.3 (not taken yet: no engine run). More tokens: up
+    to 16 a program on narrower tiles (the 3-D product holds block_m x block_n x block_k / pack fp32 values a
+    program); prefetch applies to one token a program only."""
     if m <= 1:
         return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8)
     return Int4GemvConfig(block_n=16, block_k=128, block_m=min(16, triton.next_power_of_2(m)))
@@ -135,7 +137,8 @@ def _w4a16_gemv_kernel(
 
 def default_moe_gemv_config() -> Int4GemvConfig:
     """The expert GEMVs' tiles (kernels/int4_moe_gemv.py; taken up to DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS
-    tokens): each program streams one expert's rows over the whole K (no split), so the grid is small at
-    decode and prefetching the next K tile is what keeps its loads in flight (a guess until
-    bench/check_int4.py --variants --moe-tokens 1 times it against n32 k256 without)."""
-    return Int4GemvConfig(block_n=32, block_k=128, prefetch=True)
+    tokens, 0 by default): each program streams one expert's rows over the whole K (no split), so the grid is
+    small at decode. The fastest exact config of the H200 variants at T = 1 and 2 (V2-Lite experts, µs):
+    n16 k128 prefetching 54.7 and 71.5, against the fused MoE tiles' 55.7 and 78.1 and n32 k256 without the
+    prefetch 64.6 and 102.9 (bench/RESULTS.md)."""
+    return Int4GemvConfig(block_n=16, block_k=128, prefetch=True)

@@ -70,9 +70,11 @@ def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.con
     numerics (FACTORED).
 
     PREFETCH: the next K tile's words are loaded before this tile is unpacked, so each program keeps a
-    load in flight while it computes (Triton's pipeliner stages loads that feed tl.dot, not these: without
-    it a program waits out the memory latency once per tile, and a GEMV at M = 1 is all loads). The last
-    tile's prefetch reads that tile again (an L2 hit) instead of branching."""
+    load in flight while it computes (Triton's pipeliner stages loads that feed tl.dot, not these). The
+    lookahead is clamped to K's last tile, not to the split's: a split's last step loads the next split's
+    first tile, which that split's program reads too (at about the same time, so mostly from L2), and is
+    discarded; at 2 tiles a split that is one wasted load in three (measured as is on the H200: 7B qkv 19.5
+    µs against 20.6 without prefetching; clamping to the split is the next variant to time)."""
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
     acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)

@@ -318,7 +318,8 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
 
     def run():
         x = torch.randn(2, k, dtype=torch.bfloat16)
-        for cfg in (gemv, replace(gemv, factored=True), replace(gemv, split_k=2), replace(gemv, prefetch=True),
+        for cfg in (gemv, int4_gemv.default_gemv_config(1), replace(gemv, factored=True), replace(gemv, split_k=2),
+                    replace(gemv, prefetch=True),
                     replace(gemv, prefetch=True, factored=True, split_k=2), replace(gemv, block_m=4),
                     replace(gemv, block_m=4, block_n=16, block_k=128, factored=True), dequant,
                     replace(dequant, reshape_unpack=False)):
@@ -368,7 +369,7 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
 
     fm = import_kernels("deepserve.kernels.fused_moe")
     from deepserve.kernels import int4_moe_gemv
-    from deepserve.kernels.int4_gemv import Int4GemvConfig
+    from deepserve.kernels.int4_gemv import Int4GemvConfig, default_moe_gemv_config
     from deepserve.kernels.int4_ref import pack_rows
 
     e, h = 8, 256
@@ -393,6 +394,8 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
             w13, w2, int4 = experts(inter, act_order)
             fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored), int4=int4)
             fm.fused_moe(x, w13, w2, weights, ids, replace(cfg, factored=factored, prefetch=True), int4=int4)
+            if not factored:  # the expert GEMVs' default tiles (taken under DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS)
+                fm.fused_moe(x, w13, w2, weights, ids, default_moe_gemv_config(), int4=int4)
 
     _compile_all(_record(monkeypatch, int4_moe_gemv, run, execute=False))  # the routing kernels still run
 

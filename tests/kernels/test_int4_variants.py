@@ -21,7 +21,7 @@ int4 = import_kernels("deepserve.kernels.int4")
 
 from deepserve.kernels import int4_ref  # noqa: E402
 from deepserve.kernels.int4_dequant import Int4DequantConfig, dequantize_weight  # noqa: E402
-from deepserve.kernels.int4_gemv import Int4GemvConfig, gemv_split_count  # noqa: E402
+from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, gemv_split_count  # noqa: E402
 from deepserve.layers.quantization import Int4Config  # noqa: E402
 from deepserve.loader.int4 import checkpoint_slice  # noqa: E402
 from tests.loader.int4_pack import (  # noqa: E402
@@ -101,9 +101,11 @@ def test_gemv_prefetch_with_more_splits_than_k_steps_writes_zero_partials():
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (1, 22016, 4096), (8, 4096, 11008), (16, 576, 2048)])
-@pytest.mark.parametrize("programs_per_sm", [4, 8, 16])
+@pytest.mark.parametrize("programs_per_sm", [4, 8, 16, None])
 def test_gemv_split_count_fills_the_sms_with_no_empty_split(m, n, k, programs_per_sm):
-    cfg = Int4GemvConfig(programs_per_sm=programs_per_sm)
+    # None: the one-token default (64 x 128 tiles, 8 programs an SM)
+    cfg = default_gemv_config(1) if programs_per_sm is None else Int4GemvConfig(programs_per_sm=programs_per_sm)
+    programs_per_sm = cfg.programs_per_sm
     split = gemv_split_count(m, n, k, cfg, num_sms=132)
     k_tiles = -(-k // cfg.block_k)
     per_split = -(-k_tiles // split)
