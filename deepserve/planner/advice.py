@@ -54,7 +54,7 @@ def _more_gpus(failed, plan) -> dict | None:
     from deepserve.planner.shapes import resolve_model
 
     req = failed.request
-    in_node = fitting_tp_sizes(resolve_model(req.model)[1], GPUS_PER_NODE)
+    in_node = fitting_tp_sizes(resolve_model(req.model)[1], GPUS_PER_NODE, req.enable_expert_parallel)
     # At least the request's own size: it fits (plan checked it), so within a node it is in in_node.
     node_tp = req.tensor_parallel_size if req.tensor_parallel_size > GPUS_PER_NODE else max(in_node)
     candidates = [(tp, req.pipeline_parallel_size) for tp in _TP_SIZES

@@ -28,6 +28,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", "-q", default=None, choices=["fp8", "awq", "gptq", "none"],
                    help="as deepserve serve's (default: the checkpoint's; FP8 checkpoints stay FP8); awq / gptq "
                         "plan the model's int4 build (4-bit weights, fp16 scales and zeros per group of 128)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="plan the routed experts whole, a tensor-parallel rank holding its share of them (as "
+                        "serve's flag): then the expert count, not the expert width, must divide by -tp")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -40,7 +43,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         pipeline_parallel_size=ns.pipeline_parallel_size, max_model_len=ns.max_model_len,
         kv_cache_dtype=ns.kv_cache_dtype, dtype=ns.dtype, gpu_memory_utilization=ns.gpu_memory_utilization,
         max_num_seqs=ns.max_num_seqs, block_size=ns.block_size, max_num_batched_tokens=ns.max_num_batched_tokens,
-        enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+        enforce_eager=ns.enforce_eager, quantization=ns.quantization, enable_expert_parallel=ns.enable_expert_parallel,
     ))
     print(json.dumps(result.to_dict(), indent=2) if ns.json else format_plan(result))
     return 0 if result.fits and not result.engine_refuses else 1  # scripts can gate a rollout on it
@@ -56,7 +59,9 @@ def format_plan(p) -> str:
         f"model        {p.model} ({p.architecture}, {p.num_params / 1e9:.2f} B parameters, {p.dtype}"
         + (f", {p.quantization} weights)" if p.quantization else ")"),
         f"GPUs         {p.num_gpus} × {p.gpu} ({p.gpu_memory_bytes / GIB:.1f} GiB), TP {p.request.tensor_parallel_size}"
-        f" × PP {p.request.pipeline_parallel_size}; KV cache {p.kv_cache_dtype}, max_model_len {p.max_model_len:,}",
+        f" × PP {p.request.pipeline_parallel_size}" + (", experts whole across the TP ranks (EP)"
+                                                        if p.request.enable_expert_parallel else "")
+        + f"; KV cache {p.kv_cache_dtype}, max_model_len {p.max_model_len:,}",
         "",
         "per GPU",
         f"  budget       {_gib(p.budget_bytes)}  GPU memory × {p.request.gpu_memory_utilization:g}",

@@ -52,6 +52,7 @@ class PlanRequest:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     quantization: str | None = None  # as --quantization: None follows the checkpoint (FP8 stays FP8)
+    enable_expert_parallel: bool = False  # routed experts whole, split across the tensor-parallel ranks
 
 
 @dataclass
@@ -97,7 +98,8 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     name, hf_config, is_preset = resolve_model(req.model)
     from deepserve.distributed.layout import check_tp_divides
 
-    check_tp_divides(hf_config, req.tensor_parallel_size)  # names the flag and the sizes that fit
+    # names the flag and the sizes that fit; with expert parallelism the expert count must divide instead
+    check_tp_divides(hf_config, req.tensor_parallel_size, req.enable_expert_parallel)
     dtype = _resolve_dtype(req.dtype, hf_config)
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
     from deepserve.layers.quantization import resolve_quantization
@@ -105,7 +107,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     # The planner reads no weights: --quantization awq / gptq plans the model's int4 build.
     quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu,
                                         without_checkpoint=True)
-    shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization)
+    shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization, req.enable_expert_parallel)
     max_len = _max_model_len(req.max_model_len, shape)
     gpu_name, total = gpu_memory_bytes(req.gpu)
     budget = int(total * req.gpu_memory_utilization)
@@ -228,6 +230,8 @@ def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) 
         cmd += ["--tensor-parallel-size", str(req.tensor_parallel_size)]
     if req.pipeline_parallel_size > 1:
         cmd += ["--pipeline-parallel-size", str(req.pipeline_parallel_size)]
+    if req.enable_expert_parallel:
+        cmd += ["--enable-expert-parallel"]
     nodes = nodes_needed(req.tensor_parallel_size * req.pipeline_parallel_size)
     if nodes > 1:  # node 0's command; node k runs the same with --node-rank k (README, docs/parallel.md)
         cmd += ["--nnodes", str(nodes), "--node-rank", "0", "--master-addr", "NODE0_ADDRESS", "--master-port", "29500"]

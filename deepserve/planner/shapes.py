@@ -77,7 +77,8 @@ def _fake_tp_group(tp: int):
         dist.destroy_process_group()
 
 
-def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str | None = None) -> nn.Module:
+def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str | None = None,
+                expert_parallel: bool = False) -> nn.Module:
     from deepserve.layers.quantization import quantize_after_loading
     from deepserve.models.registry import get_model_class
 
@@ -86,7 +87,7 @@ def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str |
     torch.set_default_dtype(dtype)
     try:
         with _fake_tp_group(tp), torch.device("meta"):
-            model = model_class(hf_config, quantization=quantization)
+            model = model_class(hf_config, enable_expert_parallel=expert_parallel, quantization=quantization)
             quantize_after_loading(model)  # per-channel FP8 made at load: the bytes the engine ends with
             return model
     finally:
@@ -122,10 +123,12 @@ def _kv_elems(layer: nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None) -> ModelShape:
-    """quantization: the engine's resolved value (layers/quantization.resolve_quantization)."""
+def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None,
+                expert_parallel: bool = False) -> ModelShape:
+    """quantization: the engine's resolved value (layers/quantization.resolve_quantization);
+    expert_parallel: the routed experts whole, tp-th of them a rank (--enable-expert-parallel)."""
     _, hf_config, _ = resolve_model(model)
-    built = _build_meta(hf_config, getattr(torch, dtype), tp, quantization)
+    built = _build_meta(hf_config, getattr(torch, dtype), tp, quantization, expert_parallel)
     layers = _decoder_layers(built, hf_config.num_hidden_layers)
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     outside = [(n, t) for n, t in [*built.named_parameters(), *built.named_buffers()] if id(t) not in in_layers]

@@ -223,3 +223,33 @@ def test_advice_never_offers_a_re_plan_the_engine_would_refuse():
     assert not refused.fits and refused.engine_refuses and "refuses it" in refused.warnings[0]
     assert [a["change"] for a in auto.advice][0] == "more GPUs"
     assert "more GPUs" not in [a["change"] for a in refused.advice]
+
+
+def _moe_checkpoint(path) -> str:
+    # Experts 36 wide (not divisible by 8), 8 of them (divisible), shared experts 2 x 36 = 72 (divisible):
+    # TP 8 fits only with the routed experts kept whole (expert parallelism).
+    from transformers import DeepseekV2Config
+
+    DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=36,
+                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8,
+                     n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                     q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     max_position_embeddings=256, architectures=["DeepseekV2ForCausalLM"],
+                     torch_dtype="bfloat16").save_pretrained(path)
+    return str(path)
+
+
+def test_expert_parallel_plans_what_only_expert_parallelism_fits(tmp_path, capsys):
+    model = _moe_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(36\) is not divisible"):
+        plan(PlanRequest(model, gpu="24", tensor_parallel_size=8))
+    ep = plan(PlanRequest(model, gpu="24", tensor_parallel_size=8, enable_expert_parallel=True))
+    assert ep.fits and "--enable-expert-parallel" in ep.serve_command
+    # the same bytes a rank as splitting each expert would hold: 1/8 of the experts, each whole
+    tp2 = plan(PlanRequest(model, gpu="24", tensor_parallel_size=2))
+    tp2_ep = plan(PlanRequest(model, gpu="24", tensor_parallel_size=2, enable_expert_parallel=True))
+    assert tp2.weights_bytes == tp2_ep.weights_bytes
+    # the CLI takes the flag, prints the serve line with it, and exits 0
+    assert main(["plan", model, "--gpu", "24", "-tp", "8", "--enable-expert-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "experts whole across the TP ranks (EP)" in out and "--enable-expert-parallel" in out
