@@ -64,7 +64,7 @@ def test_skipped_assignments_contribute_nothing():
 GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # the decode GEMVs (kernels/int4_moe_gemv.py)
 
 
-@pytest.mark.parametrize("factored,prefetch", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("factored,prefetch", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("tokens,bits,group,act_order", [(1, 4, 32, False), (4, 4, 16, True), (5, 8, 32, False),
                                                          (3, 4, 8, False)])
 def test_int4_expert_gemvs_match_the_reference(tokens, bits, group, act_order, factored, prefetch):
