@@ -114,6 +114,6 @@ def test_the_masks_column_leaves_out_the_wait_inside_them():
     tracer = step_trace.StepTracer(core)
     core.step()
     (step,) = tracer.finish()
-    assert step["wait"] >= 20 and step["masks"] >= 10 and step["masked"] and step["tokens"] == 3
+    assert step["wait"] >= 19.9 and step["masks"] >= 9.9 and step["masked"] and step["tokens"] == 3
     # counted once: the masks and the wait inside them both fit in the launch that ran them
     assert step["launch"] + 0.5 >= step["masks"] + step["wait"]
