@@ -72,8 +72,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS": (_float("DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS", 0),
                                            "int4 routed experts for at most this many tokens run one GEMV per "
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
-                                           "0: never (the default: with 1, V2-Lite AWQ W2 TPOT 4.25 ms against "
-                                           "4.08, one H200)"),
+                                           "0: never (the default: with 1 and the tiles then, n32 k128, V2-Lite AWQ "
+                                           "W2 TPOT 4.25 ms against 4.08, one H200)"),
     "DEEPSERVE_GC_FREEZE": (_flag("DEEPSERVE_GC_FREEZE", True),
                             "when start-up ends, the API server, the engine core process and the other ranks "
                             "collect once and freeze the surviving objects out of Python's garbage collection "
@@ -89,9 +89,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_GRAMMAR_OVERLAP": (_flag("DEEPSERVE_GRAMMAR_OVERLAP", False),
                                   "1: with async scheduling, structured output's masks for a step are filled on a "
                                   "thread of their own while the engine collects the step before, and the step's "
-                                  "sampling is queued after that (engine/core.py); off until measured on the "
-                                  "H200 (the structured suite: masks on the loop's critical path cost +1.63 ms "
-                                  "a step)"),
+                                  "sampling is queued after that (engine/core.py); off: correct on one H200 "
+                                  "but no change to structured output's cost (W1 with a schema at 0.85-0.86 of "
+                                  "the same work unconstrained with it, 0.81-0.85 without, same machine)"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

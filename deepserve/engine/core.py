@@ -141,7 +141,7 @@ class EngineCore:
         self._compiling: list[tuple[Request, Future]] = []
         self._compile_pool: ThreadPoolExecutor | None = None
         # Async + DEEPSERVE_GRAMMAR_OVERLAP: a step's masks fill on a thread of their own while the main
-        # thread collects the step before (_step_async); off until measured on the H200.
+        # thread collects the step before (_step_async); off (no gain on the H200, bench/RESULTS.md).
         self.grammar_overlap = self.async_scheduling and envs.DEEPSERVE_GRAMMAR_OVERLAP
         self._mask_pool: ThreadPoolExecutor | None = None
         self._filling: Future | None = None  # the fill of the step being launched (join time, GrammarTiming)
