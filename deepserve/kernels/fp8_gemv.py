@@ -125,8 +125,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stri
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
     # PREFETCH: the next K tile's weights are loaded before this tile is multiplied (Triton pipelines
     # loads that feed tl.dot; the fma path's are not, and a one-token GEMV is all weight loads). The
-    # lookahead of a split's last step reads the next split's first tile (clamped at K's last tile) and
-    # discards it, as int4_tile.gemv_rows does. Off by default: not timed on a GPU yet.
+    # lookahead stays inside the split (its last step reloads its own last tile). Off by default.
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_m = tl.arange(0, BLOCK_M)
@@ -138,7 +137,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stri
     if PREFETCH:
         w = _load_weight_tile(w_rows, tl.minimum(first, k_tiles - 1), K, BLOCK_K, EVEN_K)
         for t in range(first, last):
-            following = _load_weight_tile(w_rows, tl.minimum(t + 1, k_tiles - 1), K, BLOCK_K, EVEN_K)
+            following = _load_weight_tile(w_rows, tl.minimum(t + 1, last - 1), K, BLOCK_K, EVEN_K)
             acc = _gemv_tile(acc, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
                              GROUP_N, GROUP_K, PER_CHANNEL, BLOCK_M, BLOCK_K, DOT, IEEE)
             w = following
