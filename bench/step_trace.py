@@ -20,6 +20,7 @@ pageable copy inside a launch shows there)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -28,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gate  # noqa: E402  (bench/gate.py: the presets' engines as the gate builds them)
+
+ORIGINALS: dict = {}  # what StepTracer replaces outside the core's own objects, for _unwrap
 
 
 class StepTracer:
@@ -50,6 +53,33 @@ class StepTracer:
         self._wrap(core.runner, "_forward", self._forward)
         self._wrap(core.runner, "_sample", self._sample)
         self._wrap(core, "_attach_grammar_bitmask", self._attach)
+        # Inside the launch, the host work between the forward's launch and the sampling's: the inputs, the
+        # sampling metadata and (in it) the masks' copy to the device. Module and class attributes: _unwrap
+        # restores them.
+        from deepserve.layers import sampling_metadata
+        from deepserve.runner import model_runner
+
+        ORIGINALS.setdefault("prepare_inputs", model_runner.prepare_inputs)
+        ORIGINALS.setdefault("bitmask_tensor", sampling_metadata.bitmask_tensor)
+        ORIGINALS.setdefault("build", sampling_metadata.SamplingMetadata.__dict__["build"])
+        self._wrap(model_runner, "prepare_inputs", self._timed("prepare"))
+        self._wrap(sampling_metadata, "bitmask_tensor", self._timed("mask_copy"))
+        build = ORIGINALS["build"].__func__
+        sampling_metadata.SamplingMetadata.build = classmethod(self._timed("meta_build")(build))
+        # Python's collector: a full collection over a large heap stops the host for as long as it runs.
+        self._gc_start = None
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self._add("gc", time.perf_counter() - self._gc_start)
+            if self.current is not None and info.get("generation") == 2:
+                self.current["gc_full"] = self.current.get("gc_full", 0) + 1
+            self._gc_start = None
+
+    _gc.step_tracer = True  # _unwrap finds the callback by this mark
 
     @staticmethod
     def _wrap(obj, name: str, make) -> None:
@@ -165,8 +195,8 @@ class StepTracer:
         return self.steps
 
 
-COLUMNS = ("wall", "schedule", "launch", "forward_launch", "masks", "sample_launch", "wait", "update",
-           "gpu_forward", "gpu_stall", "gpu_sample", "gpu_gap")
+COLUMNS = ("wall", "schedule", "launch", "prepare", "forward_launch", "masks", "meta_build", "mask_copy",
+           "sample_launch", "wait", "update", "gc", "gpu_forward", "gpu_stall", "gpu_sample", "gpu_gap")
 
 
 def summarize(steps: list[dict]) -> list[dict]:
@@ -195,6 +225,18 @@ def print_table(title: str, rows: list[dict]) -> None:
     for row in rows:
         cells = " ".join(f"{row[c]:>12.3f}" if row[c] is not None else f"{'-':>12}" for c in COLUMNS)
         print(f"{row['kind']:14} {row['steps']:>5} {row['tokens']:>7.0f} {cells}")
+
+
+def print_outliers(steps: list[dict], count: int = 5) -> None:
+    """The collector's total, and the slowest steps whole: a mean hides one long stall."""
+    collected = [s for s in steps if "gc" in s]
+    print(f"\ngc: {sum(s['gc'] for s in collected):.1f} ms in {len(collected)} steps, "
+          f"{sum(s.get('gc_full', 0) for s in steps)} full collections")
+    print(f"the {count} slowest steps (ms):")
+    ranked = sorted(range(len(steps)), key=lambda i: steps[i]["wall"], reverse=True)[:count]
+    for i in sorted(ranked):
+        parts = " ".join(f"{c}={steps[i][c]:.2f}" for c in COLUMNS if steps[i].get(c) is not None)
+        print(f"  step {i} tokens={steps[i].get('tokens', 0)} {parts}")
 
 
 def profiled(n_steps: int, core, run):
@@ -249,6 +291,7 @@ def trace_w1(llm, ns) -> dict:
     rows = summarize(steps)
     print_table(f"W1{' + JSON schema' if ns.json_schema else ''}, {result['output_tokens_per_second']:.0f} out tok/s",
                 rows)
+    print_outliers(steps)
     return {"w1": result["output_tokens_per_second"], "summary": rows, "steps": steps}
 
 
@@ -295,7 +338,15 @@ def _first_token_ms(engine, request_id: str, prompt: list[int], params) -> float
 
 
 def _unwrap(core) -> None:
-    """Drop the tracer's wrappers (instance attributes shadowing the class methods)."""
+    """Drop the tracer's wrappers (instance attributes shadowing the class methods; the module functions and
+    the classmethod put back)."""
+    from deepserve.layers import sampling_metadata
+    from deepserve.runner import model_runner
+
+    model_runner.prepare_inputs = ORIGINALS["prepare_inputs"]
+    sampling_metadata.bitmask_tensor = ORIGINALS["bitmask_tensor"]
+    sampling_metadata.SamplingMetadata.build = ORIGINALS["build"]
+    gc.callbacks[:] = [c for c in gc.callbacks if not getattr(c, "step_tracer", False)]
     for obj, names in ((core, ("step", "_attach_grammar_bitmask")),
                        (core.scheduler, ("schedule", "update_from_output")),
                        (core.runner, ("launch", "wait", "_forward", "_sample"))):
@@ -311,11 +362,18 @@ def main() -> int:
     parser.add_argument("--ttft", action="store_true", help="one request at a time: each one's first steps")
     parser.add_argument("--profile", type=int, default=0, help="torch.profiler over this many steps")
     parser.add_argument("--smoke", action="store_true", help="tiny workloads (CPU)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="freeze the start-up heap as the server does (deepserve/heap.py): no full collection "
+                             "walks it during the run")
     parser.add_argument("--out", type=Path, help="write every step's record and the summaries here (JSON)")
     ns = parser.parse_args()
     run = gate.ModelRun("trace", None if ns.model == "demo" else ns.model, w2=False, quantization=ns.quantization,
                         json_schema=ns.json_schema)
     llm = gate.make_llm(run)
+    if ns.gc_freeze:
+        from deepserve.heap import freeze_startup_heap
+
+        freeze_startup_heap("step_trace")
     report = trace_ttft(llm, ns) if ns.ttft else trace_w1(llm, ns)
     if ns.out:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
