@@ -92,6 +92,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                   "sampling is queued after that (engine/core.py); off: correct on one H200 "
                                   "but no change to structured output's cost (W1 with a schema at 0.85-0.86 of "
                                   "the same work unconstrained with it, 0.81-0.85 without, same machine)"),
+    "DEEPSERVE_PINNED_GRAMMAR_MASKS": (_flag("DEEPSERVE_PINNED_GRAMMAR_MASKS", False),
+                                       "1: structured output's masks are filled straight into pinned host buffers "
+                                       "used in turn (layers/sampling_metadata.py MaskBuffers), so their copy to "
+                                       "the GPU is queued without the host waiting; from pageable memory it held "
+                                       "the host up to 140 ms in a prefill step (bench/step_trace.py). Off until "
+                                       "measured on the H200"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "
                                  "max_num_batched_tokens - 1 tokens (ModelRunner.warm_up_prefill), so their kernel "

@@ -22,9 +22,12 @@ from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmas
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
+from deepserve.layers.sampling_metadata import MASK_BUFFERS
 from deepserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from deepserve.runner.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -144,6 +147,7 @@ class EngineCore:
         # thread collects the step before (_step_async); off (no gain on the H200, bench/RESULTS.md).
         self.grammar_overlap = self.async_scheduling and envs.DEEPSERVE_GRAMMAR_OVERLAP
         self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_buffers = MASK_BUFFERS if envs.DEEPSERVE_PINNED_GRAMMAR_MASKS else None
         self._filling: Future | None = None  # the fill of the step being launched (join time, GrammarTiming)
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
         COMPILE_WATCH.arm()  # start-up is over: a kernel compiled from here on stalls a serving step
@@ -319,7 +323,7 @@ class EngineCore:
         num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
         overlap = self.grammar_overlap and previous is not None  # else nothing runs beside the fill
 
-        def masks() -> bytearray | Future:
+        def masks() -> bytearray | torch.Tensor | Future:
             timing = self.grammar_timing
             start = time.perf_counter()
             if previous is not None and self._inflight_result is None:
@@ -330,11 +334,12 @@ class EngineCore:
                 timing.feed_s += time.perf_counter() - waited
             timing.steps += 1
             if overlap:  # the runner queues the sampling once the future is done (finish_launch)
-                self._filling = fill_bitmasks_beside(rows, num_bytes, self._mask_thread(), timing.add_fill)
+                self._filling = fill_bitmasks_beside(rows, num_bytes, self._mask_thread(), timing.add_fill,
+                                                     self._mask_buffers)
                 timing.beside += 1
                 return self._filling
             filling = time.perf_counter()
-            buffer = fill_bitmasks(rows, num_bytes)
+            buffer = fill_bitmasks(rows, num_bytes, self._mask_buffers)
             timing.add_fill(time.perf_counter() - filling)
             return buffer
 

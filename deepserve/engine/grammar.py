@@ -31,6 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from deepserve.layers.sampling_metadata import MaskBuffers
 from deepserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -213,7 +216,8 @@ def _short(message: str, limit: int = 500) -> str:
     return message if len(message) <= limit else message[:limit] + "..."
 
 
-def fill_bitmasks(states: list[GrammarState | None], num_bytes: int) -> bytearray:
+def fill_bitmasks(states: list[GrammarState | None], num_bytes: int,
+                  buffers: MaskBuffers | None = None) -> bytearray | torch.Tensor:
     """The masks of a step's sampling rows, row after row, num_bytes each (ceil(V / 32) words, V the
     model's vocabulary); a row without a grammar allows everything, and so does a row whose grammar has
     stopped (completed or refused a token): under async scheduling such a request already has a row in
@@ -223,20 +227,21 @@ def fill_bitmasks(states: list[GrammarState | None], num_bytes: int) -> bytearra
     llguidance's executor computes the rows on its own threads, without the GIL, straight into the one
     buffer: W1's 256 JSON-schema rows took 7.1 ms a step one after another on a 2-core sandbox and 4.8 ms
     this way there (more cores, more of a gain). It checks num_bytes against its tokenizer's vocabulary
-    (ValueError otherwise) and writes exactly num_bytes per row."""
-    buffer, jobs = _fill_jobs(states, num_bytes)
+    (ValueError otherwise) and writes exactly num_bytes per row. buffers: fill a slot of these pinned
+    buffers (a uint8 tensor) instead of a new bytearray (DEEPSERVE_PINNED_GRAMMAR_MASKS)."""
+    buffer, jobs = _fill_jobs(states, num_bytes, buffers)
     _fill(buffer, jobs, num_bytes, len(states))
     return buffer
 
 
 def fill_bitmasks_beside(states: list[GrammarState | None], num_bytes: int, pool: ThreadPoolExecutor,
-                         seconds: Callable[[float], None]) -> Future:
+                         seconds: Callable[[float], None], buffers: MaskBuffers | None = None) -> Future:
     """fill_bitmasks on `pool`'s thread, returning once that thread is inside llguidance (which releases the
     GIL), so the caller's Python runs beside the fill: a thread that has to win the GIL from a busy caller
     starts late (CPython hands it over every 5 ms), and on a 2-core sandbox the fill then finished after
     the caller's work instead of beside it. The rows are chosen here, on the caller's thread; `seconds`
     gets the fill's own duration. The caller must not call these matchers until the future is done."""
-    buffer, jobs = _fill_jobs(states, num_bytes)
+    buffer, jobs = _fill_jobs(states, num_bytes, buffers)
     started = threading.Event()
 
     def run() -> bytearray:
@@ -253,15 +258,20 @@ def fill_bitmasks_beside(states: list[GrammarState | None], num_bytes: int, pool
     return future
 
 
-def _fill_jobs(states: list[GrammarState | None], num_bytes: int) -> tuple[bytearray, list]:
-    buffer = bytearray(b"\xff" * (num_bytes * len(states)))
+def _fill_jobs(states: list[GrammarState | None], num_bytes: int,
+               buffers: MaskBuffers | None) -> tuple[bytearray | torch.Tensor, list]:
+    size = num_bytes * len(states)
+    buffer = buffers.take(size) if buffers is not None else bytearray(b"\xff" * size)
     # The matcher's own state, tokens fed ahead included (is_finished may answer for an earlier token).
     jobs = [(s.matcher, row) for row, s in enumerate(states) if s is not None and not s.matcher.is_stopped()]
     return buffer, jobs
 
 
-def _fill(buffer: bytearray, jobs: list, num_bytes: int, rows: int) -> None:
+def _fill(buffer: bytearray | torch.Tensor, jobs: list, num_bytes: int, rows: int) -> None:
     if not jobs:
+        return
+    if isinstance(buffer, torch.Tensor):  # a contiguous uint8 slot of MaskBuffers: its memory is written
+        _executor().unsafe_compute_mask_ptr(jobs, buffer.data_ptr(), num_bytes, rows)
         return
     view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
     try:
