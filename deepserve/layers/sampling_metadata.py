@@ -8,6 +8,7 @@ penalties, no argmax when every row samples, no per-row generators without seeds
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -256,7 +257,7 @@ class MaskBuffers:
                 buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
                 self._buffers[slot] = buffer
         view = buffer[:num_bytes]
-        view.fill_(0xFF)
+        ctypes.memset(view.data_ptr(), 0xFF, num_bytes)  # one thread: a torch fill_ may wake its OpenMP pool
         return view
 
     def copied(self, view: torch.Tensor, device: torch.device) -> None:
