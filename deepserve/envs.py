@@ -80,6 +80,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                             "(deepserve/heap.py), so its full passes walk only what serving made; 0: off. On by "
                             "default: W3 saturation on one H200 read 98.4 % of offline W1 with it, 89.5 % "
                             "without (same machine, bench/RESULTS.md)"),
+    "DEEPSERVE_GC_FREEZE_GENERATE": (_flag("DEEPSERVE_GC_FREEZE_GENERATE", False),
+                                     "1: the offline LLM.generate keeps the objects that exist when it starts out "
+                                     "of the collector's full passes until it returns (deepserve/heap.py); on one "
+                                     "H200 such passes took 259-339 ms inside W1. Off until measured"),
     "DEEPSERVE_CORE_SEND_THREAD": (_flag("DEEPSERVE_CORE_SEND_THREAD", False),
                                    "1: the engine core process sends its step outputs to the API server from a "
                                    "thread of its own (engine/core_process.py), so a busy API event loop no longer "

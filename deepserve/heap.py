@@ -22,6 +22,8 @@ import atexit
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from deepserve import envs
 
@@ -49,3 +51,21 @@ def freeze_startup_heap(where: str) -> int:
     logger.info("%s: %d start-up objects kept out of garbage collection (%.0f ms)", where, frozen,
                 (time.perf_counter() - t0) * 1e3)
     return frozen
+
+
+@contextmanager
+def heap_frozen_while_generating() -> Iterator[None]:
+    """`LLM.generate`'s run with every object that exists at its start out of the collector's full passes
+    (DEEPSERVE_GC_FREEZE_GENERATE=1; off until measured): on one H200 such passes over the offline process's
+    heap took 259-339 ms, one or two inside each W1 (bench/step_trace.py). Unlike the serving processes'
+    freeze this one ends with the call (gc.unfreeze: both are O(1) list splices), so the user's process frees
+    its cycles as before once generate returns. Nothing is done when the heap is frozen already (a serving
+    process, or a generate running on another thread): unfreezing would undo that freeze."""
+    if not envs.DEEPSERVE_GC_FREEZE_GENERATE or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

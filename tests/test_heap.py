@@ -72,3 +72,43 @@ def test_the_frozen_heap_is_unfrozen_at_exit():
                          env={**os.environ, "DEEPSERVE_GC_FREEZE": "1"})
     assert out.returncode == 0, out.stderr
     assert "frozen at exit: 0" in out.stdout  # atexit runs the last registered first: the unfreeze, then the print
+
+
+def _generate_watching_the_freeze(monkeypatch, flag: str) -> list[int]:
+    """The demo model's generate, recording gc.get_freeze_count() at each engine step."""
+    from deepserve import LLM, SamplingParams
+
+    monkeypatch.setenv("DEEPSERVE_GC_FREEZE_GENERATE", flag)
+    llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=128)
+    seen, step = [], llm.llm_engine.step
+
+    def watched():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", watched)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    return seen
+
+
+def test_generate_freezes_the_heap_only_while_it_runs(monkeypatch, unfrozen):
+    # DEEPSERVE_GC_FREEZE_GENERATE=1: every step runs with the start-of-call heap frozen, and the call leaves
+    # it unfrozen; a cycle that existed before the call and died in it is freed once it returns.
+    before = Node()
+    dead = weakref.ref(before)
+    seen = _generate_watching_the_freeze(monkeypatch, "1")
+    assert len(seen) >= 3 and all(count > 1000 for count in seen)
+    assert gc.get_freeze_count() == 0
+    del before
+    gc.collect()
+    assert dead() is None
+
+
+def test_generate_leaves_the_heap_alone_when_off_or_frozen_already(monkeypatch, unfrozen):
+    assert set(_generate_watching_the_freeze(monkeypatch, "0")) == {0}
+    monkeypatch.setenv("DEEPSERVE_GC_FREEZE", "1")
+    kept = Node()
+    freeze_startup_heap("test")  # a serving process: its freeze outlives any generate
+    seen = _generate_watching_the_freeze(monkeypatch, "1")
+    assert all(count > 1000 for count in seen) and gc.get_freeze_count() > 1000
+    assert not any(o is kept for o in gc.get_objects())  # still frozen: generate did not unfreeze it

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from deepserve.config import EngineArgs
 from deepserve.engine.llm_engine import LLMEngine
 from deepserve.engine.outputs import RequestOutput
+from deepserve.heap import heap_frozen_while_generating
 from deepserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}
@@ -77,11 +78,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while len(finished) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            with heap_frozen_while_generating():
+                while len(finished) < len(ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in finished])
             raise
