@@ -25,6 +25,8 @@ import json
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -239,6 +241,48 @@ def print_outliers(steps: list[dict], count: int = 5) -> None:
         print(f"  step {i} tokens={steps[i].get('tokens', 0)} {parts}")
 
 
+class SyncWatch:
+    """--sync-debug: torch's sync debug mode over the timed run; each synchronizing CUDA call torch makes (an
+    .item(), a blocking copy, a nonzero) is counted by where our code made it (the deepserve and bench frames
+    of the stack). A copy from pageable memory that the driver holds is not torch's sync: it shows in the
+    step's host times instead."""
+
+    def __init__(self, enabled: bool) -> None:
+        import torch
+
+        self.enabled = enabled and torch.cuda.is_available()
+        self.sites: dict[tuple, int] = {}
+        self._torch = torch
+
+    def __enter__(self):
+        if self.enabled:
+            self._shown = warnings.showwarning
+            warnings.showwarning = self._record
+            self._filters = warnings.filters[:]
+            warnings.simplefilter("always")
+            self._torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._shown
+            warnings.filters[:] = self._filters
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "deepserve" in f.filename or "/bench/" in f.filename]
+        key = (str(message).splitlines()[0][:80], tuple(frames[-4:]))
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    def report(self) -> None:
+        if not self.enabled:
+            return
+        print(f"\nsynchronizing CUDA calls in the timed run: {sum(self.sites.values())} at {len(self.sites)} sites")
+        for (message, frames), count in sorted(self.sites.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {count:6d}  {message}\n          " + "\n          ".join(frames))
+
+
 def profiled(n_steps: int, core, run):
     """Run `run()` under torch.profiler for the core's first n_steps steps; print the top host ops."""
     import torch
@@ -285,7 +329,9 @@ def trace_w1(llm, ns) -> dict:
     measure_throughput(llm, workload)  # warm: the traced run is the second, as the gate's w1_2nd
     llm.reset_prefix_cache()
     tracer = StepTracer(core)
-    result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
+    with SyncWatch(ns.sync_debug) as syncs:
+        result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
+    syncs.report()
     steps = tracer.finish()
     _unwrap(core)
     rows = summarize(steps)
@@ -313,7 +359,10 @@ def trace_ttft(llm, ns) -> dict:
         for i, prompt in enumerate(prompts):
             count = len(tracer.steps)
             profile = ns.profile if (i == 2 and label == "fresh") else 0
-            first = profiled(profile, core, lambda: _first_token_ms(engine, f"{label}-{i}", prompt, params))  # noqa: B023
+            with SyncWatch(ns.sync_debug and i >= 2) as syncs:
+                first = profiled(profile, core, lambda: _first_token_ms(engine, f"{label}-{i}", prompt, params))  # noqa: B023
+            if i == 2:
+                syncs.report()
             firsts.append((first, count))
         steps = tracer.finish()
         first_steps = [steps[c] for _, c in firsts[2:]]  # each request's first step (the prefill's launch)
@@ -362,6 +411,8 @@ def main() -> int:
     parser.add_argument("--ttft", action="store_true", help="one request at a time: each one's first steps")
     parser.add_argument("--profile", type=int, default=0, help="torch.profiler over this many steps")
     parser.add_argument("--smoke", action="store_true", help="tiny workloads (CPU)")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="count torch's synchronizing CUDA calls in the timed run by where they were made")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="freeze the start-up heap as the server does (deepserve/heap.py): no full collection "
                              "walks it during the run")

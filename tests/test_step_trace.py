@@ -25,7 +25,7 @@ step_trace = _load("step_trace")
 
 
 def _ns(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"smoke": True, "json_schema": False, "profile": 0, **kw})
+    return argparse.Namespace(**{"smoke": True, "json_schema": False, "profile": 0, "sync_debug": False, **kw})
 
 
 def test_w1_trace_records_each_steps_phases_and_the_masks_where_rows_are_constrained(capsys):
@@ -36,9 +36,10 @@ def test_w1_trace_records_each_steps_phases_and_the_masks_where_rows_are_constra
     for step in launched:
         # the step's parts were timed inside it: none longer than the step itself
         assert step["wall"] >= step["launch"] >= step["forward_launch"] > 0
+        assert step["launch"] >= step["prepare"] > 0 and step["meta_build"] > 0
         assert step["schedule"] > 0 and step["tokens"] > 0
     masked = [s for s in launched if s.get("masked")]
-    assert masked and all(s["masks"] > 0 for s in masked)  # every request carries the schema
+    assert masked and all(s["masks"] > 0 and s["mask_copy"] > 0 for s in masked)  # every request has the schema
     kinds = {row["kind"]: row for row in report["summary"]}
     assert kinds["all"]["steps"] == len(launched)
     assert sum(row["steps"] for kind, row in kinds.items() if kind != "all") == len(launched)
@@ -112,8 +113,53 @@ class _FakeCore:
 def test_the_masks_column_leaves_out_the_wait_inside_them():
     core = _FakeCore()
     tracer = step_trace.StepTracer(core)
-    core.step()
+    try:
+        core.step()
+    finally:
+        step_trace._unwrap(core)
     (step,) = tracer.finish()
     assert step["wait"] >= 19.9 and step["masks"] >= 9.9 and step["masked"] and step["tokens"] == 3
     # counted once: the masks and the wait inside them both fit in the launch that ran them
     assert step["launch"] + 0.5 >= step["masks"] + step["wait"]
+
+
+def test_a_full_collection_inside_a_step_is_charged_to_it_and_the_tracer_comes_off():
+    import gc
+
+    from deepserve.layers import sampling_metadata
+    from deepserve.runner import model_runner
+
+    originals = (model_runner.prepare_inputs, sampling_metadata.bitmask_tensor,
+                 sampling_metadata.SamplingMetadata.build)
+    core = _FakeCore()
+    tracer = step_trace.StepTracer(core)
+    assert model_runner.prepare_inputs is not originals[0]  # timed while the tracer is on
+    real_wait = core.runner.wait
+    core.runner.wait = lambda pending: (gc.collect(), real_wait(pending))
+    try:
+        core.step()
+        core.runner.wait = real_wait
+        core.step()
+    finally:
+        step_trace._unwrap(core)
+    first, second = tracer.finish()
+    assert first["gc"] > 0 and first["gc_full"] >= 1 and "gc_full" not in second
+    assert (model_runner.prepare_inputs, sampling_metadata.bitmask_tensor,
+            sampling_metadata.SamplingMetadata.build) == originals
+    assert not any(getattr(c, "step_tracer", False) for c in gc.callbacks)
+
+
+def test_sync_watch_counts_each_site_once_per_call(capsys):
+    watch = step_trace.SyncWatch(False)
+    watch.enabled = True  # CUDA-only in use; the counting is plain Python
+
+    def site():
+        watch._record(UserWarning("called a synchronizing CUDA operation"), UserWarning, "x.py", 1)
+
+    for _ in range(3):
+        site()
+    watch._record(UserWarning("another"), UserWarning, "x.py", 2)
+    assert sorted(watch.sites.values()) == [1, 3]
+    watch.report()
+    out = capsys.readouterr().out
+    assert "4 at 2 sites" in out and "called a synchronizing CUDA operation" in out
