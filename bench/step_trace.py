@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gate  # noqa: E402  (bench/gate.py: the presets' engines as the gate builds them)
 
-ORIGINALS: dict = {}  # what StepTracer replaces outside the core's own objects, for _unwrap
+RESTORE: list[tuple] = []  # (object, name, value) StepTracer replaced outside the core's own objects, for _unwrap
 
 
 class StepTracer:
@@ -56,18 +56,17 @@ class StepTracer:
         self._wrap(core.runner, "_sample", self._sample)
         self._wrap(core, "_attach_grammar_bitmask", self._attach)
         # Inside the launch, the host work between the forward's launch and the sampling's: the inputs, the
-        # sampling metadata and (in it) the masks' copy to the device. Module and class attributes: _unwrap
-        # restores them.
+        # sampling metadata and (in it, or in the runner's deferred sampling under DEEPSERVE_GRAMMAR_OVERLAP)
+        # the masks' copy to the device. Module and class attributes: _unwrap restores them.
         from deepserve.layers import sampling_metadata
         from deepserve.runner import model_runner
 
-        ORIGINALS.setdefault("prepare_inputs", model_runner.prepare_inputs)
-        ORIGINALS.setdefault("bitmask_tensor", sampling_metadata.bitmask_tensor)
-        ORIGINALS.setdefault("build", sampling_metadata.SamplingMetadata.__dict__["build"])
-        self._wrap(model_runner, "prepare_inputs", self._timed("prepare"))
-        self._wrap(sampling_metadata, "bitmask_tensor", self._timed("mask_copy"))
-        build = ORIGINALS["build"].__func__
-        sampling_metadata.SamplingMetadata.build = classmethod(self._timed("meta_build")(build))
+        self._replace(model_runner, "prepare_inputs", self._timed("prepare"))
+        self._replace(sampling_metadata, "bitmask_tensor", self._timed("mask_copy"))
+        self._replace(model_runner, "bitmask_tensor", self._timed("mask_copy"))
+        build = sampling_metadata.SamplingMetadata.__dict__["build"]
+        RESTORE.append((sampling_metadata.SamplingMetadata, "build", build))
+        sampling_metadata.SamplingMetadata.build = classmethod(self._timed("meta_build")(build.__func__))
         # Python's collector: a full collection over a large heap stops the host for as long as it runs.
         self._gc_start = None
         gc.callbacks.append(self._gc)
@@ -82,6 +81,10 @@ class StepTracer:
             self._gc_start = None
 
     _gc.step_tracer = True  # _unwrap finds the callback by this mark
+
+    def _replace(self, obj, name: str, make) -> None:
+        RESTORE.append((obj, name, getattr(obj, name)))
+        self._wrap(obj, name, make)
 
     @staticmethod
     def _wrap(obj, name: str, make) -> None:
@@ -253,6 +256,7 @@ class SyncWatch:
         self.enabled = enabled and torch.cuda.is_available()
         self.sites: dict[tuple, int] = {}
         self._torch = torch
+        self._shown = warnings.showwarning
 
     def __enter__(self):
         if self.enabled:
@@ -270,6 +274,9 @@ class SyncWatch:
             warnings.filters[:] = self._filters
 
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):  # torch's words; any other warning is shown as usual
+            self._shown(message, category, filename, lineno, file, line)
+            return
         frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
                   if "deepserve" in f.filename or "/bench/" in f.filename]
         key = (str(message).splitlines()[0][:80], tuple(frames[-4:]))
@@ -278,7 +285,8 @@ class SyncWatch:
     def report(self) -> None:
         if not self.enabled:
             return
-        print(f"\nsynchronizing CUDA calls in the timed run: {sum(self.sites.values())} at {len(self.sites)} sites")
+        print(f"\nsynchronizing CUDA calls in the watched run: {sum(self.sites.values())} at {len(self.sites)} sites "
+              "(the debug mode slows what it watches: its times are not comparable with other runs)")
         for (message, frames), count in sorted(self.sites.items(), key=lambda kv: -kv[1])[:10]:
             print(f"  {count:6d}  {message}\n          " + "\n          ".join(frames))
 
@@ -329,11 +337,13 @@ def trace_w1(llm, ns) -> dict:
     measure_throughput(llm, workload)  # warm: the traced run is the second, as the gate's w1_2nd
     llm.reset_prefix_cache()
     tracer = StepTracer(core)
-    with SyncWatch(ns.sync_debug) as syncs:
-        result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
+    try:
+        with SyncWatch(ns.sync_debug) as syncs:
+            result = profiled(ns.profile, core, lambda: measure_throughput(llm, workload))
+    finally:
+        _unwrap(core)
     syncs.report()
     steps = tracer.finish()
-    _unwrap(core)
     rows = summarize(steps)
     print_table(f"W1{' + JSON schema' if ns.json_schema else ''}, {result['output_tokens_per_second']:.0f} out tok/s",
                 rows)
@@ -359,10 +369,14 @@ def trace_ttft(llm, ns) -> dict:
         for i, prompt in enumerate(prompts):
             count = len(tracer.steps)
             profile = ns.profile if (i == 2 and label == "fresh") else 0
-            with SyncWatch(ns.sync_debug and i >= 2) as syncs:
-                first = profiled(profile, core, lambda: _first_token_ms(engine, f"{label}-{i}", prompt, params))  # noqa: B023
-            if i == 2:
-                syncs.report()
+            watched = ns.sync_debug and i == 2 and label == "fresh"  # one request: the debug mode slows it
+            try:
+                with SyncWatch(watched) as syncs:
+                    first = profiled(profile, core, lambda: _first_token_ms(engine, f"{label}-{i}", prompt, params))  # noqa: B023
+            except BaseException:
+                _unwrap(core)
+                raise
+            syncs.report()
             firsts.append((first, count))
         steps = tracer.finish()
         first_steps = [steps[c] for _, c in firsts[2:]]  # each request's first step (the prefill's launch)
@@ -389,12 +403,9 @@ def _first_token_ms(engine, request_id: str, prompt: list[int], params) -> float
 def _unwrap(core) -> None:
     """Drop the tracer's wrappers (instance attributes shadowing the class methods; the module functions and
     the classmethod put back)."""
-    from deepserve.layers import sampling_metadata
-    from deepserve.runner import model_runner
-
-    model_runner.prepare_inputs = ORIGINALS["prepare_inputs"]
-    sampling_metadata.bitmask_tensor = ORIGINALS["bitmask_tensor"]
-    sampling_metadata.SamplingMetadata.build = ORIGINALS["build"]
+    while RESTORE:  # newest first: a second tracer's wrappers come off before the first's
+        obj, name, value = RESTORE.pop()
+        setattr(obj, name, value)
     gc.callbacks[:] = [c for c in gc.callbacks if not getattr(c, "step_tracer", False)]
     for obj, names in ((core, ("step", "_attach_grammar_bitmask")),
                        (core.scheduler, ("schedule", "update_from_output")),

@@ -100,8 +100,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "1: structured output's masks are filled straight into pinned host buffers "
                                        "used in turn (layers/sampling_metadata.py MaskBuffers), so their copy to "
                                        "the GPU is queued without the host waiting (from pageable memory: 2.9 ms "
-                                       "a full-batch step, up to 140 ms in a prefill step on one H200). Off: its "
-                                       "first version measured 9.5 % slower (the fill rose ~3 ms a step); the "
+                                       "a full-batch step, up to 159 ms in a prefill step on one H200). Off: its "
+                                       "first version measured 9.3 % slower (the fill rose ~3 ms a step); the "
                                        "slots are now set with memset instead of torch's fill_, not yet measured"),
     "DEEPSERVE_PREFILL_WARMUP": (_flag("DEEPSERVE_PREFILL_WARMUP", False),
                                  "1: start-up also runs prefill forwards of 1, 15, 16, 31, 32 ... up to "

@@ -60,7 +60,9 @@ def heap_frozen_while_generating() -> Iterator[None]:
     heap took 259-339 ms, one or two inside each W1 (bench/step_trace.py). Unlike the serving processes'
     freeze this one ends with the call (gc.unfreeze: both are O(1) list splices), so the user's process frees
     its cycles as before once generate returns. Nothing is done when the heap is frozen already (a serving
-    process, or a generate running on another thread): unfreezing would undo that freeze."""
+    process, or a generate running on another thread): unfreezing would undo that freeze. That check walks the
+    frozen objects (gc.get_freeze_count), a pass per call, only with the switch on. Two generates on two
+    threads: the first to return unfreezes, and the other runs the rest of its call unfrozen."""
     if not envs.DEEPSERVE_GC_FREEZE_GENERATE or gc.get_freeze_count():
         yield
         return

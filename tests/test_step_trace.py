@@ -149,17 +149,23 @@ def test_a_full_collection_inside_a_step_is_charged_to_it_and_the_tracer_comes_o
     assert not any(getattr(c, "step_tracer", False) for c in gc.callbacks)
 
 
-def test_sync_watch_counts_each_site_once_per_call(capsys):
+def test_sync_watch_counts_synchronizing_calls_by_the_site_that_made_them(capsys):
     watch = step_trace.SyncWatch(False)
     watch.enabled = True  # CUDA-only in use; the counting is plain Python
-
-    def site():
-        watch._record(UserWarning("called a synchronizing CUDA operation"), UserWarning, "x.py", 1)
-
+    passed_on = []
+    watch._shown = lambda message, *args: passed_on.append(str(message))
+    # two call sites in a file under bench/ (the frames the watch keeps), compiled from source here
+    call = "    record(UserWarning('called a synchronizing CUDA operation'), UserWarning, 'x', 1)\n"
+    source = f"def first(record):\n{call}def second(record):\n{call}"
+    sites: dict = {}
+    exec(compile(source, "/repo/bench/fake_site.py", "exec"), sites)
     for _ in range(3):
-        site()
-    watch._record(UserWarning("another"), UserWarning, "x.py", 2)
-    assert sorted(watch.sites.values()) == [1, 3]
+        sites["first"](watch._record)
+    sites["second"](watch._record)
+    watch._record(UserWarning("a deprecation"), DeprecationWarning, "x", 3)  # not a sync: shown, not counted
+    counts = {frames[-1]: n for (_, frames), n in watch.sites.items()}
+    assert counts == {"fake_site.py:2 first": 3, "fake_site.py:4 second": 1}
+    assert passed_on == ["a deprecation"]
     watch.report()
     out = capsys.readouterr().out
-    assert "4 at 2 sites" in out and "called a synchronizing CUDA operation" in out
+    assert "4 at 2 sites" in out and "fake_site.py:2 first" in out

@@ -22,12 +22,10 @@ from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmas
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
-from deepserve.layers.sampling_metadata import MASK_BUFFERS
 from deepserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
+    from deepserve.layers.sampling_metadata import MaskSlot
     from deepserve.runner.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -147,7 +145,7 @@ class EngineCore:
         # thread collects the step before (_step_async); off (no gain on the H200, bench/RESULTS.md).
         self.grammar_overlap = self.async_scheduling and envs.DEEPSERVE_GRAMMAR_OVERLAP
         self._mask_pool: ThreadPoolExecutor | None = None
-        self._mask_buffers = MASK_BUFFERS if envs.DEEPSERVE_PINNED_GRAMMAR_MASKS else None
+        self._mask_buffers = self._pinned_mask_buffers() if envs.DEEPSERVE_PINNED_GRAMMAR_MASKS else None
         self._filling: Future | None = None  # the fill of the step being launched (join time, GrammarTiming)
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off (steps run one at a time)")
         COMPILE_WATCH.arm()  # start-up is over: a kernel compiled from here on stalls a serving step
@@ -323,7 +321,7 @@ class EngineCore:
         num_bytes, previous = self.grammars.bitmask_bytes, self.inflight
         overlap = self.grammar_overlap and previous is not None  # else nothing runs beside the fill
 
-        def masks() -> bytearray | torch.Tensor | Future:
+        def masks() -> bytearray | MaskSlot | Future:
             timing = self.grammar_timing
             start = time.perf_counter()
             if previous is not None and self._inflight_result is None:
@@ -344,6 +342,14 @@ class EngineCore:
             return buffer
 
         scheduled.grammar_bitmask = masks
+
+    def _pinned_mask_buffers(self) -> Any:
+        """This engine's MaskBuffers, sized for a full batch of masks (imported here: the engine package
+        itself stays torch-free, and only this switch needs torch in the engine)."""
+        from deepserve.layers.sampling_metadata import MaskBuffers
+
+        row_bytes = (self.config.model.hf_config.vocab_size + 31) // 32 * 4
+        return MaskBuffers(initial_bytes=self.config.scheduler.max_num_seqs * row_bytes)
 
     def _mask_thread(self) -> ThreadPoolExecutor:
         if self._mask_pool is None:

@@ -29,12 +29,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from deepserve.layers.sampling_metadata import MaskBuffers
 from deepserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # torch-free at run time (the engine/ rule): a slot is only handed on
+    from deepserve.layers.sampling_metadata import MaskBuffers, MaskSlot
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def _short(message: str, limit: int = 500) -> str:
 
 
 def fill_bitmasks(states: list[GrammarState | None], num_bytes: int,
-                  buffers: MaskBuffers | None = None) -> bytearray | torch.Tensor:
+                  buffers: MaskBuffers | None = None) -> bytearray | MaskSlot:
     """The masks of a step's sampling rows, row after row, num_bytes each (ceil(V / 32) words, V the
     model's vocabulary); a row without a grammar allows everything, and so does a row whose grammar has
     stopped (completed or refused a token): under async scheduling such a request already has a row in
@@ -228,7 +228,7 @@ def fill_bitmasks(states: list[GrammarState | None], num_bytes: int,
     buffer: W1's 256 JSON-schema rows took 7.1 ms a step one after another on a 2-core sandbox and 4.8 ms
     this way there (more cores, more of a gain). It checks num_bytes against its tokenizer's vocabulary
     (ValueError otherwise) and writes exactly num_bytes per row. buffers: fill a slot of these pinned
-    buffers (a uint8 tensor) instead of a new bytearray (DEEPSERVE_PINNED_GRAMMAR_MASKS)."""
+    buffers instead of a new bytearray (DEEPSERVE_PINNED_GRAMMAR_MASKS)."""
     buffer, jobs = _fill_jobs(states, num_bytes, buffers)
     _fill(buffer, jobs, num_bytes, len(states))
     return buffer
@@ -259,7 +259,7 @@ def fill_bitmasks_beside(states: list[GrammarState | None], num_bytes: int, pool
 
 
 def _fill_jobs(states: list[GrammarState | None], num_bytes: int,
-               buffers: MaskBuffers | None) -> tuple[bytearray | torch.Tensor, list]:
+               buffers: MaskBuffers | None) -> tuple[bytearray | MaskSlot, list]:
     size = num_bytes * len(states)
     buffer = buffers.take(size) if buffers is not None else bytearray(b"\xff" * size)
     # The matcher's own state, tokens fed ahead included (is_finished may answer for an earlier token).
@@ -267,11 +267,11 @@ def _fill_jobs(states: list[GrammarState | None], num_bytes: int,
     return buffer, jobs
 
 
-def _fill(buffer: bytearray | torch.Tensor, jobs: list, num_bytes: int, rows: int) -> None:
+def _fill(buffer: bytearray | MaskSlot, jobs: list, num_bytes: int, rows: int) -> None:
     if not jobs:
         return
-    if isinstance(buffer, torch.Tensor):  # a contiguous uint8 slot of MaskBuffers: its memory is written
-        _executor().unsafe_compute_mask_ptr(jobs, buffer.data_ptr(), num_bytes, rows)
+    if not isinstance(buffer, bytearray):  # a MaskSlot: llguidance writes its contiguous memory
+        _executor().unsafe_compute_mask_ptr(jobs, buffer.address, num_bytes, rows)
         return
     view = (ctypes.c_char * len(buffer)).from_buffer(buffer)
     try:

@@ -59,7 +59,7 @@ class SamplingMetadata:
         device: torch.device,
         request_keys: list[int] | None = None,
         history: PenaltyHistory | None = None,
-        grammar_bitmask: bytes | bytearray | torch.Tensor | None = None,
+        grammar_bitmask: bytes | bytearray | MaskSlot | None = None,
         penalties: bool = True,
     ) -> SamplingMetadata:
         """`history` (with the rows' `request_keys`, Request.serial) keeps the penalties' token counts on
@@ -210,69 +210,81 @@ class PenaltyHistory:
             self.slot_of[rid], self.counted[rid] = slot, 0
 
 
-def bitmask_tensor(data: bytes | bytearray | torch.Tensor, rows: int, vocab_size: int,
+def bitmask_tensor(data: bytes | bytearray | MaskSlot, rows: int, vocab_size: int,
                    device: torch.device) -> torch.Tensor:
     """The engine's mask bytes (little-endian 32-bit words, row after row) as int32 [rows, ceil(V / 32)]; a
-    bytearray (what the engine builds) is viewed, not copied; a uint8 tensor is a MaskBuffers slot."""
+    bytearray (what the engine builds) is viewed, not copied; a MaskSlot is copied out of its slot."""
     words = (vocab_size + 31) // 32
-    size = data.numel() if isinstance(data, torch.Tensor) else len(data)
+    size = data.view.numel() if isinstance(data, MaskSlot) else len(data)
     if size != rows * words * 4:
         raise ValueError(f"grammar bitmask has {size} bytes, expected {rows} rows x {words} words x 4")
-    if isinstance(data, torch.Tensor):
-        host = data.view(torch.int32).view(rows, words)
+    if isinstance(data, MaskSlot):
+        host = data.view.view(torch.int32).view(rows, words)
         if device.type != "cuda":
-            return host.clone()  # the slot is reused: the step keeps its own copy
+            return host.clone()  # the slot is handed out again: the step keeps its own copy
         out = host.to(device, non_blocking=True)  # pinned: queued, the host goes on at once
-        MASK_BUFFERS.copied(data, device)
+        data.owner.copied(data, device)
         return out
     host = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.int32)
     host = host.view(rows, words)
-    # From pageable memory the copy may hold the host until the forward queued before it ends: up to 140 ms
+    # From pageable memory the copy may hold the host until the forward queued before it ends: up to 159 ms
     # in a prefill step of W1 with a schema on one H200 (bench/step_trace.py); MaskBuffers avoids it.
     return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-class MaskBuffers:
-    """Pinned host buffers that structured output's masks are filled into (DEEPSERVE_PINNED_GRAMMAR_MASKS),
-    used in turn: a copy from pinned memory is queued without the host waiting, where one from pageable
-    memory may wait for the forward queued before it. A slot is handed out again only after the copy out
-    of it has run (its event): with four slots and at most one step in flight, that copy ended steps
-    before, so the wait is a formality. Slots grow to the largest step's masks and are kept."""
+@dataclass
+class MaskSlot:
+    """One step's masks in a slot of `owner`: a uint8 view of the slot's memory."""
 
-    def __init__(self, slots: int = 4) -> None:
+    view: torch.Tensor
+    owner: MaskBuffers
+    index: int
+
+    @property
+    def address(self) -> int:  # where llguidance writes the rows
+        return self.view.data_ptr()
+
+
+class MaskBuffers:
+    """Pinned host buffers that one engine's structured-output masks are filled into
+    (DEEPSERVE_PINNED_GRAMMAR_MASKS), used in turn: a copy from pinned memory is queued without the host
+    waiting, where one from pageable memory may wait for the forward queued before it. A slot is handed
+    out again only after the copy out of it has run (its event): an engine holds at most two slots at once
+    (a step's being filled, the step before's being copied), so with four that copy ended steps before and
+    the wait is a formality. Slots start at `initial_bytes` (the largest batch's masks) so none is
+    allocated inside a step, and grow if a step needs more (more sampling rows than sequences: drafts)."""
+
+    def __init__(self, slots: int = 4, initial_bytes: int = 0) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._initial = initial_bytes
         self._next = 0
-        self._lock = threading.Lock()  # the engine fills on its own thread with DEEPSERVE_GRAMMAR_OVERLAP
+        self._lock = threading.Lock()  # the fill may run on the engine's mask thread (DEEPSERVE_GRAMMAR_OVERLAP)
 
-    def take(self, num_bytes: int) -> torch.Tensor:
-        """A uint8 [num_bytes] view of the next slot, every bit set (a row nobody fills allows everything)."""
+    def take(self, num_bytes: int) -> MaskSlot:
+        """The next slot's first num_bytes, every bit set (a row nobody fills allows everything)."""
         with self._lock:
-            slot, self._next = self._next, (self._next + 1) % len(self._buffers)
-            event, self._events[slot] = self._events[slot], None
+            index, self._next = self._next, (self._next + 1) % len(self._buffers)
+            event, self._events[index] = self._events[index], None
             if event is not None:
                 event.synchronize()
-            buffer = self._buffers[slot]
+            buffer = self._buffers[index]
             if buffer is None or buffer.numel() < num_bytes:
-                buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                self._buffers[slot] = buffer
+                size = max(num_bytes, self._initial)
+                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                self._buffers[index] = buffer
         view = buffer[:num_bytes]
         ctypes.memset(view.data_ptr(), 0xFF, num_bytes)  # one thread: a torch fill_ may wake its OpenMP pool
-        return view
+        return MaskSlot(view, self, index)
 
-    def copied(self, view: torch.Tensor, device: torch.device) -> None:
-        """Mark the slot `view` belongs to as read by the copy just queued on `device`'s current stream."""
-        pointer = view.untyped_storage().data_ptr()
+    def copied(self, slot: MaskSlot, device: torch.device) -> None:
+        """The copy out of `slot` was just queued on `device`'s current stream: the slot waits for it."""
+        if slot.owner is not self:
+            raise ValueError("a mask slot was reported to buffers it does not belong to")
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
         with self._lock:
-            for slot, buffer in enumerate(self._buffers):
-                if buffer is not None and buffer.untyped_storage().data_ptr() == pointer:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(device))
-                    self._events[slot] = event
-                    return
-
-
-MASK_BUFFERS = MaskBuffers()  # one per process: only the process that samples fills masks
+            self._events[slot.index] = event
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:

@@ -434,17 +434,17 @@ def test_masks_filled_into_buffer_slots_give_the_same_tokens(monkeypatch, overla
     # DEEPSERVE_PINNED_GRAMMAR_MASKS=1 (on this CPU the slots are plain memory, the same code path): seeded
     # outputs equal those of masks built in new bytearrays, token for token, constrained rows beside
     # unconstrained ones, with the fill on the engine's thread or beside it; every step took a slot.
-    import deepserve.engine.grammar as grammar_module
+    from deepserve.layers.sampling_metadata import MaskBuffers
 
     monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", overlap)
     plain = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
     monkeypatch.setenv("DEEPSERVE_PINNED_GRAMMAR_MASKS", "1")
     slotted = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
-    assert plain.llm_engine.core._mask_buffers is None and slotted.llm_engine.core._mask_buffers is not None
+    buffers = slotted.llm_engine.core._mask_buffers
+    assert plain.llm_engine.core._mask_buffers is None and isinstance(buffers, MaskBuffers)
     taken = []
-    real_take = grammar_module.MaskBuffers.take
-    monkeypatch.setattr(grammar_module.MaskBuffers, "take",
-                        lambda self, n: taken.append(n) or real_take(self, n))
+    real_take = MaskBuffers.take
+    monkeypatch.setattr(MaskBuffers, "take", lambda self, n: taken.append((self, n)) or real_take(self, n))
     prompts = ["Write a person:", "p", "Pick:", "x"]
     params = [SamplingParams(temperature=1.0, seed=31, max_tokens=200, structured_outputs=_json()),
               SamplingParams(temperature=0.8, seed=32, max_tokens=40, ignore_eos=True),
@@ -455,6 +455,6 @@ def test_masks_filled_into_buffer_slots_give_the_same_tokens(monkeypatch, overla
     assert taken == []
     got = slotted.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == want
-    assert len(taken) > 10 and all(n % 4 == 0 for n in taken)
+    assert len(taken) > 10 and all(owner is buffers and n % 4 == 0 for owner, n in taken)  # this engine's own
     for c in (c for i in (0, 2) for c in got[i].outputs if c.finish_reason == "stop"):
         jsonschema.validate(json.loads(c.text), SCHEMA)

@@ -473,17 +473,17 @@ def test_mask_buffers_hand_out_slots_in_turn_all_bits_set() -> None:
     # slot held before, grown when a step's masks are larger; the fifth take is the first slot again.
     from deepserve.layers.sampling_metadata import MaskBuffers
 
-    buffers = MaskBuffers(slots=4)
+    buffers = MaskBuffers(slots=4, initial_bytes=12)
     taken = [buffers.take(n) for n in (8, 16, 8, 8)]
-    pointers = [t.untyped_storage().data_ptr() for t in taken]
-    assert len(set(pointers)) == 4
+    pointers = [t.view.untyped_storage().data_ptr() for t in taken]
+    assert len(set(pointers)) == 4 and [t.index for t in taken] == [0, 1, 2, 3]
     for t in taken:
-        assert t.dtype == torch.uint8 and bool((t == 0xFF).all())
-        t.zero_()
-    again = buffers.take(8)
-    assert again.untyped_storage().data_ptr() == pointers[0] and bool((again == 0xFF).all())
+        assert t.view.dtype == torch.uint8 and bool((t.view == 0xFF).all()) and t.address == t.view.data_ptr()
+        t.view.zero_()
+    again = buffers.take(12)  # slot 0 was made at its initial 12 bytes: reused, not grown
+    assert again.view.untyped_storage().data_ptr() == pointers[0] and bool((again.view == 0xFF).all())
     grown = buffers.take(64)  # slot 1 held 16 bytes
-    assert grown.numel() == 64 and grown.untyped_storage().data_ptr() != pointers[1]
+    assert grown.view.numel() == 64 and grown.view.untyped_storage().data_ptr() != pointers[1]
 
 
 def test_masks_from_a_buffer_slot_equal_the_bytearray_path_and_outlive_the_slot() -> None:
@@ -492,39 +492,40 @@ def test_masks_from_a_buffer_slot_equal_the_bytearray_path_and_outlive_the_slot(
     allowed, vocab = [[1, 40], [2, 3, 63, 64]], 70
     data = _bitmask(allowed, vocab).numpy().tobytes()
     slot = MaskBuffers().take(len(data))
-    slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    slot.view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     got = bitmask_tensor(slot, 2, vocab, torch.device("cpu"))
     assert torch.equal(got, _bitmask(allowed, vocab))
-    slot.fill_(0)  # the slot is handed out again later: the step's masks are its own
+    slot.view.fill_(0)  # the slot is handed out again later: the step's masks are its own
     assert torch.equal(got, _bitmask(allowed, vocab))
-    with pytest.raises(ValueError, match="grammar bitmask has 4 bytes"):
-        bitmask_tensor(slot[:4], 2, vocab, torch.device("cpu"))
+    with pytest.raises(ValueError, match="grammar bitmask has 24 bytes, expected 1 rows"):
+        bitmask_tensor(slot, 1, vocab, torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not belong"):
+        MaskBuffers().copied(slot, torch.device("cpu"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned buffers are for CUDA copies")
 def test_pinned_mask_slots_arrive_unchanged_and_wait_for_their_copy() -> None:
     # A slot is rewritten only after the copy out of it ran: with a long kernel queued before the copies,
-    # every step's masks still arrive as filled, though the slots are refilled at once.
-    import deepserve.layers.sampling_metadata as sm
+    # every step's masks still arrive as filled, though the slots are refilled at once (two slots, six
+    # steps: takes 3-6 each wait for a copy still queued behind the kernel when they start).
     from deepserve.layers.sampling_metadata import MaskBuffers, bitmask_tensor
 
     device, vocab, rows = torch.device("cuda"), 152064, 64
     buffers = MaskBuffers(slots=2)
-    original, sm.MASK_BUFFERS = sm.MASK_BUFFERS, buffers
-    try:
-        busy = torch.randn(4096, 4096, device=device)
-        for _ in range(20):
-            busy = busy @ busy / 64  # keeps the stream busy well past the host's loop below
-        got, want = [], []
-        for _ in range(6):
-            slot = buffers.take(rows * ((vocab + 31) // 32) * 4)
-            assert slot.is_pinned()
-            values = torch.randint(0, 255, (slot.numel(),), dtype=torch.uint8)
-            slot.copy_(values)
-            want.append(values.view(torch.int32).view(rows, -1).clone())
-            got.append(bitmask_tensor(slot, rows, vocab, device))
-        torch.cuda.synchronize()
-        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
-    finally:
-        sm.MASK_BUFFERS = original
+    busy = torch.randn(4096, 4096, device=device)
+    for _ in range(20):
+        busy = busy @ busy / 64  # keeps the stream busy well past the host's loop below
+    got, want, busy_at_reuse = [], [], []
+    for step in range(6):
+        if step == 2:
+            busy_at_reuse.append(not torch.cuda.current_stream().query())
+        slot = buffers.take(rows * ((vocab + 31) // 32) * 4)
+        assert slot.view.is_pinned()
+        values = torch.randint(0, 255, (slot.view.numel(),), dtype=torch.uint8)
+        slot.view.copy_(values)
+        want.append(values.view(torch.int32).view(rows, -1).clone())
+        got.append(bitmask_tensor(slot, rows, vocab, device))
+    torch.cuda.synchronize()
+    assert busy_at_reuse == [True]  # the first reuse came while the copies were still queued
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
