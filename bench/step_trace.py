@@ -9,13 +9,15 @@ host for the whole TTFT.
 
 W1 (or --ttft: 8 requests of 1,024 tokens, one at a time, each then again for prefix-cache hits) runs with
 the engine core's parts wrapped, nothing in the engine changed: per step the host time of schedule, launch
-(and inside it the forward's launch, the masks without the wait inside them, the sampling's launch), the
-wait for the step in flight and update_from_output; on the GPU, CUDA events around the forward and the
-sampling: each step's device time, the stall between its forward and its sampling (the masks not ready),
-and the device's idle gap before it. Steps are grouped by kind (graph replay or eager; with or without
-masks) and the table prints means per kind. --profile N: torch.profiler over the first N steps of the
-timed run (or --ttft's first request), its top host ops by self time (a cudaStreamSynchronize or a
-pageable copy inside a launch shows there)."""
+(and inside it the inputs' preparation, the forward's launch, the masks without the wait inside them, the
+sampling metadata with the masks' copy, the sampling's launch), the wait for the step in flight,
+update_from_output and the collector's pauses (also inside whichever part they interrupted); on the GPU,
+CUDA events around the forward and the sampling: each step's device time, the stall between its forward and
+its sampling (the masks not ready), and the device's idle gap before it. Steps are grouped by kind (graph
+replay or eager; with or without masks) and the table prints means per kind. --profile N: torch.profiler
+over the first N steps of the timed run (or --ttft's first request), its top host ops by self time (a
+cudaStreamSynchronize or a pageable copy inside a launch shows there). --sync-debug: torch's synchronizing
+calls by site; --gc-freeze: the start-up heap frozen as the server freezes it."""
 
 from __future__ import annotations
 
@@ -260,7 +262,6 @@ class SyncWatch:
 
     def __enter__(self):
         if self.enabled:
-            self._shown = warnings.showwarning
             warnings.showwarning = self._record
             self._filters = warnings.filters[:]
             warnings.simplefilter("always")

@@ -18,7 +18,13 @@ from deepserve import envs
 from deepserve.compile_watch import WATCH as COMPILE_WATCH
 from deepserve.config import EngineArgs, EngineConfig
 from deepserve.engine.block_manager import BlockManager
-from deepserve.engine.grammar import GrammarCompiler, GrammarTiming, fill_bitmasks, fill_bitmasks_beside
+from deepserve.engine.grammar import (
+    GrammarCompiler,
+    GrammarTiming,
+    fill_bitmasks,
+    fill_bitmasks_beside,
+    mask_row_bytes,
+)
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
 from deepserve.engine.scheduler import Scheduler, SchedulerStats
@@ -348,7 +354,7 @@ class EngineCore:
         itself stays torch-free, and only this switch needs torch in the engine)."""
         from deepserve.layers.sampling_metadata import MaskBuffers
 
-        row_bytes = (self.config.model.hf_config.vocab_size + 31) // 32 * 4
+        row_bytes = mask_row_bytes(self.config.model.hf_config.vocab_size)
         return MaskBuffers(initial_bytes=self.config.scheduler.max_num_seqs * row_bytes)
 
     def _mask_thread(self) -> ThreadPoolExecutor:

@@ -175,7 +175,7 @@ class GrammarCompiler:
 
     @property
     def bitmask_bytes(self) -> int:
-        return (self.vocab_size + 31) // 32 * 4
+        return mask_row_bytes(self.vocab_size)
 
     def compile(self, so: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for the request; raises GrammarError naming what is wrong."""
@@ -214,6 +214,11 @@ class GrammarCompiler:
 def _short(message: str, limit: int = 500) -> str:
     message = " ".join(message.split())
     return message if len(message) <= limit else message[:limit] + "..."
+
+
+def mask_row_bytes(vocab_size: int) -> int:
+    """One row's mask: a bit per vocabulary entry, in whole 32-bit words."""
+    return (vocab_size + 31) // 32 * 4
 
 
 def fill_bitmasks(states: list[GrammarState | None], num_bytes: int,

@@ -9,7 +9,6 @@ penalties, no argmax when every row samples, no per-row generators without seeds
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -251,28 +250,28 @@ class MaskBuffers:
     waiting, where one from pageable memory may wait for the forward queued before it. A slot is handed
     out again only after the copy out of it has run (its event): an engine holds at most two slots at once
     (a step's being filled, the step before's being copied), so with four that copy ended steps before and
-    the wait is a formality. Slots start at `initial_bytes` (the largest batch's masks) so none is
-    allocated inside a step, and grow if a step needs more (more sampling rows than sequences: drafts)."""
+    the wait is a formality. Both calls come from the engine's own thread (the rows are chosen there even
+    when the fill runs beside it, DEEPSERVE_GRAMMAR_OVERLAP), so no lock. Slots start at `initial_bytes`
+    (the largest batch's masks) so none is allocated inside a step, and grow if a step needs more (more
+    sampling rows than sequences: drafts)."""
 
     def __init__(self, slots: int = 4, initial_bytes: int = 0) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * slots
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._initial = initial_bytes
         self._next = 0
-        self._lock = threading.Lock()  # the fill may run on the engine's mask thread (DEEPSERVE_GRAMMAR_OVERLAP)
 
     def take(self, num_bytes: int) -> MaskSlot:
         """The next slot's first num_bytes, every bit set (a row nobody fills allows everything)."""
-        with self._lock:
-            index, self._next = self._next, (self._next + 1) % len(self._buffers)
-            event, self._events[index] = self._events[index], None
-            if event is not None:
-                event.synchronize()
-            buffer = self._buffers[index]
-            if buffer is None or buffer.numel() < num_bytes:
-                size = max(num_bytes, self._initial)
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                self._buffers[index] = buffer
+        index, self._next = self._next, (self._next + 1) % len(self._buffers)
+        event, self._events[index] = self._events[index], None
+        if event is not None:
+            event.synchronize()
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < num_bytes:
+            size = max(num_bytes, self._initial)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._buffers[index] = buffer
         view = buffer[:num_bytes]
         ctypes.memset(view.data_ptr(), 0xFF, num_bytes)  # one thread: a torch fill_ may wake its OpenMP pool
         return MaskSlot(view, self, index)
@@ -283,8 +282,7 @@ class MaskBuffers:
             raise ValueError("a mask slot was reported to buffers it does not belong to")
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        with self._lock:
-            self._events[slot.index] = event
+        self._events[slot.index] = event
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
