@@ -13,6 +13,7 @@ For a batch of B requests in steady decode (prompt length L, dummy weights) it p
 - the top kernels of one graph replay and of one eager step (torch.profiler), written to $OUT.
 
 Usage: python bench/profile_step.py --model deepseek-llm-7b --batch 1 --prompt-len 1024 [--temperature 0]
+       [--quantization fp8|awq|gptq|none] [--kv-cache-dtype fp8] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -212,13 +213,18 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--host-profile", action="store_true",
                     help="also time eager steps after a warm-up and cProfile them (where the host time goes)")
+    ap.add_argument("--quantization", default=None, help="as deepserve's --quantization (dummy weights in it)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--tag", default="", help="appended to the output files' names (variants of one model)")
     ns = ap.parse_args()
-    tag = f"{ns.model}-b{ns.batch}"
+    quant = f"-{ns.quantization}" if ns.quantization else ""
+    tag = f"{ns.model}{quant}-b{ns.batch}{ns.tag and '-' + ns.tag}"
     # Room for the prefill window's prompts (512 tokens each) in one step. With max_num_seqs = batch = 1
     # its 16 prompts went one per step, 16 steps: the likely reading of the 1,231 ms that BENCHMARKS.md's
     # V2-Lite batch-1 profile printed for "8,192 tokens". The window now also counts its engine steps.
     llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
-              max_num_seqs=max(ns.batch, ns.prefill_tokens // 512, 1), skip_tokenizer_init=True)
+              max_num_seqs=max(ns.batch, ns.prefill_tokens // 512, 1), skip_tokenizer_init=True,
+              quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype)
     prefill, prefill_steps, top_prefill = None, 0, []
     if ns.prefill_tokens:
         run_prefill = prefill_runner(llm, ns.prefill_tokens, 512)
@@ -263,7 +269,8 @@ def main() -> int:
         eager_warm_ms = timed_steps(engine, ns.steps)
         host_top = host_profile(engine.step, 5, f"{ns.out}/{tag}-eager-host.txt")
 
-    result = {"model": ns.model, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
+    result = {"model": ns.model, "quantization": ns.quantization, "kv_cache_dtype": ns.kv_cache_dtype,
+              "tag": ns.tag, "batch": ns.batch, "prompt_len": ns.prompt_len, "temperature": ns.temperature,
               "wall_ms_per_step": round(wall_ms, 3), "async_wall_ms_per_step": round(async_ms, 3),
               "eager_wall_ms_per_step": round(eager_ms, 3),
               "eager_warm_wall_ms_per_step": eager_warm_ms and round(eager_warm_ms, 3),

@@ -33,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepserve import envs
 from deepserve.kernels.int4_tile import gemv_rows, gemv_rows_block
 from deepserve.kernels.split_k import store_tile, sum_splits
 
+# Read once, at import (a launch must not reread the environment): the one-token GEMV's numerics.
+FACTORED_ONE_TOKEN = envs.DEEPSERVE_INT4_GEMV_FACTORED
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight while others unpack
 
 
@@ -59,9 +62,11 @@ def default_gemv_config(m: int) -> Int4GemvConfig:
     of it: 7B gate_up 113 µs with the old default (n32 k256, 4 an SM), 53.7 with n64 k128, 49.2 at 8 an SM,
     48.4 with the prefetch; the factored numerics read 42.3 (not taken yet: no engine run). More tokens: up
     to 16 a program on narrower tiles (the 3-D product holds block_m x block_n x block_k / pack fp32 values a
-    program); prefetch applies to one token a program only."""
+    program); prefetch applies to one token a program only. DEEPSERVE_INT4_GEMV_FACTORED=1 gives the one-token
+    tiles the factored numerics."""
     if m <= 1:
-        return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8)
+        return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8,
+                              factored=FACTORED_ONE_TOKEN)
     return Int4GemvConfig(block_n=16, block_k=128, block_m=min(16, triton.next_power_of_2(m)))
 
 
