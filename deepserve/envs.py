@@ -69,6 +69,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                      "and scales once per word (s * (sum x q - z sum x), kernels/int4_gemv.py), the "
                                      "weight not rounded to bf16 first; off until an engine run measures it (per "
                                      "GEMV on one H200: 7B gate_up 42.3 us against 48.4)"),
+    "DEEPSERVE_SPLIT_K_FUSED_SUM": (_flag("DEEPSERVE_SPLIT_K_FUSED_SUM", False),
+                                    "1: the decode GEMVs (FP8 and int4) add their split-K partials in the "
+                                    "program that finishes each output tile (kernels/split_k.py) instead of a "
+                                    "second kernel; the same sum, bit for bit. Off until measured"),
     "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 64),
                                     "int4 linears with at least this many tokens dequantize the weight and run "
                                     "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never. Default "

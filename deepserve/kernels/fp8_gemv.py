@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepserve.kernels.fp8 import GEMV_BLOCK_K, INTERPRET
-from deepserve.kernels.split_k import sm_count, sum_splits
+from deepserve.kernels.split_k import fused_sum, sm_count, store_split, sum_splits
 
 NUMERICS = ("dot", "fma")
 
@@ -89,14 +89,17 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     block_m = 16 if cfg.numerics == "dot" else triton.next_power_of_2(m)
     scale2 = scale.view(-1, 1) if block is None else scale
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    locks, fused = fused_sum(x.device, triton.cdiv(n, cfg.block_n), partials)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x, w_q, scale2, partials, m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
+        x, w_q, scale2, partials, out, out if bias is None else bias, locks,
+        m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
         scale2.stride(0), scale2.stride(1), GROUP_N=group_n, GROUP_K=group_k, PER_CHANNEL=block is None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.numerics == "dot",
         IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    sum_splits(partials, out, bias)
+        HAS_BIAS=bias is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not fused["FUSED_SUM"]:
+        sum_splits(partials, out, bias)
     return out
 
 
@@ -116,12 +119,14 @@ def _check(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple
 
 # M changes every step: one compile serves every M up to the row tile.
 @triton.jit(do_not_specialize=["M", "tiles_per_split"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stride_xm, stride_wn,
-                     stride_sn, stride_sk, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, tiles_per_split,
+                     stride_xm, stride_wn, stride_sn, stride_sk, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                     PREFETCH: tl.constexpr):
-    # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split].
+                     PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split]; with
+    # FUSED_SUM the tile's last program also writes out (split_k.store_split).
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
     # PREFETCH: the next K tile's weights are loaded before this tile is multiplied (Triton pipelines
     # loads that feed tl.dot; the fma path's are not, and a one-token GEMV is all weight loads). The
@@ -149,8 +154,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, M, N, K, tiles_per_split, stri
     if PER_CHANNEL:  # constant along K: applied once
         acc = acc * tl.load(s_ptr + offs_n * stride_sn)[None, :]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = ws_ptr + split.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out, acc, mask=(offs_m < M)[:, None] & (cols[None, :] < N))
+    store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, pid_n, offs_m, cols, split, tl.num_programs(1), M, N,
+                HAS_BIAS, FUSED_SUM, INTERPRETED)
 
 
 @triton.jit

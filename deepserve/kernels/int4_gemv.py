@@ -11,7 +11,8 @@ layout of the loaded tile; the tile is summed along K once, after the loop.
 The programs of one N tile (its token blocks) are adjacent in the grid: they read the same weight tile
 at about the same time, so HBM serves it once and L2 the rest (each program unpacks the tile again,
 which is why BLOCK_M > 1 exists and why the GEMV is meant for small M). Split-K partials are summed in
-order by split_k.sum_splits (deterministic).
+order by split_k.sum_splits, or in the kernel by the program that completes each tile under
+DEEPSERVE_SPLIT_K_FUSED_SUM=1 (split_k.store_split; the same sum; deterministic either way).
 
 Two numerics (a constexpr, FACTORED):
   exact     w = q * s - z * s per element (exact in fp32, int4_tile.py), rounded to x's dtype like
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from deepserve import envs
 from deepserve.kernels.int4_tile import gemv_rows, gemv_rows_block
-from deepserve.kernels.split_k import store_tile, sum_splits
+from deepserve.kernels.split_k import fused_sum, store_split, store_tile, sum_splits
 
 # Read once, at import (a launch must not reread the environment): the one-token GEMV's numerics.
 FACTORED_ONE_TOKEN = envs.DEEPSERVE_INT4_GEMV_FACTORED
@@ -95,17 +96,18 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = cfg.split_k or gemv_split_count(m, n, k, cfg, num_sms)
     partial = split > 1
     c = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-    _w4a16_gemv_kernel[grid](
-        x, qweight, scales, zeros, out if g_idx is None else g_idx, c, out if bias is None else bias,
-        m, n, k, split, x.stride(0), qweight.stride(0), scales.stride(0),
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    # one split: the kernel writes out itself; more: the partials are summed in the kernel or by sum_splits
+    locks, fused = fused_sum(x.device, tiles, c, split=partial)
+    _w4a16_gemv_kernel[(tiles, split)](
+        x, qweight, scales, zeros, out if g_idx is None else g_idx, c, out, out if bias is None else bias,
+        locks, m, n, k, split, x.stride(0), qweight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_G_IDX=g_idx is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, FACTORED=cfg.factored, PREFETCH=cfg.prefetch, PARTIAL=partial,
-        HAS_BIAS=bias is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if partial:
+    if partial and not fused["FUSED_SUM"]:
         sum_splits(c, out, bias)
     return out
 
@@ -113,10 +115,11 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 # M changes every step: one compile serves all of them.
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4a16_gemv_kernel(
-    a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, bias_ptr, M, N, K, split_k, stride_am, stride_qn, stride_sn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
+    a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, split_k, stride_am, stride_qn,
+    stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr,
-    PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # c[row, n] = sum_k a[row, k] * w[n, k], w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or
     # k // GROUP. Rows past M and N wrap around (modulo) so every load is in bounds; the store masks them.
@@ -137,7 +140,11 @@ def _w4a16_gemv_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = gemv_rows_block(a_ptr + (rows % M).to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first,
                               last, K, BITS, GROUP, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
-    store_tile(c_ptr, bias_ptr, out, pid_m, pid_n, split, M, N, N, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)  # out: [M, N]
+    if FUSED_SUM:  # c is the workspace; the tile's last program writes out (split_k.store_split)
+        store_split(c_ptr, out_ptr, bias_ptr, lock_ptr, out, pid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), cols,
+                    split, split_k, M, N, HAS_BIAS, FUSED_SUM, INTERPRETED)
+    else:  # c: the workspace when PARTIAL, else out [M, N]
+        store_tile(c_ptr, bias_ptr, out, pid_m, pid_n, split, M, N, N, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
 
 
 def default_moe_gemv_config() -> Int4GemvConfig:

@@ -335,6 +335,40 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
     _compile_all(_record(monkeypatch, (int4_gemv, int4_dequant, split_k), run, execute=False))
 
 
+def test_fused_split_sum_gemvs_compile(monkeypatch):
+    # DEEPSERVE_SPLIT_K_FUSED_SUM: both decode GEMVs with the in-kernel sum (the fences' inline PTX, which
+    # the interpreter never sees, the counting atomic, the L2 reads), with and without a bias.
+    split_k = import_kernels("deepserve.kernels.split_k")
+    fp8_gemv = import_kernels("deepserve.kernels.fp8_gemv")
+    from deepserve.kernels import int4_gemv
+    from deepserve.kernels.fp8_ref import quantize_weight_block
+    from deepserve.kernels.int4_ref import pack_rows
+
+    int4 = import_kernels("deepserve.kernels.int4")
+    monkeypatch.setattr(split_k, "FUSED_SUM", True)
+    monkeypatch.setattr(split_k, "INTERPRET", False)
+    monkeypatch.setattr(split_k, "_tile_locks", {})
+    monkeypatch.setattr(fp8_gemv, "INTERPRET", False)
+    w_q, w_scale = quantize_weight_block(torch.randn(200, 328), (128, 128))
+    n, k = 192, 512
+    qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
+    scales, zeros = torch.rand(n, 4, dtype=torch.float16), torch.full((n, 4), 8.0, dtype=torch.float16)
+    bias = torch.randn(200, dtype=torch.bfloat16)
+
+    def run():
+        for m in (1, 2):
+            fp8_gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), bias)
+            fp8_gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), None)
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=int4_gemv.default_gemv_config(m))
+            int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, bias=bias[:n], config=int4_gemv.default_gemv_config(m))
+
+    launches = _record(monkeypatch, (fp8_gemv, int4_gemv), run, execute=False)
+    fused = [j for j in launches if j["constexprs"].get("FUSED_SUM")]
+    assert len(fused) == len(launches) == 8 and all(j["constexprs"]["INTERPRETED"] is False for j in fused)
+    _compile_all(launches)
+
+
 def test_fused_moe_int4_kernels_compile(monkeypatch):
     fm = import_kernels("deepserve.kernels.fused_moe")
     from deepserve.kernels.int4_ref import pack_rows

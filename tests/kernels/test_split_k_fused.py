@@ -1,0 +1,92 @@
+"""The fused split-K sum (kernels/split_k.store_split, DEEPSERVE_SPLIT_K_FUSED_SUM): the decode GEMVs' output
+with the partials added in the kernel equals, bit for bit, the output with sum_splits' separate kernel (the
+same additions in the same order), no separate sum is launched, and every tile counter is back at 0 after each
+launch (a CUDA graph replays with the same counters). The interpreter runs programs one after another, so
+on CPU this tests the counting and the sum's order; the H200 run (bench/check_split_k.py) tests it under
+real concurrency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.test_fp8_gemm import block_weight
+from tests.kernels.triton_setup import DEVICE, MARKS, import_kernels
+
+split_k = import_kernels("deepserve.kernels.split_k")
+fp8_gemv = import_kernels("deepserve.kernels.fp8_gemv")
+int4_gemv = import_kernels("deepserve.kernels.int4_gemv")
+int4 = import_kernels("deepserve.kernels.int4")
+
+from deepserve.kernels.int4_ref import pack_rows  # noqa: E402
+
+pytestmark = MARKS
+
+
+def _fused(monkeypatch, on: bool) -> None:
+    monkeypatch.setattr(split_k, "FUSED_SUM", on)
+    monkeypatch.setattr(split_k, "_tile_locks", {})
+
+
+def _both(monkeypatch, run):
+    """run() without and with the fused sum; with it, sum_splits must not be called."""
+    _fused(monkeypatch, False)
+    unfused = run()
+    _fused(monkeypatch, True)
+    called = []
+    for module in (fp8_gemv, int4_gemv):
+        monkeypatch.setattr(module, "sum_splits", lambda *a: called.append(a))
+    fused = run()
+    assert not called, "a fused launch also ran the separate sum"
+    locks = split_k._tile_locks[torch.device(DEVICE.type, 0) if DEVICE.type == "cuda" else DEVICE]
+    assert int(locks.count_nonzero()) == 0, "a tile counter was left set"
+    return unfused, fused
+
+
+@pytest.mark.parametrize("numerics", ["fma", "dot"])
+@pytest.mark.parametrize("m,split", [(1, 3), (3, 2), (2, 0)])
+def test_fp8_gemv_fused_sum_equals_the_separate_sum(monkeypatch, numerics, m, split):
+    n, k = 200, 328  # a partial N tile and a partial K block
+    w_q, scale = block_weight(n, k, (128, 128), seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    cfg = fp8_gemv.Fp8GemvConfig(block_n=32, block_k=64, split_k=split, numerics=numerics)
+
+    def run():
+        return fp8_gemv.fp8_gemv(x, w_q.to(DEVICE), scale.to(DEVICE), (128, 128), bias, cfg)
+
+    unfused, fused = _both(monkeypatch, run)
+    assert torch.equal(unfused, fused)
+    again = run()  # the counters were reset: a second launch sums again
+    assert torch.equal(again, fused)
+
+
+@pytest.mark.parametrize("cfg", [
+    int4_gemv.Int4GemvConfig(16, 32, split_k=3, num_stages=2),
+    int4_gemv.Int4GemvConfig(16, 32, split_k=2, num_stages=2, factored=True, prefetch=True),
+    int4_gemv.Int4GemvConfig(16, 32, block_m=4, split_k=2, num_stages=2),
+], ids=["exact", "factored-prefetch", "block4"])
+def test_int4_gemv_fused_sum_equals_the_separate_sum(monkeypatch, cfg):
+    n, k, group = 40, 128, 32
+    g = torch.Generator().manual_seed(3)
+    qweight = pack_rows(torch.randint(0, 16, (n, k), generator=g), 4).to(DEVICE)
+    scales = (torch.rand(n, k // group, generator=g) / 8 + 0.01).to(DEVICE, torch.float16)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).to(DEVICE, torch.float16)
+    x = torch.randn(5, k, generator=g).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
+
+    def run():
+        return int4.w4a16_matmul(x, qweight, scales, zeros, 4, group, bias=bias, config=cfg)
+
+    unfused, fused = _both(monkeypatch, run)
+    assert torch.equal(unfused, fused)
+
+
+def test_too_many_tiles_or_a_capture_fall_back_to_the_separate_sum(monkeypatch):
+    _fused(monkeypatch, True)
+    assert split_k.tile_locks(DEVICE, split_k.LOCK_SLOTS + 1) is None
+    assert split_k.tile_locks(DEVICE, 4) is not None
+    _fused(monkeypatch, False)
+    assert split_k.tile_locks(DEVICE, 4) is None  # the switch off: never fused
+    lock_arg, flags = split_k.fused_sum(DEVICE, 4, torch.empty(1), split=False)
+    assert flags["FUSED_SUM"] is False and lock_arg.numel() == 1  # one split: nothing to sum
