@@ -124,7 +124,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+                     INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr):
     # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split]; with
     # FUSED_SUM the tile's last program also writes out (split_k.store_split).
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
@@ -155,7 +155,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
         acc = acc * tl.load(s_ptr + offs_n * stride_sn)[None, :]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, pid_n, offs_m, cols, split, tl.num_programs(1), M, N,
-                HAS_BIAS, FUSED_SUM, INTERPRETED)
+                HAS_BIAS, FUSED_SUM, INTERPRETED, MAX_SPLITS)
 
 
 @triton.jit

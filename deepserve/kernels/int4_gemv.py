@@ -119,7 +119,7 @@ def _w4a16_gemv_kernel(
     stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr,
     PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # c[row, n] = sum_k a[row, k] * w[n, k], w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or
     # k // GROUP. Rows past M and N wrap around (modulo) so every load is in bounds; the store masks them.
@@ -142,7 +142,7 @@ def _w4a16_gemv_kernel(
                               last, K, BITS, GROUP, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FACTORED)
     if FUSED_SUM:  # c is the workspace; the tile's last program writes out (split_k.store_split)
         store_split(c_ptr, out_ptr, bias_ptr, lock_ptr, out, pid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), cols,
-                    split, split_k, M, N, HAS_BIAS, FUSED_SUM, INTERPRETED)
+                    split, split_k, M, N, HAS_BIAS, FUSED_SUM, INTERPRETED, MAX_SPLITS)
     else:  # c: the workspace when PARTIAL, else out [M, N]
         store_tile(c_ptr, bias_ptr, out, pid_m, pid_n, split, M, N, N, BLOCK_M, BLOCK_N, PARTIAL, HAS_BIAS)
 

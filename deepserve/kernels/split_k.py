@@ -105,20 +105,25 @@ def tile_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 def fused_sum(device: torch.device, tiles: int, workspace: torch.Tensor,
               split: bool = True) -> tuple[torch.Tensor, dict]:
-    """For a launch whose kernel ends in store_split: its lock argument (the counters, or the unread
-    workspace when the sum is not fused) and its constexprs FUSED_SUM and INTERPRETED. Without FUSED_SUM
+    """For a launch whose kernel ends in store_split (workspace: its [split_k, M, N] partials): its lock
+    argument (the counters, or the unread workspace when the sum is not fused) and its constexprs
+    FUSED_SUM, INTERPRETED and MAX_SPLITS. Without FUSED_SUM
     the caller runs sum_splits after the launch (split False: one split, nothing to sum)."""
     locks = tile_locks(device, tiles) if split else None
-    return (workspace if locks is None else locks), {"FUSED_SUM": locks is not None, "INTERPRETED": INTERPRET}
+    splits = workspace.shape[0] if locks is not None else 1  # unread when not fused: one compile
+    return (workspace if locks is None else locks), {"FUSED_SUM": locks is not None, "INTERPRETED": INTERPRET,
+                                                     "MAX_SPLITS": triton.next_power_of_2(splits)}
 
 
 @triton.jit
 def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, split, split_k, M, N,
-                HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, INTERPRETED: tl.constexpr):
+                HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Split `split`'s fp32 partial acc [len(rows), len(cols)] of output tile `tile` (rows of M, cols of N)
     into the [split_k, M, N] workspace at ws_ptr. FUSED: the program that completes the tile then writes
     out [M, N] = the tile's partials summed in split order (+ bias), in out's dtype (module docstring);
-    otherwise sum_splits does, after the launch."""
+    otherwise sum_splits does, after the launch. MAX_SPLITS >= split_k (a constexpr): the sum's loop is
+    unrolled so all its loads are in flight at once (a loop over split_k waited one L2 round trip per
+    split: on the H200 the fused GEMVs were ~2.5 µs a call slower than the unfused, bench/RESULTS.md)."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
     slice_size = M.to(tl.int64) * N
@@ -130,8 +135,9 @@ def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, spli
         if arrived == split_k - 1:  # the other split_k - 1 partials are in memory
             _fence_gpu(split, INTERPRETED)
             total = tl.zeros_like(acc)
-            for s in range(split_k):  # L2 reads (.cg): this SM's L1 may hold an older launch's lines
-                total += tl.load(ws_ptr + s * slice_size + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(MAX_SPLITS):  # L2 reads (.cg): this SM's L1 may hold an older launch's lines
+                total += tl.load(ws_ptr + s * slice_size + offsets, mask=mask & (s < split_k), other=0.0,
+                                 cache_modifier=".cg")  # a split past split_k adds 0.0: the sum is unchanged
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
