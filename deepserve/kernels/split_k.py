@@ -136,7 +136,8 @@ def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, spli
             _fence_gpu(split, INTERPRETED)
             total = tl.zeros_like(acc)
             for s in tl.static_range(MAX_SPLITS):  # L2 reads (.cg): this SM's L1 may hold an older launch's lines
-                total += tl.load(ws_ptr + s * slice_size + offsets, mask=mask & (s < split_k), other=0.0,
+                live = mask & ((offsets * 0 + s) < split_k)  # as a tensor: a mask must be one
+                total += tl.load(ws_ptr + s * slice_size + offsets, mask=live, other=0.0,
                                  cache_modifier=".cg")  # a split past split_k adds 0.0: the sum is unchanged
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
