@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where a one-token decode step goes, for several variants in one device call: bench/profile_step.py per
 # variant (batch 1, 1,024-token prompt, dummy weights, no prefill timing), then for each its graph replay and
-# wall ms and the graph's largest kernels (µs a step, calls a step). A variant is "model[:quantization][:ENV=v,...]".
+# wall ms and the graph's largest kernels (µs a step, calls a step). A variant is "model[:quantization][:ENV=v,...]";
+# EXTRA="--layers 8" profiles the gate's V3 slice, EXTRA="--kv-cache-dtype fp8" an FP8 cache.
 #   device run:  bash bench/decode_profile.sh deepseek-llm-7b deepseek-llm-7b:fp8 deepseek-llm-7b:awq \
 #                  deepseek-llm-7b:awq:DEEPSERVE_INT4_GEMV_FACTORED=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

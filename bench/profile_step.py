@@ -13,7 +13,7 @@ For a batch of B requests in steady decode (prompt length L, dummy weights) it p
 - the top kernels of one graph replay and of one eager step (torch.profiler), written to $OUT.
 
 Usage: python bench/profile_step.py --model deepseek-llm-7b --batch 1 --prompt-len 1024 [--temperature 0]
-       [--quantization fp8|awq|gptq|none] [--kv-cache-dtype fp8] [--tag NAME]
+       [--quantization fp8|awq|gptq|none] [--kv-cache-dtype fp8] [--layers N] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -215,6 +215,8 @@ def main() -> int:
                     help="also time eager steps after a warm-up and cProfile them (where the host time goes)")
     ap.add_argument("--quantization", default=None, help="as deepserve's --quantization (dummy weights in it)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N decoder layers (the gate's V3 slice: 8)")
     ap.add_argument("--tag", default="", help="appended to the output files' names (variants of one model)")
     ns = ap.parse_args()
     quant = f"-{ns.quantization}" if ns.quantization else ""
@@ -224,7 +226,8 @@ def main() -> int:
     # V2-Lite batch-1 profile printed for "8,192 tokens". The window now also counts its engine steps.
     llm = LLM(model=None if ns.model == "demo" else ns.model, load_format="dummy", max_model_len=ns.max_model_len,
               max_num_seqs=max(ns.batch, ns.prefill_tokens // 512, 1), skip_tokenizer_init=True,
-              quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype)
+              quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
+              **({"hf_overrides": {"num_hidden_layers": ns.layers}} if ns.layers else {}))
     prefill, prefill_steps, top_prefill = None, 0, []
     if ns.prefill_tokens:
         run_prefill = prefill_runner(llm, ns.prefill_tokens, 512)

@@ -76,6 +76,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                     "kernel; the same sum, bit for bit; 0: the second kernel. On one H200 a "
                                     "one-token step of DeepSeek-LLM-7B -q fp8 took 2.95 ms of graph replay with "
                                     "it, 3.14 without"),
+    "DEEPSERVE_FUSED_ROPE_KV_STORE": (_flag("DEEPSERVE_FUSED_ROPE_KV_STORE", False),
+                                      "1: MHA/GQA layers (Llama, Qwen2, DeepSeek-LLM) rotate q and k and store k and v "
+                                      "in the KV cache in one launch on GPUs (kernels/rope_kv_store.py) instead of "
+                                      "four; the same numbers, bit for bit. Off until measured"),
     "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 64),
                                     "int4 linears with at least this many tokens dequantize the weight and run "
                                     "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never. Default "

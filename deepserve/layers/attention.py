@@ -16,10 +16,15 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
+from deepserve import envs
 from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.paged_attention import dequantize_kv, paged_attention_ref, store_kv_ref
 from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
 from deepserve.layers.kv_cache_spec import KVCacheSpec
+from deepserve.layers.rotary import RotaryEmbedding
+
+# Read once, at import: rope and the cache store in one launch on the GPU path (kernels/rope_kv_store.py).
+FUSED_ROPE_KV_STORE = envs.DEEPSERVE_FUSED_ROPE_KV_STORE
 
 
 class Attention(nn.Module):
@@ -42,15 +47,22 @@ class Attention(nn.Module):
         """A checkpoint's k_scale ("k") or v_scale ("v") of this layer."""
         (self.k_scale if which == "k" else self.v_scale).fill_(value)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: tuple[torch.Tensor, RotaryEmbedding] | None = None) -> torch.Tensor:
+        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]. rope (positions, rotary): q and k are not yet rotated;
+        # rotated here, on the GPU path with DEEPSERVE_FUSED_ROPE_KV_STORE in the cache store's launch.
         meta = get_forward_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         scales = self.k_scale, self.v_scale
-        if uses_gpu_kernels(self.kv_cache):
-            return _attend_cuda(q, k, v, self.kv_cache, meta, self.scale, scales).flatten(1)
+        gpu = uses_gpu_kernels(self.kv_cache)
+        if rope is not None and not (gpu and FUSED_ROPE_KV_STORE):
+            positions, rotary = rope
+            q, k = rotary(positions, q, k)
+            rope = None
+        if gpu:
+            return _attend_cuda(q, k, v, self.kv_cache, meta, self.scale, scales, rope).flatten(1)
         store_kv_ref(k, v, self.kv_cache, meta.slot_mapping, *scales)
         out = paged_attention_ref(q, k, v, self.kv_cache, meta.paged, self.scale, k_scale=self.k_scale,
                                   v_scale=self.v_scale)
@@ -64,15 +76,24 @@ def uses_gpu_kernels(t: torch.Tensor) -> bool:
 
 
 def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                 meta: AttentionMetadata, scale: float, scales: tuple[torch.Tensor, torch.Tensor],
+                 rope: tuple[torch.Tensor, RotaryEmbedding] | None = None) -> torch.Tensor:
     """Decoding sequences take the Triton paged-decode kernel; the others flash attention's varlen
     kernel, one call for the fresh prompts (over this step's keys) and one for the chunks over a cached
     prefix (over their histories, gathered from the cache, where this step's keys are already stored;
-    an FP8 cache's are dequantized after the gather). scales: (k_scale, v_scale), read for FP8 only."""
+    an FP8 cache's are dequantized after the gather). scales: (k_scale, v_scale), read for FP8 only.
+    rope: q and k still to rotate, in the store's launch (kernels/rope_kv_store.py)."""
     from deepserve.kernels.triton_paged_attention import paged_decode_attention, store_kv_cache
 
     k_scale, v_scale = scales
-    store_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
+    if rope is not None:
+        from deepserve.kernels.rope_kv_store import rope_and_store_kv
+
+        positions, rotary = rope
+        q, k = rope_and_store_kv(positions, q, k, v, rotary.cos_sin, rotary.rotary_dim, rotary.interleaved, kv_cache,
+                                 meta.slot_mapping, k_scale, v_scale)
+    else:
+        store_kv_cache(k, v, kv_cache, meta.slot_mapping, k_scale, v_scale)
     if meta.decode_only:
         return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
                                       max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)

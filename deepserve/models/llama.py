@@ -54,10 +54,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary_emb(
-            positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-        )  # [T, H, D], [T, Hkv, D]
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        # the attention layer rotates q and k (with the cache store where it can: one launch)
+        return self.o_proj(self.attn(q, k, v, rope=(positions, self.rotary_emb)))
 
 
 class LlamaDecoderLayer(nn.Module):

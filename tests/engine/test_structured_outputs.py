@@ -431,15 +431,16 @@ def test_a_fill_that_fails_fails_the_step_and_leaves_no_fill_running(monkeypatch
 
 @pytest.mark.parametrize("overlap", ["0", "1"])
 def test_masks_filled_into_buffer_slots_give_the_same_tokens(monkeypatch, overlap):
-    # DEEPSERVE_PINNED_GRAMMAR_MASKS=1 (on this CPU the slots are plain memory and each step copies its slot
-    # instead of queuing a CUDA copy and an event; test_sampler.py has the CUDA test): seeded
+    # DEEPSERVE_PINNED_GRAMMAR_MASKS (on by default; on this CPU the slots are plain memory and each step
+    # copies its slot instead of queuing a CUDA copy and an event; test_sampler.py has the CUDA test): seeded
     # outputs equal those of masks built in new bytearrays, token for token, constrained rows beside
     # unconstrained ones, with the fill on the engine's thread or beside it; every step took a slot.
     from deepserve.layers.sampling_metadata import MaskBuffers
 
     monkeypatch.setenv("DEEPSERVE_GRAMMAR_OVERLAP", overlap)
+    monkeypatch.setenv("DEEPSERVE_PINNED_GRAMMAR_MASKS", "0")
     plain = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
-    monkeypatch.setenv("DEEPSERVE_PINNED_GRAMMAR_MASKS", "1")
+    monkeypatch.delenv("DEEPSERVE_PINNED_GRAMMAR_MASKS")  # the default
     slotted = LLM(device="cpu", num_gpu_blocks_override=256, max_model_len=512, async_scheduling=True)
     buffers = slotted.llm_engine.core._mask_buffers
     assert plain.llm_engine.core._mask_buffers is None and isinstance(buffers, MaskBuffers)

@@ -434,6 +434,29 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
     _compile_all(_record(monkeypatch, int4_moe_gemv, run, execute=False))  # the routing kernels still run
 
 
+def test_fused_rope_and_kv_store_kernel_compiles(monkeypatch):
+    # DEEPSERVE_FUSED_ROPE_KV_STORE (kernels/rope_kv_store.py): a bf16 and an FP8 cache, a partial rotary dim,
+    # interleaved pairs; the GPU's launches (no interpreter rounding).
+    fused = import_kernels("deepserve.kernels.rope_kv_store")
+    monkeypatch.setattr(fused, "INTERPRET", False)
+    tokens, heads, kv_heads = 3, 4, 2
+    positions = torch.tensor([0, 5, 9])
+    slots = torch.tensor([1, -1, 7], dtype=torch.int64)
+
+    def run():
+        for dim, rotary, interleaved, cache_dtype in ((128, 128, False, torch.bfloat16), (80, 64, True, torch.bfloat16),
+                                                      (128, 128, False, torch.float8_e4m3fn)):
+            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            cache = torch.zeros(2, 2, 16, kv_heads, dim).to(cache_dtype)
+            cos_sin = torch.randn(16, rotary)
+            fused.rope_and_store_kv(positions, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim),
+                                    v.view(tokens, kv_heads, dim), cos_sin, rotary, interleaved, cache, slots,
+                                    torch.tensor(0.5), torch.tensor(2.0))
+
+    _compile_all(_record(monkeypatch, fused, run, execute=False))
+
+
 def test_elementwise_kernels_compile(monkeypatch):
     ew = import_kernels("deepserve.kernels.elementwise")
     monkeypatch.setattr(ew, "INTERPRET", False)  # the GPU's launches: no interpreter rounding

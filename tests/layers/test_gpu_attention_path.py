@@ -89,6 +89,21 @@ def gpu_path(monkeypatch):
     return state
 
 
+def fuse_rope_into_the_store(monkeypatch, hf_model, fused: bool) -> tuple[list, int]:
+    """With `fused`, DEEPSERVE_FUSED_ROPE_KV_STORE's path (kernels/rope_kv_store.py): its calls, counted in
+    the returned list, and how many a two-step test expects (one per MHA/GQA layer and step; the MLA
+    checkpoint has no such front, so none: the switch must leave it alone)."""
+    calls: list = []
+    if not fused:
+        return calls, 0
+    import deepserve.kernels.rope_kv_store as rope_kv_store
+
+    kernel = rope_kv_store.rope_and_store_kv
+    monkeypatch.setattr(attention_front, "FUSED_ROPE_KV_STORE", True)
+    monkeypatch.setattr(rope_kv_store, "rope_and_store_kv", lambda *a: calls.append(1) or kernel(*a))
+    return calls, 2 * LLAMA["num_hidden_layers"] if isinstance(hf_model, LlamaForCausalLM) else 0
+
+
 def unguarded(gpu_path: GpuPath, fn):
     """fn() with the SDPA guard off: transformers' own forward calls SDPA with every backend allowed."""
     gpu_path.guard = False
@@ -108,12 +123,14 @@ def checkpoint(request, tmp_path_factory, tokenizer):
     return save_checkpoint(model, tokenizer, str(tmp_path_factory.mktemp(request.param))), model
 
 
-@pytest.mark.parametrize("expand_min", [128, 2], ids=["short-chunks-absorbed", "chunks-expanded"])
-def test_mixed_step_matches_transformers(checkpoint, gpu_path, monkeypatch, expand_min):
+@pytest.mark.parametrize("expand_min,fused", [(128, False), (2, False), (128, True)],
+                         ids=["short-chunks-absorbed", "chunks-expanded", "rope-fused-into-the-store"])
+def test_mixed_step_matches_transformers(checkpoint, gpu_path, monkeypatch, expand_min, fused):
     """Step 1 prefills part of three prompts; step 2 has a decode row (one new token over a cache), two
     chunks over cached prefixes that are not adjacent in the step, and two fresh prompts."""
     monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", expand_min)
     path, hf_model = checkpoint
+    fused_calls, expected_calls = fuse_rope_into_the_store(monkeypatch, hf_model, fused)
     runner = make_runner(path)
     runner.allocate_kv_cache(64)
     prompts = PROMPTS + [list(range(50, 59))]
@@ -126,15 +143,19 @@ def test_mixed_step_matches_transformers(checkpoint, gpu_path, monkeypatch, expa
         want = unguarded(gpu_path, lambda r=request: hf_logits(hf_model, r.prompt_token_ids))[cut:cut + n]
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert 2 in gpu_path.calls  # the two fresh prompts of step 2 in one flash varlen call
+    assert len(fused_calls) == expected_calls  # both steps, every MHA/GQA layer
 
 
-@pytest.mark.parametrize("expand_min", [128, 2], ids=["short-chunks-absorbed", "chunks-expanded"])
-def test_mixed_step_with_an_fp8_cache_matches_the_reference_path(checkpoint, gpu_path, monkeypatch, expand_min):
+@pytest.mark.parametrize("expand_min,fused", [(128, False), (2, False), (128, True)],
+                         ids=["short-chunks-absorbed", "chunks-expanded", "rope-fused-into-the-store"])
+def test_mixed_step_with_an_fp8_cache_matches_the_reference_path(checkpoint, gpu_path, monkeypatch, expand_min,
+                                                                  fused):
     """The same mixed step as above with --kv-cache-dtype fp8: the GPU path (Triton stores and decode
     kernels, cached histories gathered then dequantized for flash) against the CPU reference path, which
     quantizes to the same bytes and reads fp8 * scale the same way; non-unit scales on every layer."""
     monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", expand_min)
-    path, _ = checkpoint
+    path, hf_model = checkpoint
+    fused_calls, expected_calls = fuse_rope_into_the_store(monkeypatch, hf_model, fused)
     prompts = PROMPTS + [list(range(50, 59))]
     cuts = [4, 20, 0, 3, 0]
 
@@ -149,8 +170,8 @@ def test_mixed_step_with_an_fp8_cache_matches_the_reference_path(checkpoint, gpu
         return run_step(runner, [(requests[i], cuts[i], len(prompts[i]) - cuts[i]) for i in (0, 2, 1, 4, 3)])
 
     on_gpu_path = mixed_step()
-    assert gpu_path.calls
-    monkeypatch.undo()  # the reference path, with torch's own SDPA
+    assert gpu_path.calls and len(fused_calls) == expected_calls
+    monkeypatch.undo()  # the reference path, with torch's own SDPA (and rope and the store unfused)
     monkeypatch.setattr(mla_front, "EXPAND_MIN_NEW_TOKENS", expand_min)
     torch.testing.assert_close(on_gpu_path, mixed_step(), atol=1e-4, rtol=1e-4)
 

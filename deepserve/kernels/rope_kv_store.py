@@ -1,0 +1,149 @@
+"""Rope and the KV-cache store of an MHA/GQA layer in one launch (DEEPSERVE_FUSED_ROPE_KV_STORE).
+
+Unfused, a Llama-family layer launches four kernels between its QKV projection and its attention:
+elementwise.apply_rope's for q and for k, then triton_paged_attention.store_kv_cache's for k and for v.
+On one H200 those were 120 of a one-token decode step's launches for DeepSeek-LLM-7B, ~1.3 µs each
+(bench/decode_profile.sh, bench/RESULTS.md). Here one program per (token, head) of q, k and v together:
+
+  q head h        rotated into q_out (elementwise._rope_kernel's arithmetic)
+  k head j        rotated into k_out and, the same rounded values, stored at the token's cache slot
+  v head j        stored at the token's cache slot
+
+Numerics are the unfused path's exactly: the rotation in fp32 rounded to the model's dtype, then for an
+FP8 cache that rounded value / scale saturated to ±448 (store_kv_cache's). Tokens whose slot is negative
+(padding) are rotated but not stored. k_out is still written: fresh prompts attend over their own keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepserve import envs
+from deepserve.kernels.elementwise import _cast
+from deepserve.kernels.fp8 import _round_to_e4m3
+from deepserve.kernels.fp8_ref import FP8
+
+INTERPRET = envs.TRITON_INTERPRET
+
+
+def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_sin: torch.Tensor, rotary_dim: int, interleaved: bool, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """elementwise.apply_rope(positions, q, k, cos_sin, rotary_dim, interleaved) followed by
+    store_kv_cache(k_rotated, v, kv_cache, slot_mapping, k_scale, v_scale), in one launch. q [T, H, D],
+    k / v [T, Hkv, D] (contiguous last axis), kv_cache [2, num_blocks, block_size, Hkv, D]; returns the
+    rotated (q, k) as new tensors. The scales are read for an FP8 cache only."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    _check(positions, q, k, v, cos_sin, rotary_dim, kv_cache, slot_mapping)
+    quantize = kv_cache.dtype == FP8
+    if quantize and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 cache needs k_scale and v_scale")
+    q_out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, kv_heads, dim, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    half, rest = rotary_dim // 2, dim - rotary_dim
+    _rope_kv_store_kernel[(tokens, heads + 2 * kv_heads)](
+        positions, q, k, v, cos_sin, q_out, k_out, kv_cache, slot_mapping,
+        k_scale if quantize else None, v_scale if quantize else None,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK_DIM=triton.next_power_of_2(dim), HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), REST=rest, BLOCK_REST=triton.next_power_of_2(rest) if rest else 1,
+        INTERLEAVED=interleaved, PAGE_SIZE=kv_cache.shape[2], QUANTIZE=quantize, INTERPRET=INTERPRET, num_warps=1)
+    return q_out, k_out
+
+
+def _check(positions, q, k, v, cos_sin, rotary_dim, kv_cache, slot_mapping) -> None:
+    tokens, _, dim = q.shape
+    ok = (rotary_dim % 2 == 0 and rotary_dim <= dim and k.shape == v.shape and k.shape[0] == tokens
+          and k.shape[2] == dim and cos_sin.shape[-1] == rotary_dim and cos_sin.dtype == torch.float32
+          and positions.shape == (tokens,) and all(t.stride(-1) == 1 for t in (q, k, v, kv_cache))
+          and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == tuple(k.shape[1:])
+          and slot_mapping.dtype == torch.int64 and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous())
+    if not ok:
+        raise ValueError("rope_and_store_kv: q [T, H, D], k / v [T, Hkv, D], cos_sin [P, rotary_dim] float32 "
+                         "(rotary_dim even, <= D), kv_cache [2, blocks, block_size, Hkv, D], slot_mapping int64 [T]")
+
+
+@triton.jit
+def _rope_kv_store_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_plane, stride_blk, stride_tok, stride_head,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr, INTERLEAVED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Program (token t, head h): h < HEADS a q head, then KV_HEADS k heads, then KV_HEADS v heads.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    # the cache row of kv head j in plane p (0: k, 1: v) for this token's slot
+    row = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok
+    if h < HEADS:
+        _rotate_head(pos_ptr, cs_ptr, t, q_ptr + t * stride_qt + h * stride_qh,
+                     q_out_ptr + t * HEADS * DIM + h * DIM, cache_ptr, k_scale_ptr, slot, stride_cs, HALF,
+                     BLOCK_HALF, REST, BLOCK_REST, INTERLEAVED, False, QUANTIZE, INTERPRET)
+    elif h < HEADS + KV_HEADS:
+        j = h - HEADS
+        _rotate_head(pos_ptr, cs_ptr, t, k_ptr + t * stride_kt + j * stride_kh,
+                     k_out_ptr + t * KV_HEADS * DIM + j * DIM, cache_ptr + row + j * stride_head, k_scale_ptr,
+                     slot, stride_cs, HALF, BLOCK_HALF, REST, BLOCK_REST, INTERLEAVED, True, QUANTIZE, INTERPRET)
+    else:
+        j = h - HEADS - KV_HEADS
+        offs = tl.arange(0, BLOCK_DIM)
+        ok = (offs < DIM) & (tl.full([BLOCK_DIM], 0, tl.int64) + slot >= 0)  # a block-shaped mask (interpreter)
+        vals = tl.load(v_ptr + t * stride_vt + j * stride_vh + offs, mask=ok, other=0.0)
+        _store_row(cache_ptr + stride_plane + row + j * stride_head + offs, vals, v_scale_ptr, ok, QUANTIZE, INTERPRET)
+
+
+@triton.jit
+def _rotate_head(pos_ptr, cs_ptr, t, src, dst, cache_row, scale_ptr, slot, stride_cs, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 STORE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One head rotated from src into dst (elementwise._rope_kernel's arithmetic and rounding); STORE: the
+    same rounded values also to cache_row (a k head; skipped for a negative slot)."""
+    i = tl.arange(0, BLOCK_HALF)
+    ok = i < HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=ok, other=0.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=ok, other=0.0)
+    if INTERLEAVED:  # pair i is features (2i, 2i + 1)
+        first, second = 2 * i, 2 * i + 1
+    else:  # pair i is features (i, i + HALF)
+        first, second = i, i + HALF
+    x1 = tl.load(src + first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=ok, other=0.0).to(tl.float32)
+    y1 = _cast(x1 * cos - x2 * sin, dst.dtype.element_ty, INTERPRET)
+    y2 = _cast(x2 * cos + x1 * sin, dst.dtype.element_ty, INTERPRET)
+    tl.store(dst + first, y1, mask=ok)
+    tl.store(dst + second, y2, mask=ok)
+    if STORE:
+        live = ok & (tl.full([BLOCK_HALF], 0, tl.int64) + slot >= 0)
+        _store_row(cache_row + first, y1, scale_ptr, live, QUANTIZE, INTERPRET)
+        _store_row(cache_row + second, y2, scale_ptr, live, QUANTIZE, INTERPRET)
+    if REST > 0:  # the features past the rotary ones, unchanged
+        r = tl.arange(0, BLOCK_REST)
+        kept = tl.load(src + 2 * HALF + r, mask=r < REST, other=0.0)
+        tl.store(dst + 2 * HALF + r, kept, mask=r < REST)
+        if STORE:
+            live_r = (r < REST) & (tl.full([BLOCK_REST], 0, tl.int64) + slot >= 0)
+            _store_row(cache_row + 2 * HALF + r, kept, scale_ptr, live_r, QUANTIZE, INTERPRET)
+
+
+@triton.jit
+def _store_row(ptrs, vals, scale_ptr, mask, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    # triton_paged_attention._store_rows_kernel's store: an FP8 cache takes value / scale saturated to
+    # e4m3's ±448, rounded to nearest even (the interpreter's own cast rounds wrongly: corrected here)
+    if QUANTIZE:
+        x = vals.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if INTERPRET:
+            x = _round_to_e4m3(x)
+        vals = x
+    tl.store(ptrs, vals.to(ptrs.dtype.element_ty), mask=mask)
