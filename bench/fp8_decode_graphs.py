@@ -4,7 +4,7 @@ these shapes). Variants: bf16 F.linear, the block-scaled Triton path with and wi
 block-wise _scaled_mm, and for per-channel weights the Triton path and torch._scaled_mm row-wise.
 
     python bench/fp8_decode_graphs.py [--json OUT] [--sweep-s 120]   # --sweep-s: also sweep the GEMM's tiles
-    python bench/fp8_decode_graphs.py --gemv-s 240 [--gemv-m 1] [--json OUT]   # the weight-stream GEMV's configs only
+    python bench/fp8_decode_graphs.py --gemv-s 240 [--gemv-m 1] [--gemv-timed channel] [--json OUT]  # the GEMVs only
 
 --gemv-s: kernels/fp8_gemv.py (the linears take it up to DEEPSERVE_FP8_GEMV_MAX_M tokens, 1 by default;
 here the other columns are the W8A8 path at every M) for M = 1..16 on every shape, each config checked
@@ -124,10 +124,15 @@ GEMV_CONFIGS = [dict(numerics=nu, block_n=bn, block_k=128, waves=wv, num_warps=4
 # the prefetching loop (the next K tile loaded before this one is multiplied), at the one-token sizes
 GEMV_CONFIGS += [dict(numerics="fma", block_n=bn, block_k=128, waves=wv, num_warps=4, prefetch=True)
                  for bn in (64, 128) for wv in (2, 4, 8)]
+# one row, the products summed along K after the loop (kernels/fp8_gemv.py "fma2d"): M = 1 only
+GEMV_CONFIGS += [dict(numerics="fma2d", block_n=bn, block_k=bk, waves=wv, num_warps=nw, prefetch=False)
+                 for bn in (32, 64, 128) for bk in (64, 128) for wv in (2, 4) for nw in (4, 8)]
 
 
-def gemv_sweep(deadline_s: float, batches: tuple[int, ...] = GEMV_BATCHES) -> tuple[list[dict], bool]:
-    """Every GEMV config per (shape, M in batches) until the deadline: (rows, all correct)."""
+def gemv_sweep(deadline_s: float, batches: tuple[int, ...] = GEMV_BATCHES, timed: str = "block"
+               ) -> tuple[list[dict], bool]:
+    """Every GEMV config per (shape, M in batches) until the deadline: (rows, all correct). Both weight kinds
+    are checked; `timed` ("block": DeepSeek's 128 x 128 scales, "channel": --quantization fp8's) is timed."""
     import time
 
     from deepserve.kernels import fp8_gemv
@@ -147,7 +152,8 @@ def gemv_sweep(deadline_s: float, batches: tuple[int, ...] = GEMV_BATCHES) -> tu
                    "w8a8 triton": graph_us(functools.partial(fp8.block_fp8_linear, x, wb, sb, (128, 128))),
                    "gemv": {}}
             for c in GEMV_CONFIGS:
-                if (c["numerics"] == "fma" and m > 4) or time.perf_counter() - start > deadline_s:
+                if ((c["numerics"] == "fma" and m > 4) or (c["numerics"] == "fma2d" and m > 1)
+                        or time.perf_counter() - start > deadline_s):
                     continue
                 cfg = fp8_gemv.Fp8GemvConfig(**c)
                 key = "-".join(f"{v}" for v in c.values())
@@ -160,7 +166,7 @@ def gemv_sweep(deadline_s: float, batches: tuple[int, ...] = GEMV_BATCHES) -> tu
                             correct = False
                             row["gemv"][key] = f"WRONG ({kind}) {err:.2e}"
                             break
-                        if kind == "block":
+                        if kind == timed:
                             row["gemv"][key] = graph_us(fn, calls=5, replays=10)
                     except Exception as exc:  # a config that does not compile or fit: counted as not run
                         row["gemv"][key] = f"{type(exc).__name__} ({kind})"
@@ -180,6 +186,9 @@ def main() -> int:
     ap.add_argument("--gemv-s", type=float, default=0.0, help="seconds for the GEMV configs alone (0: none)")
     ap.add_argument("--gemv-m", type=lambda v: tuple(int(m) for m in v.split(",")), default=GEMV_BATCHES,
                     help="with --gemv-s: the token counts, e.g. 1 (default 1,2,4,8,16)")
+    ap.add_argument("--gemv-timed", choices=("block", "channel"), default="block",
+                    help="which weights the GEMV configs are timed on (both are checked): DeepSeek's 128 x 128 block "
+                         "scales or --quantization fp8's per-channel scales")
     ns = ap.parse_args()
     # The "block triton" / "w8a8 triton" columns time the W8A8 path at every M; the GEMV, which the linears
     # take at one token by default, is timed through its own configs (--gemv-s).
@@ -219,7 +228,7 @@ def main() -> int:
 
 
 def _gemv_main(ns: argparse.Namespace) -> int:
-    rows, correct = gemv_sweep(ns.gemv_s, ns.gemv_m)
+    rows, correct = gemv_sweep(ns.gemv_s, ns.gemv_m, ns.gemv_timed)
     print(f"{'shape':>11} {'M':>3} {'bf16':>7} {'w8a8':>7} {'gemv':>7} {'TB/s':>5}  best config "
           "(numerics-block_n-block_k-waves-warps-prefetch), us in a CUDA graph")
     for r in rows:

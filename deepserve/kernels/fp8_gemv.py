@@ -13,6 +13,10 @@ path is more exact than the one it replaces. Two ways to multiply, chosen by the
          (bf16 / fp16; fp32 x multiplies in fp32) after its scale, tensor cores.
   "fma"  each of the M rows multiplied and summed across K on the CUDA cores (no tensor cores, no padding):
          for M of 1-4.
+  "fma2d" one row (M = 1): the products accumulate elementwise in a [BLOCK_N, BLOCK_K] fp32 tile across the
+         split's K tiles and are summed along K once, after the loop ("fma" sums every K tile across the
+         threads that hold it); a block scale that is one number for the whole tile (BLOCK_N divides the
+         scale block) multiplies the tile's inputs instead of every weight. Not timed on a GPU yet.
 Triton's interpreter (CPU tests) gives wrong products for a bf16 tl.dot whose operand was widened from
 fp8 (seen with triton 3.x: the same dot in fp32 is right), so there the dot runs in fp32; the H200 check
 (bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials
@@ -32,7 +36,7 @@ import triton.language as tl
 from deepserve.kernels.fp8 import GEMV_BLOCK_K, INTERPRET
 from deepserve.kernels.split_k import fused_sum, sm_count, store_split, sum_splits
 
-NUMERICS = ("dot", "fma")
+NUMERICS = ("dot", "fma", "fma2d")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    if cfg.numerics == "fma2d" and m != 1:
+        raise ValueError(f"fp8 gemv: numerics 'fma2d' takes one row, got {m}")
     block_m = 16 if cfg.numerics == "dot" else triton.next_power_of_2(m)
     scale2 = scale.view(-1, 1) if block is None else scale
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -96,6 +102,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
         m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
         scale2.stride(0), scale2.stride(1), GROUP_N=group_n, GROUP_K=group_k, PER_CHANNEL=block is None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.numerics == "dot",
+        FMA2D=cfg.numerics == "fma2d", TILE_SCALE=block is not None and group_n % cfg.block_n == 0,
         IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, PREFETCH=cfg.prefetch,
         HAS_BIAS=bias is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fused["FUSED_SUM"]:
@@ -124,7 +131,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
                      PER_CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
-                     INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                     INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr, FMA2D: tl.constexpr,
+                     TILE_SCALE: tl.constexpr):
     # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split]; with
     # FUSED_SUM the tile's last program also writes out (split_k.store_split).
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
@@ -139,7 +147,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
     last = tl.minimum(first + tiles_per_split, k_tiles)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
+    if FMA2D:  # one row; the products summed along K once, after the loop (module docstring)
+        tile_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        block_row = (pid_n * BLOCK_N // GROUP_N) * stride_sn  # TILE_SCALE: the tile's one scale row
+        if PREFETCH:
+            w = _load_weight_tile(w_rows, tl.minimum(first, k_tiles - 1), K, BLOCK_K, EVEN_K)
+            for t in range(first, last):
+                following = _load_weight_tile(w_rows, tl.minimum(t + 1, last - 1), K, BLOCK_K, EVEN_K)
+                tile_acc = _fma2d_tile(tile_acc, w, t, x_ptr, s_ptr, offs_n, block_row, K, stride_sn, stride_sk,
+                                       GROUP_N, GROUP_K, PER_CHANNEL, TILE_SCALE, BLOCK_K)
+                w = following
+        else:
+            for t in range(first, last):
+                w = _load_weight_tile(w_rows, t, K, BLOCK_K, EVEN_K)
+                tile_acc = _fma2d_tile(tile_acc, w, t, x_ptr, s_ptr, offs_n, block_row, K, stride_sn, stride_sk,
+                                       GROUP_N, GROUP_K, PER_CHANNEL, TILE_SCALE, BLOCK_K)
+        acc += tl.sum(tile_acc, axis=1)[None, :]
+    elif PREFETCH:
         w = _load_weight_tile(w_rows, tl.minimum(first, k_tiles - 1), K, BLOCK_K, EVEN_K)
         for t in range(first, last):
             following = _load_weight_tile(w_rows, tl.minimum(t + 1, last - 1), K, BLOCK_K, EVEN_K)
@@ -156,6 +180,22 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, pid_n, offs_m, cols, split, tl.num_programs(1), M, N,
                 HAS_BIAS, FUSED_SUM, INTERPRETED, MAX_SPLITS)
+
+
+@triton.jit
+def _fma2d_tile(tile_acc, w, t, x_ptr, s_ptr, offs_n, block_row, K, stride_sn, stride_sk, GROUP_N: tl.constexpr,
+                GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, TILE_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """tile_acc [BLOCK_N, BLOCK_K] + K tile t's weights w [BLOCK_N, BLOCK_K] (fp8) times row 0 of x, elementwise."""
+    ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    wf = w.to(tl.float32)
+    if PER_CHANNEL:  # applied once, after the loop
+        return tile_acc + wf * x[None, :]
+    k_block = (t * BLOCK_K // GROUP_K) * stride_sk
+    if TILE_SCALE:  # one scale for the whole tile: it scales the tile's BLOCK_K inputs, not every weight
+        return tile_acc + wf * (x * tl.load(s_ptr + block_row + k_block))[None, :]
+    s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + k_block)
+    return tile_acc + (wf * s[:, None]) * x[None, :]
 
 
 @triton.jit

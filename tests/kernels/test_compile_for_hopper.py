@@ -253,7 +253,8 @@ def test_fp8_gemv_kernels_compile(monkeypatch):
     bias = torch.randn(200, dtype=torch.bfloat16)
 
     def run():
-        for numerics, m, prefetch in (("dot", 3, False), ("fma", 1, False), ("fma", 2, False), ("fma", 1, True)):
+        for numerics, m, prefetch in (("dot", 3, False), ("fma", 1, False), ("fma", 2, False), ("fma", 1, True),
+                                      ("fma2d", 1, False), ("fma2d", 1, True)):
             cfg = gemv.Fp8GemvConfig(numerics=numerics, block_n=32, prefetch=prefetch)
             gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), bias, cfg)
             gemv.fp8_gemv(torch.randn(m, 256, dtype=torch.bfloat16), c_q, c_scale, None, None, cfg)

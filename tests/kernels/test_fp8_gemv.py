@@ -46,13 +46,29 @@ def test_block_scaled_gemv_equals_the_dequantized_product(numerics, m, n, k, spl
     assert rel_err(out, reference(x, ref.dequantize_weight_block(w_q, scale, BLOCK), bias)) < TOLERANCE[x.dtype]
 
 
-@pytest.mark.parametrize("numerics,prefetch", [("dot", False), ("fma", False), ("fma", True), ("dot", True)])
+@pytest.mark.parametrize("block_n", [32, 256])  # 32 divides the 128 scale block (one scale a tile); 256 does not
+@pytest.mark.parametrize("n, k", [(200, 256), (130, 328)])
+@pytest.mark.parametrize("split_k,prefetch", [(1, False), (3, False), (0, True)])
+def test_fma2d_one_row_equals_the_dequantized_product(block_n, n, k, split_k, prefetch):
+    w_q, scale = block_weight(n, k, BLOCK, seed=n + k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    bias = torch.randn(n).to(DEVICE)
+    cfg = gemv.Fp8GemvConfig(block_n=block_n, block_k=64, split_k=split_k, numerics="fma2d", prefetch=prefetch)
+    out = gemv.fp8_gemv(x, w_q, scale, BLOCK, bias, cfg)
+    assert rel_err(out, reference(x, ref.dequantize_weight_block(w_q, scale, BLOCK), bias)) < TOLERANCE[x.dtype]
+    with pytest.raises(ValueError, match="one row"):
+        gemv.fp8_gemv(torch.cat([x, x]), w_q, scale, BLOCK, bias, cfg)
+
+
+@pytest.mark.parametrize("numerics,prefetch", [("dot", False), ("fma", False), ("fma", True), ("dot", True),
+                                               ("fma2d", False), ("fma2d", True)])
 def test_bf16_activations_and_per_channel_scales(numerics, prefetch):
     # K 200: the last K tile of 64 is partial (masked), also in the prefetched load
     n, k = 96, 200
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, n)[:, None]
     w_q, scale = ref.quantize_weight_per_channel(w.to(DEVICE))
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    rows = 1 if numerics == "fma2d" else 2
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     cfg = gemv.Fp8GemvConfig(block_n=32, block_k=64, numerics=numerics, prefetch=prefetch)
     out = gemv.fp8_gemv(x, w_q, scale, None, None, cfg)
     assert out.dtype == torch.bfloat16
