@@ -17,7 +17,9 @@ its sampling (the masks not ready), and the device's idle gap before it. Steps a
 replay or eager; with or without masks) and the table prints means per kind. --profile N: torch.profiler
 over the first N steps of the timed run (or --ttft's first request), its top host ops by self time (a
 cudaStreamSynchronize or a pageable copy inside a launch shows there). --sync-debug: torch's synchronizing
-calls by site; --gc-freeze: the start-up heap frozen as the server freezes it."""
+calls by site; --gc-freeze: the start-up heap frozen as the server freezes it; --same-lengths (with
+--json-schema): the unconstrained W1 at the schema run's output lengths traced after it, the gate's ratio's
+two halves side by side."""
 
 from __future__ import annotations
 
@@ -332,6 +334,7 @@ def trace_w1(llm, ns) -> dict:
     if ns.smoke:  # the demo model's vocabulary has 1,000 tokens
         workload = workloads.fixed(32, 8, 8)
         workload.prompts = [[t % 1000 for t in p] for p in workload.prompts]
+    plain = workload
     if ns.json_schema:
         workload = workloads.with_json_schema(workload)
     core = llm.llm_engine.core
@@ -349,7 +352,29 @@ def trace_w1(llm, ns) -> dict:
     print_table(f"W1{' + JSON schema' if ns.json_schema else ''}, {result['output_tokens_per_second']:.0f} out tok/s",
                 rows)
     print_outliers(steps)
-    return {"w1": result["output_tokens_per_second"], "summary": rows, "steps": steps}
+    report = {"w1": result["output_tokens_per_second"], "output_tokens": result["num_output_tokens"], "summary": rows,
+              "steps": steps}
+    if getattr(ns, "same_lengths", False) and ns.json_schema:  # the gate's denominator, traced the same way
+        report["same_lengths"] = _trace_same_lengths(llm, core, workloads.with_output_lengths(
+            plain, result["output_lengths"]), measure_throughput)
+    return report
+
+
+def _trace_same_lengths(llm, core, workload, measure_throughput) -> dict:
+    """The unconstrained W1 with the schema run's output lengths (the gate's w1_same_lengths), traced: its
+    per-kind table beside the schema run's says which steps the masks make longer."""
+    llm.reset_prefix_cache()
+    tracer = StepTracer(core)
+    try:
+        result = measure_throughput(llm, workload)
+    finally:
+        _unwrap(core)
+    steps = tracer.finish()
+    rows = summarize(steps)
+    print_table(f"W1 unconstrained, the schema run's output lengths, {result['output_tokens_per_second']:.0f} out "
+                f"tok/s", rows)
+    return {"w1": result["output_tokens_per_second"], "output_tokens": result["num_output_tokens"], "summary": rows,
+            "steps": steps}
 
 
 def trace_ttft(llm, ns) -> dict:
@@ -428,6 +453,9 @@ def main() -> int:
     parser.add_argument("--gc-freeze", action="store_true",
                         help="freeze the start-up heap as the server does (deepserve/heap.py): no full collection "
                              "walks it during the run")
+    parser.add_argument("--same-lengths", action="store_true",
+                        help="with --json-schema: then trace W1 unconstrained with the schema run's output lengths "
+                             "(the gate's ratio's denominator)")
     parser.add_argument("--out", type=Path, help="write every step's record and the summaries here (JSON)")
     ns = parser.parse_args()
     run = gate.ModelRun("trace", None if ns.model == "demo" else ns.model, w2=False, quantization=ns.quantization,

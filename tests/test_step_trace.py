@@ -46,6 +46,18 @@ def test_w1_trace_records_each_steps_phases_and_the_masks_where_rows_are_constra
     assert "W1 + JSON schema" in capsys.readouterr().out
 
 
+def test_same_lengths_trace_follows_the_schema_run_unconstrained(capsys):
+    # --same-lengths: the gate's denominator traced after the schema run, its steps without masks and its
+    # output exactly the schema run's token count (each request stopped at the schema run's length)
+    llm = gate.make_llm(gate.ModelRun("trace", None, w2=False, json_schema=True))
+    report = step_trace.trace_w1(llm, _ns(json_schema=True, same_lengths=True))
+    same = report["same_lengths"]
+    assert same["output_tokens"] == report["output_tokens"] > 0 and same["w1"] > 0
+    launched = [s for s in same["steps"] if "graph" in s]
+    assert launched and not any(s.get("masked") for s in launched)
+    assert "the schema run's output lengths" in capsys.readouterr().out
+
+
 def test_ttft_trace_times_each_requests_first_step_and_unwraps_between_labels():
     llm = gate.make_llm(gate.ModelRun("trace", None, w2=False))
     report = step_trace.trace_ttft(llm, _ns())

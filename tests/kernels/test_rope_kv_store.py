@@ -80,3 +80,24 @@ def test_an_empty_batch_and_a_bad_shape():
     assert q_out.shape == (0, 4, 16) and k_out.shape == (0, 2, 16)
     with pytest.raises(ValueError, match="kv_cache"):
         fused.rope_and_store_kv(positions, q, k, v, cos_sin, 16, False, cache[0], slots)
+
+
+@pytest.mark.parametrize("cache", ["model", "fp8"])
+def test_fused_rope_and_store_against_the_torch_references(cache):
+    # The layers' own CPU path (layers/rotary.py's torch rope, store_kv_cache_ref): rope within bf16
+    # rounding (the kernels' fp32 arithmetic may differ in the last bit), the cache then holds those keys.
+    from deepserve.layers.rotary import _apply_rope
+
+    dtype, rotary_dim = torch.bfloat16, 64
+    positions, q, k, v, cos_sin = _inputs(4, 4, 2, 80, rotary_dim, dtype, seed=5)
+    slots = torch.tensor([0, 9, -1, 30], dtype=torch.int64, device=DEVICE)
+    cache_dtype = FP8 if cache == "fp8" else dtype
+    scales = (torch.tensor(0.25, device=DEVICE), torch.tensor(3.0, device=DEVICE)) if cache == "fp8" else (None, None)
+    got_cache = torch.zeros(2, 4, 8, 2, 80, device=DEVICE).to(cache_dtype)
+    got_q, got_k = fused.rope_and_store_kv(positions, q, k, v, cos_sin, rotary_dim, False, got_cache, slots, *scales)
+    want_q, want_k = _apply_rope.__wrapped__(positions, q, k, cos_sin, rotary_dim, False)
+    torch.testing.assert_close(got_q, want_q, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got_k, want_k, atol=2e-2, rtol=1e-2)
+    want_cache = torch.zeros_like(got_cache)
+    tpa.store_kv_cache_ref(got_k, v, want_cache, slots, *(s if s is not None else 1.0 for s in scales))
+    assert _equal(got_cache, want_cache)  # the stored rows: exactly the reference's store of those keys
