@@ -95,6 +95,8 @@ def tile_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     first falls back to sum_splits rather than allocate from the graph's pool)."""
     if not FUSED_SUM or tiles > LOCK_SLOTS:
         return None
+    if device.type == "cuda" and device.index is None:  # one key per GPU, however the device was named
+        device = torch.device("cuda", torch.cuda.current_device())
     locks = _tile_locks.get(device)
     if locks is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -122,8 +124,8 @@ def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, spli
     into the [split_k, M, N] workspace at ws_ptr. FUSED: the program that completes the tile then writes
     out [M, N] = the tile's partials summed in split order (+ bias), in out's dtype (module docstring);
     otherwise sum_splits does, after the launch. MAX_SPLITS >= split_k (a constexpr): the sum's loop is
-    unrolled so all its loads are in flight at once (a loop over split_k waited one L2 round trip per
-    split: on the H200 the fused GEMVs were ~2.5 µs a call slower than the unfused, bench/RESULTS.md)."""
+    unrolled so all its loads are in flight at once (with a loop over split_k, one L2 round trip per split,
+    the FP8 GEMVs took 2.5 µs a call more than unfused on the H200; unrolled, 2.0: bench/RESULTS.md)."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
     slice_size = M.to(tl.int64) * N

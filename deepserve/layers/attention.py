@@ -23,8 +23,9 @@ from deepserve.kernels.varlen_attention import NOT_CUDNN, varlen_attention
 from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.rotary import RotaryEmbedding
 
-# Read once, at import: rope and the cache store in one launch on the GPU path (kernels/rope_kv_store.py).
-FUSED_ROPE_KV_STORE = envs.DEEPSERVE_FUSED_ROPE_KV_STORE
+# Read once, at import: rope and the cache store in one launch on the GPU path (kernels/rope_kv_store.py),
+# bit for bit the Triton rope's numbers; under DEEPSERVE_TRITON_ELEMENTWISE=0 the rope stays torch.compile's.
+FUSED_ROPE_KV_STORE = envs.DEEPSERVE_FUSED_ROPE_KV_STORE and envs.DEEPSERVE_TRITON_ELEMENTWISE
 
 
 class Attention(nn.Module):

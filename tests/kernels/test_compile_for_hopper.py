@@ -351,6 +351,7 @@ def test_fused_split_sum_gemvs_compile(monkeypatch):
     monkeypatch.setattr(split_k, "_tile_locks", {})
     monkeypatch.setattr(fp8_gemv, "INTERPRET", False)
     w_q, w_scale = quantize_weight_block(torch.randn(200, 328), (128, 128))
+    long_q, long_scale = quantize_weight_block(torch.randn(64, 4096), (128, 128))  # 8 splits: the unrolled sum
     n, k = 192, 512
     qweight = pack_rows(torch.randint(0, 16, (n, k)), 4)
     scales, zeros = torch.rand(n, 4, dtype=torch.float16), torch.full((n, 4), 8.0, dtype=torch.float16)
@@ -360,13 +361,15 @@ def test_fused_split_sum_gemvs_compile(monkeypatch):
         for m in (1, 2):
             fp8_gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), bias)
             fp8_gemv.fp8_gemv(torch.randn(m, 328, dtype=torch.bfloat16), w_q, w_scale, (128, 128), None)
+            fp8_gemv.fp8_gemv(torch.randn(m, 4096, dtype=torch.bfloat16), long_q, long_scale, (128, 128), None)
             x = torch.randn(m, k, dtype=torch.bfloat16)
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=int4_gemv.default_gemv_config(m))
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, bias=bias[:n], config=int4_gemv.default_gemv_config(m))
 
     launches = _record(monkeypatch, (fp8_gemv, int4_gemv), run, execute=False)
     fused = [j for j in launches if j["constexprs"].get("FUSED_SUM")]
-    assert len(fused) == len(launches) == 8 and all(j["constexprs"]["INTERPRETED"] is False for j in fused)
+    assert len(fused) == len(launches) == 10 and all(j["constexprs"]["INTERPRETED"] is False for j in fused)
+    assert max(j["constexprs"]["MAX_SPLITS"] for j in fused if j["kernel"] == "_fp8_gemv_kernel") >= 8
     _compile_all(launches)
 
 
