@@ -20,6 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_decode_graphs import graph_us  # noqa: E402  (bench/: µs a call inside a CUDA graph)
+
 from deepserve.kernels import fp8_gemv, int4, int4_gemv, split_k  # noqa: E402
 from deepserve.kernels.fp8_ref import quantize_weight_block  # noqa: E402
 from deepserve.kernels.int4_ref import pack_rows  # noqa: E402
@@ -43,7 +46,7 @@ def make(kind: str, n: int, k: int):
 
 
 def graph_of(fn, xs):
-    """A CUDA graph of len(xs) launches (one per input) and its outputs."""
+    """A CUDA graph of len(xs) launches (one per input) and its outputs (the correctness replays)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -56,24 +59,12 @@ def graph_of(fn, xs):
     return graph, outs
 
 
-def replay_us(graph, replays: int = 20) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / CALLS
-
-
 def check(kind: str, name: str, n: int, k: int, m: int, replays: int) -> dict:
     fn = make(kind, n, k)
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
     split_k.FUSED_SUM = False
     want = [fn(x) for x in xs]
-    separate_graph, _ = graph_of(fn, xs)
+    separate_us = graph_us(lambda: fn(xs[0]), calls=CALLS)
     split_k.FUSED_SUM = True
     eager_ok = all(torch.equal(fn(x), w) for x, w in zip(xs, want, strict=True))
     fused_graph, outs = graph_of(fn, xs)
@@ -87,8 +78,8 @@ def check(kind: str, name: str, n: int, k: int, m: int, replays: int) -> dict:
     locks = split_k._tile_locks.get(xs[0].device)
     counters_zero = locks is not None and int(locks.count_nonzero()) == 0
     row = {"kind": kind, "shape": name, "m": m, "eager_equal": eager_ok, "graph_mismatches": bad,
-           "counters_zero": counters_zero, "separate_us": round(replay_us(separate_graph), 2),
-           "fused_us": round(replay_us(fused_graph), 2)}
+           "counters_zero": counters_zero, "separate_us": round(separate_us, 2),
+           "fused_us": round(graph_us(lambda: fn(xs[0]), calls=CALLS), 2)}
     row["ok"] = eager_ok and bad == 0 and counters_zero
     return row
 

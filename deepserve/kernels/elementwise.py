@@ -134,6 +134,21 @@ def _rope_kernel(pos_ptr, x_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_c
                  INTERLEAVED: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    src, dst, _, _, _, _, _ = rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh, stride_ot,
+                                          stride_oh, stride_cs, HALF, BLOCK_HALF, INTERLEAVED, INTERPRET)
+    if REST > 0:  # the features past rotary_dim, unchanged
+        r = tl.arange(0, BLOCK_REST)
+        kept = tl.load(src + 2 * HALF + r, mask=r < REST, other=0.0)
+        tl.store(dst + 2 * HALF + r, kept, mask=r < REST)
+
+
+@triton.jit
+def rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Token t's head h rotated by its position from x into out (layers/rotary.py's arithmetic in fp32, rounded
+    to out's dtype): the HALF pairs (i, i + HALF), or (2i, 2i + 1) when INTERLEAVED; the features past them are
+    the caller's. Returns (src, dst, first, second, y1, y2, ok): the head's rows, the pairs' offsets, the stored
+    values and the pairs' mask. Shared by _rope_kernel and kernels/rope_kv_store.py (which also caches y1, y2)."""
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -147,12 +162,11 @@ def _rope_kernel(pos_ptr, x_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_c
         first, second = i, i + HALF
     x1 = tl.load(src + first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + second, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst + first, _cast(x1 * cos - x2 * sin, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
-    tl.store(dst + second, _cast(x2 * cos + x1 * sin, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
-    if REST > 0:  # the features past rotary_dim, unchanged
-        r = tl.arange(0, BLOCK_REST)
-        kept = tl.load(src + 2 * HALF + r, mask=r < REST, other=0.0)
-        tl.store(dst + 2 * HALF + r, kept, mask=r < REST)
+    y1 = _cast(x1 * cos - x2 * sin, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(dst + first, y1, mask=ok)
+    y2 = _cast(x2 * cos + x1 * sin, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(dst + second, y2, mask=ok)
+    return src, dst, first, second, y1, y2, ok
 
 
 @triton.jit

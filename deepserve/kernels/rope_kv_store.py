@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels.elementwise import _cast
+from deepserve.kernels.elementwise import rotate_head
 from deepserve.kernels.fp8 import _round_to_e4m3
 from deepserve.kernels.fp8_ref import FP8
 
@@ -86,14 +86,14 @@ def _rope_kv_store_kernel(
     # the cache row of kv head j in plane p (0: k, 1: v) for this token's slot
     row = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok
     if h < HEADS:
-        _rotate_head(pos_ptr, cs_ptr, t, q_ptr + t * stride_qt + h * stride_qh,
-                     q_out_ptr + t * HEADS * DIM + h * DIM, cache_ptr, k_scale_ptr, slot, stride_cs, HALF,
-                     BLOCK_HALF, REST, BLOCK_REST, INTERLEAVED, False, QUANTIZE, INTERPRET)
+        _rotate_head(pos_ptr, cs_ptr, q_ptr, q_out_ptr, t, h, stride_qt, stride_qh, HEADS * DIM, DIM, cache_ptr,
+                     k_scale_ptr, slot, stride_cs, HALF, BLOCK_HALF, REST, BLOCK_REST, INTERLEAVED, False, QUANTIZE,
+                     INTERPRET)
     elif h < HEADS + KV_HEADS:
         j = h - HEADS
-        _rotate_head(pos_ptr, cs_ptr, t, k_ptr + t * stride_kt + j * stride_kh,
-                     k_out_ptr + t * KV_HEADS * DIM + j * DIM, cache_ptr + row + j * stride_head, k_scale_ptr,
-                     slot, stride_cs, HALF, BLOCK_HALF, REST, BLOCK_REST, INTERLEAVED, True, QUANTIZE, INTERPRET)
+        _rotate_head(pos_ptr, cs_ptr, k_ptr, k_out_ptr, t, j, stride_kt, stride_kh, KV_HEADS * DIM, DIM,
+                     cache_ptr + row + j * stride_head, k_scale_ptr, slot, stride_cs, HALF, BLOCK_HALF, REST,
+                     BLOCK_REST, INTERLEAVED, True, QUANTIZE, INTERPRET)
     else:
         j = h - HEADS - KV_HEADS
         offs = tl.arange(0, BLOCK_DIM)
@@ -103,26 +103,15 @@ def _rope_kv_store_kernel(
 
 
 @triton.jit
-def _rotate_head(pos_ptr, cs_ptr, t, src, dst, cache_row, scale_ptr, slot, stride_cs, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 STORE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr):
-    """One head rotated from src into dst (elementwise._rope_kernel's arithmetic and rounding); STORE: the
-    same rounded values also to cache_row (a k head; skipped for a negative slot)."""
-    i = tl.arange(0, BLOCK_HALF)
-    ok = i < HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=ok, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=ok, other=0.0)
-    if INTERLEAVED:  # pair i is features (2i, 2i + 1)
-        first, second = 2 * i, 2 * i + 1
-    else:  # pair i is features (i, i + HALF)
-        first, second = i, i + HALF
-    x1 = tl.load(src + first, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second, mask=ok, other=0.0).to(tl.float32)
-    y1 = _cast(x1 * cos - x2 * sin, dst.dtype.element_ty, INTERPRET)
-    y2 = _cast(x2 * cos + x1 * sin, dst.dtype.element_ty, INTERPRET)
-    tl.store(dst + first, y1, mask=ok)
-    tl.store(dst + second, y2, mask=ok)
+def _rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh, stride_ot, stride_oh, cache_row,
+                 scale_ptr, slot, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr,
+                 BLOCK_REST: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr, QUANTIZE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Head h of token t rotated from x into out (elementwise.rotate_head: _rope_kernel's arithmetic and
+    rounding); STORE: the same rounded values also to cache_row (a k head; skipped for a negative slot)."""
+    src, dst, first, second, y1, y2, ok = rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh,
+                                                      stride_ot, stride_oh, stride_cs, HALF, BLOCK_HALF, INTERLEAVED,
+                                                      INTERPRET)
     if STORE:
         live = ok & (tl.full([BLOCK_HALF], 0, tl.int64) + slot >= 0)
         _store_row(cache_row + first, y1, scale_ptr, live, QUANTIZE, INTERPRET)
