@@ -5,10 +5,13 @@ reference; on the GPU the W4A16 Triton GEMM and the fused MoE's int4 path run. B
 
     python bench/check_int4_engine.py        # one line per case; non-zero exit on a failure
 
-Judged per prompt token: the GPU's int4 logprobs may be no further from the CPU's than 2 times the GPU run
-of the same weights unquantized (--quantization none: dequantized at load) is from its CPU run, plus 0.01.
-The weights are the same numbers both ways (the int4 math is exact), so only summation order differs; a
-wrong code, group or row costs tenths. Greedy tokens, CUDA graphs against eager, are printed.
+Judged per prompt token, and per decoded token with one sequence a step (the one-token GEMV, which prompts
+never reach; against the CPU's prefill of the same tokens): the GPU's int4 logprobs may be no further from
+the CPU's than 2 times the GPU run of the same weights unquantized (--quantization none: dequantized at
+load) is from its CPU run, plus 0.01. The weights are the same numbers both ways (the int4 math is exact;
+the factored one-token GEMV skips only the reference's rounding of each weight to bf16), so mostly summation
+order differs; a wrong code, group or row costs tenths. Greedy tokens, CUDA graphs against eager, are
+printed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from transformers import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_check import COMMON, MLA, greedy, prompt_logprobs  # noqa: E402
+from gpu_check import COMMON, MLA, decode_error, greedy, prompt_logprobs  # noqa: E402
 
 from tests.loader.int4_pack import write_int4_checkpoint  # noqa: E402
 
@@ -46,6 +49,14 @@ def check(name: str, path: str) -> bool:
     ok = got <= 2 * yardstick + 0.01
     print(f"{name:22s} {'OK' if ok else 'MISMATCH'} mean prompt logprob error, GPU int4 vs CPU int4 {got:.4f} "
           f"(dequantized, GPU vs CPU: {yardstick:.4f})", flush=True)
+    # Decode, one sequence at a time: the one-token GEMV (DEEPSERVE_INT4_GEMV_MAX_M) and its numerics
+    # (DEEPSERVE_INT4_GEMV_FACTORED), which the prompt logprobs above never reach, against the CPU reference's
+    # prefill of the same tokens; the same rule, the unquantized model's decode as the yardstick.
+    got_decode, yardstick_decode = decode_error(path, {}), decode_error(path, {"quantization": "none"})
+    decode_ok = got_decode <= 2 * yardstick_decode + 0.01
+    print(f"{name:22s} {'OK' if decode_ok else 'MISMATCH'} mean decode logprob error (one token a step), GPU int4 "
+          f"vs CPU int4 {got_decode:.4f} (dequantized: {yardstick_decode:.4f})", flush=True)
+    ok = ok and decode_ok
     graphs, eager = greedy(path, "cuda", "bfloat16"), greedy(path, "cuda", "bfloat16", enforce_eager=True)
     same = sum(a == b for a, b in zip(graphs, eager, strict=True))
     print(f"{name:22s} greedy tokens, CUDA graphs vs eager: {same}/{len(graphs)} sequences equal", flush=True)

@@ -73,6 +73,41 @@ def prompt_logprobs(path: str, device: str, dtype: str, flash: bool = True, **en
             for pos in range(1, len(ids))]
 
 
+def decode_logprobs(path: str, device: str, dtype: str, steps: int = 16, **engine
+                    ) -> tuple[list[list[int]], list[float]]:
+    """Each prompt decoded greedily for `steps` tokens, one sequence at a time (max_num_seqs 1: every decode
+    step multiplies a single token, so quantized linears take their one-token GEMVs), CUDA graphs as the
+    engine chooses: (each prompt + its output, the logprob of every decoded token)."""
+    llm = LLM(path, dtype=dtype, device=device, num_gpu_blocks_override=256, block_size=16,
+              skip_tokenizer_init=True, max_num_seqs=1, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts(), outs, strict=True)]
+    logprobs = [step[token].logprob for o in outs
+                for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+    return sequences, logprobs
+
+
+def teacher_forced_logprobs(path: str, device: str, dtype: str, sequences: list[list[int]], steps: int = 16,
+                            **engine) -> list[float]:
+    """The logprob of each sequence's last `steps` tokens given the tokens before them, read as prompt
+    logprobs (prefill): what decode_logprobs should have read for the same tokens."""
+    llm = LLM(path, dtype=dtype, device=device, num_gpu_blocks_override=256, block_size=16,
+              skip_tokenizer_init=True, max_num_seqs=16, enforce_eager=True, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    return [o.prompt_logprobs[pos][ids[pos]].logprob for ids, o in zip(sequences, outs, strict=True)
+            for pos in range(len(ids) - steps, len(ids))]
+
+
+def decode_error(path: str, engine: dict, device: str = "cuda", reference: str = "cpu") -> float:
+    """Mean |logprob| difference between `device`'s one-token decode and `reference`'s prefill of the same
+    tokens, in bf16 (engine: LLM arguments for both)."""
+    sequences, got = decode_logprobs(path, device, "bfloat16", **engine)
+    want = teacher_forced_logprobs(path, reference, "bfloat16", sequences, **engine)
+    return (torch.tensor(got) - torch.tensor(want)).abs().mean().item()
+
+
 # The bf16 flash case runs on one MHA/GQA and one MLA variant: three engines each, which the gate's
 # time budget affords for two (the fp32 cases of all five took ~85 s in gate run 2).
 BF16_VARIANTS = ("llama-gqa", "dsv3-noaux")
