@@ -19,8 +19,9 @@ path is more exact than the one it replaces. Two ways to multiply, chosen by the
          scale block) multiplies the tile's inputs instead of every weight. Not timed on a GPU yet.
 Triton's interpreter (CPU tests) gives wrong products for a bf16 tl.dot whose operand was widened from
 fp8 (seen with triton 3.x: the same dot in fp32 is right), so there the dot runs in fp32; the H200 check
-(bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials
-that fp8.py's split sum adds in order (+ bias). Taken for one token by default (fp8.GEMV_MAX_M,
+(bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials,
+added in order (+ bias) by the program that completes each tile (split_k.store_split) or, with
+DEEPSERVE_SPLIT_K_FUSED_SUM=0, by split_k.sum_splits. Taken for one token by default (fp8.GEMV_MAX_M,
 DEEPSERVE_FP8_GEMV_MAX_M = 1): timed per GEMM by bench/fp8_decode_graphs.py --gemv-s and in the engine
 (W2 TPOT DeepSeek-LLM-7B -q fp8 3.39 ms, V3 8-layer slice 2.68 ms; bench/RESULTS.md).
 """

@@ -11,8 +11,8 @@ layout of the loaded tile; the tile is summed along K once, after the loop.
 The programs of one N tile (its token blocks) are adjacent in the grid: they read the same weight tile
 at about the same time, so HBM serves it once and L2 the rest (each program unpacks the tile again,
 which is why BLOCK_M > 1 exists and why the GEMV is meant for small M). Split-K partials are summed in
-order by split_k.sum_splits, or in the kernel by the program that completes each tile under
-DEEPSERVE_SPLIT_K_FUSED_SUM=1 (split_k.store_split; the same sum; deterministic either way).
+order in the kernel by the program that completes each tile (split_k.store_split), or by split_k.sum_splits
+under DEEPSERVE_SPLIT_K_FUSED_SUM=0 (the same sum; deterministic either way).
 
 Two numerics (a constexpr, FACTORED):
   exact     w = q * s - z * s per element (exact in fp32, int4_tile.py), rounded to x's dtype like
@@ -61,10 +61,10 @@ def default_gemv_config(m: int) -> Int4GemvConfig:
     token: 64 rows x 128 inputs a program, about 8 programs an SM, prefetching. On the H200
     (bench/check_int4.py --variants --ms 1, bench/RESULTS.md) the tile shape and the program count did most
     of it: 7B gate_up 113 µs with the old default (n32 k256, 4 an SM), 53.7 with n64 k128, 49.2 at 8 an SM,
-    48.4 with the prefetch; the factored numerics read 42.3 (not taken yet: no engine run). More tokens: up
+    48.4 with the prefetch; the factored numerics read 42.3 (DEEPSERVE_INT4_GEMV_FACTORED, on by default since
+    an engine run: a 7B AWQ step 3.68 ms of graph replay against 4.18). More tokens: up
     to 16 a program on narrower tiles (the 3-D product holds block_m x block_n x block_k / pack fp32 values a
-    program); prefetch applies to one token a program only. DEEPSERVE_INT4_GEMV_FACTORED=1 gives the one-token
-    tiles the factored numerics."""
+    program); prefetch applies to one token a program only."""
     if m <= 1:
         return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8,
                               factored=FACTORED_ONE_TOKEN)

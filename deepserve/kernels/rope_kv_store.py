@@ -22,8 +22,8 @@ import triton.language as tl
 
 from deepserve import envs
 from deepserve.kernels.elementwise import rotate_head
-from deepserve.kernels.fp8 import _round_to_e4m3
 from deepserve.kernels.fp8_ref import FP8
+from deepserve.kernels.triton_paged_attention import store_cache_values
 
 INTERPRET = envs.TRITON_INTERPRET
 
@@ -83,7 +83,7 @@ def _rope_kv_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
-    # the cache row of kv head j in plane p (0: k, 1: v) for this token's slot
+    # the token's slot in a cache plane (the k plane; the v plane is stride_plane further)
     row = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok
     if h < HEADS:
         _rotate_head(pos_ptr, cs_ptr, q_ptr, q_out_ptr, t, h, stride_qt, stride_qh, HEADS * DIM, DIM, cache_ptr,
@@ -99,7 +99,8 @@ def _rope_kv_store_kernel(
         offs = tl.arange(0, BLOCK_DIM)
         ok = (offs < DIM) & (tl.full([BLOCK_DIM], 0, tl.int64) + slot >= 0)  # a block-shaped mask (interpreter)
         vals = tl.load(v_ptr + t * stride_vt + j * stride_vh + offs, mask=ok, other=0.0)
-        _store_row(cache_ptr + stride_plane + row + j * stride_head + offs, vals, v_scale_ptr, ok, QUANTIZE, INTERPRET)
+        store_cache_values(cache_ptr + stride_plane + row + j * stride_head + offs, vals, v_scale_ptr, ok, QUANTIZE,
+                           INTERPRET)
 
 
 @triton.jit
@@ -114,25 +115,12 @@ def _rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh, st
                                                       INTERPRET)
     if STORE:
         live = ok & (tl.full([BLOCK_HALF], 0, tl.int64) + slot >= 0)
-        _store_row(cache_row + first, y1, scale_ptr, live, QUANTIZE, INTERPRET)
-        _store_row(cache_row + second, y2, scale_ptr, live, QUANTIZE, INTERPRET)
+        store_cache_values(cache_row + first, y1, scale_ptr, live, QUANTIZE, INTERPRET)
+        store_cache_values(cache_row + second, y2, scale_ptr, live, QUANTIZE, INTERPRET)
     if REST > 0:  # the features past the rotary ones, unchanged
         r = tl.arange(0, BLOCK_REST)
         kept = tl.load(src + 2 * HALF + r, mask=r < REST, other=0.0)
         tl.store(dst + 2 * HALF + r, kept, mask=r < REST)
         if STORE:
             live_r = (r < REST) & (tl.full([BLOCK_REST], 0, tl.int64) + slot >= 0)
-            _store_row(cache_row + 2 * HALF + r, kept, scale_ptr, live_r, QUANTIZE, INTERPRET)
-
-
-@triton.jit
-def _store_row(ptrs, vals, scale_ptr, mask, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr):
-    # triton_paged_attention._store_rows_kernel's store: an FP8 cache takes value / scale saturated to
-    # e4m3's ±448, rounded to nearest even (the interpreter's own cast rounds wrongly: corrected here)
-    if QUANTIZE:
-        x = vals.to(tl.float32) / tl.load(scale_ptr)
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        if INTERPRET:
-            x = _round_to_e4m3(x)
-        vals = x
-    tl.store(ptrs, vals.to(ptrs.dtype.element_ty), mask=mask)
+            store_cache_values(cache_row + 2 * HALF + r, kept, scale_ptr, live_r, QUANTIZE, INTERPRET)

@@ -4,9 +4,10 @@ the partials. fp8.py (W8A8), fp8_gemv.py, int4.py and int4_gemv.py import it; it
 
 Each split writes fp32 into its slice of a [split_k, M, N] workspace, and the slices are added in split
 order, so the result does not depend on scheduling (deterministic). Who adds them:
-  sum_splits      a kernel of its own after the GEMM (the default);
-  store_split     with FUSED (DEEPSERVE_SPLIT_K_FUSED_SUM=1; the decode GEMVs, kernels/fp8_gemv.py and
-                  kernels/int4_gemv.py): the program that completes an output tile adds its partials. Each
+  sum_splits      a kernel of its own after the GEMM (the W8A8 and int4 tile kernels; the decode GEMVs with
+                  DEEPSERVE_SPLIT_K_FUSED_SUM=0);
+  store_split     with FUSED (the decode GEMVs, kernels/fp8_gemv.py and kernels/int4_gemv.py, by default):
+                  the program that completes an output tile adds its partials. Each
                   program counts itself in the tile's slot of a per-device counter array (tile_locks) after
                   its partial is stored; the one that brings the count to split_k is the last, so every
                   partial is in memory, and it sums them in split order (the same additions as sum_splits,
@@ -109,8 +110,8 @@ def fused_sum(device: torch.device, tiles: int, workspace: torch.Tensor,
               split: bool = True) -> tuple[torch.Tensor, dict]:
     """For a launch whose kernel ends in store_split (workspace: its [split_k, M, N] partials): its lock
     argument (the counters, or the unread workspace when the sum is not fused) and its constexprs
-    FUSED_SUM, INTERPRETED and MAX_SPLITS. Without FUSED_SUM
-    the caller runs sum_splits after the launch (split False: one split, nothing to sum)."""
+    FUSED_SUM, INTERPRETED and MAX_SPLITS. Without FUSED_SUM the caller runs sum_splits after the launch
+    (split False: one split, nothing to sum)."""
     locks = tile_locks(device, tiles) if split else None
     splits = workspace.shape[0] if locks is not None else 1  # unread when not fused: one compile
     return (workspace if locks is None else locks), {"FUSED_SUM": locks is not None, "INTERPRETED": INTERPRET,

@@ -383,13 +383,21 @@ def _store_rows_kernel(
     mask = (offs < WIDTH) & (tl.full([BLOCK], 0, tl.int64) + slot >= 0)
     vals = tl.load(src_ptr + t * stride_src_t + h * stride_src_h + offs, mask=mask)
     dst = (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok + h * stride_head
-    if QUANTIZE:  # FP8 cache: value / scale saturated to e4m3's ±448; the cast rounds to nearest even
+    store_cache_values(cache_ptr + dst + offs, vals, scale_ptr, mask, QUANTIZE, ROUND_IN_FP32)
+
+
+@triton.jit
+def store_cache_values(ptrs, vals, scale_ptr, mask, QUANTIZE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """vals into a KV cache at ptrs (also kernels/rope_kv_store.py's store). QUANTIZE (an FP8 cache): value /
+    scale saturated to e4m3's ±448; the cast rounds to nearest even. ROUND_IN_FP32: interpreter only, its own
+    cast rounds wrongly (kernels/fp8.py)."""
+    if QUANTIZE:
         x = vals.to(tl.float32) / tl.load(scale_ptr)
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        if ROUND_IN_FP32:  # interpreter only: its own cast rounds wrongly (kernels/fp8.py)
+        if ROUND_IN_FP32:
             x = _round_to_e4m3(x)
         vals = x
-    tl.store(cache_ptr + dst + offs, vals.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, vals.to(ptrs.dtype.element_ty), mask=mask)
 
 
 def _require(ok: bool, message: str) -> None:
