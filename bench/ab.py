@@ -43,8 +43,11 @@ TOLERANCE = {"w1": AB_TOLERANCE, "tpot": AB_TOLERANCE, "ttft": gate.TTFT_TOLERAN
 
 # Shown, not judged: time to ready; Triton kernels compiled inside W1; with --w1-repeats, W1 run again in
 # the same engine (w1_2nd) and its compiles.
-INFO = ("ready", "w1_compiles", "w1_2nd", "w1_2nd_compiles")
-INFO_LABELS = {"ready": "ready s", "w1_compiles": "w1 jit", "w1_2nd": "w1 2nd", "w1_2nd_compiles": "2nd jit"}
+# A JSON-schema run (r1-distill-qwen-7b-json) adds its unconstrained W1 at the same lengths and the gate's
+# ratio of the two, in percent.
+INFO = ("ready", "w1_compiles", "w1_2nd", "w1_2nd_compiles", "w1_same_lengths", "json_ratio_pct")
+INFO_LABELS = {"ready": "ready s", "w1_compiles": "w1 jit", "w1_2nd": "w1 2nd", "w1_2nd_compiles": "2nd jit",
+               "w1_same_lengths": "same len", "json_ratio_pct": "ratio%"}
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,18 @@ def run_ab(variants: list[Variant], runs: list[gate.ModelRun], repeats: int, out
                     data["w1_2nd"] = data["w1_runs"][1]
                     if data["w1_runs_compiles"][1] is not None:  # older trees count no compiles
                         data["w1_2nd_compiles"] = data["w1_runs_compiles"][1]
+                data.update(json_ratio(data))
                 for metric in (*METRICS, *INFO):
                     if metric in data:
                         values[run.name][name].setdefault(metric, []).append(data[metric])
     return values
+
+
+def json_ratio(data: dict) -> dict:
+    """A JSON-schema run's gate ratio (its W1 over the unconstrained W1 at the same lengths), in percent."""
+    if not data.get("w1_same_lengths") or data.get("w1") is None:
+        return {}
+    return {"json_ratio_pct": 100 * data["w1"] / data["w1_same_lengths"]}
 
 
 def judge(base: list[float], new: list[float], higher_is_better: bool,

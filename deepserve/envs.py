@@ -112,6 +112,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                   "sampling is queued after that (engine/core.py); off: correct on one H200 "
                                   "but no change to structured output's cost (W1 with a schema at 0.85-0.86 of "
                                   "the same work unconstrained with it, 0.81-0.85 without, same machine)"),
+    "DEEPSERVE_GRAMMAR_WARMUP": (_flag("DEEPSERVE_GRAMMAR_WARMUP", True),
+                                 "structured output's llguidance view of the tokenizer is built on a thread from "
+                                 "start-up on (engine/grammar.py GrammarCompiler.warm_up), not by the first "
+                                 "request with a schema, regex or grammar (~0.9 s of mostly GIL-holding Python for "
+                                 "a 152k vocabulary on a 2-core sandbox, in the front end and again in the engine "
+                                 "core's process); 0: built at first use"),
     "DEEPSERVE_PINNED_GRAMMAR_MASKS": (_flag("DEEPSERVE_PINNED_GRAMMAR_MASKS", True),
                                        "structured output's masks are filled straight into pinned host buffers used "
                                        "in turn (layers/sampling_metadata.py MaskBuffers), so their copy to the GPU "

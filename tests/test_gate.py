@@ -126,6 +126,16 @@ def test_ab_verdict_needs_a_step_beyond_tolerance_and_ranges_that_do_not_overlap
     assert not ok and lines[-1] == "A/B FAILED" and "REGRESSION" in lines[-2]
 
 
+def test_ab_shows_a_json_runs_ratio_beside_its_figures():
+    ab = _ab()
+    assert ab.json_ratio({"w1": 4780.0, "w1_same_lengths": 5483.0}) == {"json_ratio_pct": 100 * 4780 / 5483}
+    assert ab.json_ratio({"w1": 4780.0}) == {} and ab.json_ratio({"w1": None, "w1_same_lengths": 1.0}) == {}
+    values = {"json": {"base": {"w1": [4780.0], "json_ratio_pct": [87.18]}, "new": {"w1": [5000.0],
+                                                                                   "json_ratio_pct": [91.2]}}}
+    lines, _ = ab.table(values, ["base", "new"])
+    assert [line.split()[2:4] for line in lines if "ratio" in line] == [["base", "87.18"], ["new", "91.20"]]
+
+
 def test_ab_runs_each_tree_from_its_own_copy_on_cpu(tmp_path):
     # Two trees, the second a copy of deepserve elsewhere: each engine imports deepserve from its own tree.
     import shutil

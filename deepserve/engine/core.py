@@ -23,7 +23,9 @@ from deepserve.engine.grammar import (
     GrammarTiming,
     fill_bitmasks,
     fill_bitmasks_beside,
+    grammar_warmup_enabled,
     mask_row_bytes,
+    run_in_daemon,
 )
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
@@ -143,6 +145,7 @@ class EngineCore:
         self.grammar_timing = GrammarTiming()
         self.num_steps = 0  # calls of step(), for per-step figures in the benchmarks
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        self.grammar_warmup: Future | None = None  # or from start-up on (from_engine_args' warm_grammars)
         # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
         # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
         self._compiling: list[tuple[Request, Future]] = []
@@ -157,11 +160,23 @@ class EngineCore:
         COMPILE_WATCH.arm()  # start-up is over: a kernel compiled from here on stalls a serving step
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> EngineCore:
+    def from_engine_args(cls, args: EngineArgs, warm_grammars: bool = False) -> EngineCore:
+        return cls.from_config(args.create_engine_config(), warm_grammars)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, warm_grammars: bool = False) -> EngineCore:
+        """warm_grammars: this core builds its own GrammarCompiler (it runs in a process of its own), and
+        starts building it now, beside the model's loading (GrammarCompiler.warm_up says why)."""
+        warmup = _start_grammar_warmup(config) if warm_grammars else None
+        core = cls._build(config)
+        core.grammar_warmup = warmup
+        return core
+
+    @classmethod
+    def _build(cls, config: EngineConfig) -> EngineCore:
         # The one place the torch-free engine reaches for the runner, lazily, at construction.
         from deepserve.runner.model_runner import ModelRunner
 
-        config = args.create_engine_config()
         start = time.perf_counter()
         age = _process_age_s()  # the interpreter, imports and the config: before any of the engine's work
         m = config.model
@@ -214,6 +229,10 @@ class EngineCore:
         return outputs
 
     def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None and self.grammar_warmup is not None:
+            warmup, self.grammar_warmup = self.grammar_warmup, None
+            if warmup.exception() is None:  # waits while it is still building; a failure was logged
+                self.grammars = warmup.result()
         if self.grammars is None:
             from deepserve.loader.tokenizer import load_tokenizer
 
@@ -447,6 +466,22 @@ def _check_cache_fits(config: EngineConfig, num_blocks: int) -> None:
             f"{capacity} or less, or give the cache more memory (--gpu-memory-utilization, "
             "--num-gpu-blocks-override, --cpu-kv-cache-gib)"
         )
+
+
+def _start_grammar_warmup(config: EngineConfig) -> Future | None:
+    """The engine core process's own GrammarCompiler (its tokenizer and llguidance's view of it), built on
+    a daemon thread from now on; None without a tokenizer, llguidance or DEEPSERVE_GRAMMAR_WARMUP."""
+    if config.model.tokenizer is None or not grammar_warmup_enabled():
+        return None
+
+    def build() -> GrammarCompiler:
+        from deepserve.loader.tokenizer import load_tokenizer
+
+        compiler = GrammarCompiler(load_tokenizer(config.model.tokenizer), config.model.hf_config.vocab_size)
+        compiler.ll_tokenizer  # noqa: B018 (built here, off the step loop)
+        return compiler
+
+    return run_in_daemon(build, "deepserve-grammar-warmup")
 
 
 def _process_age_s() -> float | None:

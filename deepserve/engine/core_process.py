@@ -306,7 +306,7 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
     threading.Thread(target=_reader, args=(sock, inbox, orphaned_while_loading), daemon=True,
                      name="engine-reader").start()
     try:
-        core = EngineCore.from_engine_args(EngineArgs(**engine_args))
+        core = EngineCore.from_engine_args(EngineArgs(**engine_args), warm_grammars=True)
         freeze_startup_heap("engine core")
         serving.set()
         sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))

@@ -160,18 +160,33 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._ll_tokenizer: Any = None  # llguidance's view of the tokenizer (~1 s to build): at first use
+        # llguidance's view of the tokenizer (~0.9 s to build for 152k tokens): by warm_up's thread or at
+        # first use, whichever comes first; the other waits for it (_ll_lock).
+        self._ll_tokenizer: Any = None
+        self._ll_lock = threading.Lock()
+        self.warming: Future | None = None  # warm_up's build, once started
         self._templates: OrderedDict[str, Any] = OrderedDict()
         # compile() may run on EngineCore's compile thread while the step loop calls cached().
         self._lock = threading.Lock()
 
     @property
     def ll_tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
-        return self._ll_tokenizer
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+            return self._ll_tokenizer
+
+    def warm_up(self) -> Future | None:
+        """Build ll_tokenizer now, on a daemon thread, so the first request with a grammar neither waits for it
+        nor (in the engine core, where that request is admitted on the step loop's thread) stalls every
+        running request while it is built: the build is mostly Python that holds the GIL. Meant for
+        start-up, beside the model's loading. None when DEEPSERVE_GRAMMAR_WARMUP is off or llguidance is
+        not installed (then it is built at first use, as before)."""
+        if self.warming is None and grammar_warmup_enabled():
+            self.warming = run_in_daemon(lambda: self.ll_tokenizer, "deepserve-grammar-warmup")
+        return self.warming
 
     @property
     def bitmask_bytes(self) -> int:
@@ -209,6 +224,32 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
         return matcher
+
+
+def grammar_warmup_enabled() -> bool:
+    """DEEPSERVE_GRAMMAR_WARMUP is on and llguidance is installed (structured output can be served)."""
+    import importlib.util
+
+    from deepserve import envs
+
+    return envs.DEEPSERVE_GRAMMAR_WARMUP and importlib.util.find_spec("llguidance") is not None
+
+
+def run_in_daemon(fn: Callable[[], Any], name: str) -> Future:
+    """fn() on a daemon thread of its own (start-up work nothing waits on unless it needs the result, and
+    which must not hold up the process's exit). A failure is logged and kept in the future: whoever needs
+    the result builds it again in its own path, which raises there with the request's context."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except Exception as e:  # noqa: BLE001 (kept, and logged: start-up goes on without the warm-up)
+            logger.warning("%s failed (left to first use): %s", name, e)
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
 
 
 def _short(message: str, limit: int = 500) -> str:

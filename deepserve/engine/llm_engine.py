@@ -14,7 +14,8 @@ from deepserve.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int],
+                 grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.core = core
         self.tokenizer = tokenizer
@@ -23,21 +24,25 @@ class LLMEngine:
         # One process: the core reuses the front end's compiled grammars (the compile that validated a
         # request is the one its matcher is copied from).
         if tokenizer is not None and core.grammars is None:
-            grammars = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
+            grammars = grammars or GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
             core.grammars = self.input_processor.grammars = grammars
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """The tokenizer first: its grammar compiler's warm-up (GrammarCompiler.warm_up) then runs beside the
+        model's loading instead of beside the first requests."""
         from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
 
-        core = EngineCore.from_engine_args(args)
-        config = core.config
+        config = args.create_engine_config()
         if config.model.tokenizer is None:
             eos = getattr(config.model.hf_config, "eos_token_id", None)
             eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
-            return cls(config, core, None, eos_ids)
+            return cls(config, EngineCore.from_config(config), None, eos_ids)
         tokenizer = load_tokenizer(config.model.tokenizer)
-        return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
+        grammars = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
+        grammars.warm_up()
+        core = EngineCore.from_config(config)
+        return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer), grammars)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,

@@ -29,6 +29,13 @@ class InputProcessor:
         self.eos_token_ids = sorted(eos_token_ids)
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
 
+    def warm_grammars(self) -> None:
+        """Start building this front end's GrammarCompiler now (GrammarCompiler.warm_up): the API server's,
+        at start-up, while its engine core loads."""
+        if self.tokenizer is not None and self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self.grammars.warm_up()
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
