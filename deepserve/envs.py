@@ -118,6 +118,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                  "request with a schema, regex or grammar (~0.9 s of mostly GIL-holding Python for "
                                  "a 152k vocabulary on a 2-core sandbox, in the front end and again in the engine "
                                  "core's process); 0: built at first use"),
+    "DEEPSERVE_GRAMMAR_WARMUP_THREAD": (_flag("DEEPSERVE_GRAMMAR_WARMUP_THREAD", True),
+                                        "with DEEPSERVE_GRAMMAR_WARMUP: the build runs on a daemon thread beside "
+                                        "the model's loading; 0: on the starting thread, before the model loads "
+                                        "(start-up waits for it)"),
     "DEEPSERVE_PINNED_GRAMMAR_MASKS": (_flag("DEEPSERVE_PINNED_GRAMMAR_MASKS", True),
                                        "structured output's masks are filled straight into pinned host buffers used "
                                        "in turn (layers/sampling_metadata.py MaskBuffers), so their copy to the GPU "

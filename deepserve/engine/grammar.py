@@ -237,8 +237,11 @@ def grammar_warmup_enabled() -> bool:
 
 def run_in_daemon(fn: Callable[[], Any], name: str) -> Future:
     """fn() on a daemon thread of its own (start-up work nothing waits on unless it needs the result, and
-    which must not hold up the process's exit). A failure is logged and kept in the future: whoever needs
-    the result builds it again in its own path, which raises there with the request's context."""
+    which must not hold up the process's exit), or, with DEEPSERVE_GRAMMAR_WARMUP_THREAD=0, here and now. A
+    failure is logged and kept in the future: whoever needs the result builds it again in its own path,
+    which raises there with the request's context."""
+    from deepserve import envs
+
     future: Future = Future()
 
     def run() -> None:
@@ -248,7 +251,10 @@ def run_in_daemon(fn: Callable[[], Any], name: str) -> Future:
             logger.warning("%s failed (left to first use): %s", name, e)
             future.set_exception(e)
 
-    threading.Thread(target=run, daemon=True, name=name).start()
+    if envs.DEEPSERVE_GRAMMAR_WARMUP_THREAD:
+        threading.Thread(target=run, daemon=True, name=name).start()
+    else:
+        run()
     return future
 
 

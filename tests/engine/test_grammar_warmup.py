@@ -131,3 +131,11 @@ def test_the_api_front_end_warms_its_own_compiler(builds):
     bare = InputProcessor(config, None, frozenset())
     bare.warm_grammars()  # no tokenizer (skip_tokenizer_init): no grammars to serve, nothing built
     assert bare.grammars is None
+
+
+def test_without_its_thread_start_up_builds_it_before_returning(builds, monkeypatch):
+    monkeypatch.setenv("DEEPSERVE_GRAMMAR_WARMUP_THREAD", "0")
+    compiler = GrammarCompiler(*_tokenizer_and_vocab())
+    assert compiler.warm_up().done() and builds == [threading.main_thread().name]
+    core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
+    assert core.grammar_warmup.done() and builds == [threading.main_thread().name] * 2
