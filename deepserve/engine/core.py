@@ -25,7 +25,6 @@ from deepserve.engine.grammar import (
     fill_bitmasks_beside,
     grammar_warmup_enabled,
     mask_row_bytes,
-    run_in_daemon,
 )
 from deepserve.engine.ngram_proposer import ModelDrafts, NgramProposer
 from deepserve.engine.request import Request, RequestStatus, SchedulerOutput
@@ -145,7 +144,6 @@ class EngineCore:
         self.grammar_timing = GrammarTiming()
         self.num_steps = 0  # calls of step(), for per-step figures in the benchmarks
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
-        self.grammar_warmup: Future | None = None  # or from start-up on (from_engine_args' warm_grammars)
         # Requests whose grammar is compiling on a side thread (a grammar not seen before): admitted to the
         # scheduler once it is ready, so a slow compile never holds up the step loop and the other requests.
         self._compiling: list[tuple[Request, Future]] = []
@@ -165,11 +163,11 @@ class EngineCore:
 
     @classmethod
     def from_config(cls, config: EngineConfig, warm_grammars: bool = False) -> EngineCore:
-        """warm_grammars: this core builds its own GrammarCompiler (it runs in a process of its own), and
-        starts building it now, beside the model's loading (GrammarCompiler.warm_up says why)."""
-        warmup = _start_grammar_warmup(config) if warm_grammars else None
+        """warm_grammars: this core builds its own GrammarCompiler now, before the model loads (it runs in a
+        process of its own; GrammarCompiler.warm_up says why)."""
+        grammars = _warm_grammar_compiler(config) if warm_grammars else None
         core = cls._build(config)
-        core.grammar_warmup = warmup
+        core.grammars = grammars
         return core
 
     @classmethod
@@ -229,10 +227,6 @@ class EngineCore:
         return outputs
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        if self.grammars is None and self.grammar_warmup is not None:
-            warmup, self.grammar_warmup = self.grammar_warmup, None
-            if warmup.exception() is None:  # waits while it is still building; a failure was logged
-                self.grammars = warmup.result()
         if self.grammars is None:
             from deepserve.loader.tokenizer import load_tokenizer
 
@@ -468,20 +462,21 @@ def _check_cache_fits(config: EngineConfig, num_blocks: int) -> None:
         )
 
 
-def _start_grammar_warmup(config: EngineConfig) -> Future | None:
-    """The engine core process's own GrammarCompiler (its tokenizer and llguidance's view of it), built on
-    a daemon thread from now on; None without a tokenizer, llguidance or DEEPSERVE_GRAMMAR_WARMUP."""
+def _warm_grammar_compiler(config: EngineConfig) -> GrammarCompiler | None:
+    """The engine core process's own GrammarCompiler, its tokenizer loaded and llguidance's view of it built
+    (GrammarCompiler.warm_up); None without a tokenizer, when the warm-up is off or when it failed (then
+    the first request with a grammar builds one)."""
     if config.model.tokenizer is None or not grammar_warmup_enabled():
         return None
+    from deepserve.loader.tokenizer import load_tokenizer
 
-    def build() -> GrammarCompiler:
-        from deepserve.loader.tokenizer import load_tokenizer
-
-        compiler = GrammarCompiler(load_tokenizer(config.model.tokenizer), config.model.hf_config.vocab_size)
-        compiler.ll_tokenizer  # noqa: B018 (built here, off the step loop)
-        return compiler
-
-    return run_in_daemon(build, "deepserve-grammar-warmup")
+    try:
+        tokenizer = load_tokenizer(config.model.tokenizer)
+    except Exception as e:  # noqa: BLE001 (the engine serves token ids without it; a grammar request reports it)
+        logger.warning("structured output's warm-up could not load the tokenizer: %s", e)
+        return None
+    compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
+    return compiler if compiler.warm_up() else None
 
 
 def _process_age_s() -> float | None:

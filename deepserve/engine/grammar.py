@@ -160,11 +160,10 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # llguidance's view of the tokenizer (~0.9 s to build for 152k tokens): by warm_up's thread or at
-        # first use, whichever comes first; the other waits for it (_ll_lock).
+        # llguidance's view of the tokenizer (~0.9 s to build for 152k tokens): at start-up (warm_up) or first
+        # use; compile() may run on EngineCore's compile thread while the front end compiles too (_ll_lock).
         self._ll_tokenizer: Any = None
         self._ll_lock = threading.Lock()
-        self.warming: Future | None = None  # warm_up's build, once started
         self._templates: OrderedDict[str, Any] = OrderedDict()
         # compile() may run on EngineCore's compile thread while the step loop calls cached().
         self._lock = threading.Lock()
@@ -178,15 +177,24 @@ class GrammarCompiler:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
             return self._ll_tokenizer
 
-    def warm_up(self) -> Future | None:
-        """Build ll_tokenizer now, on a daemon thread, so the first request with a grammar neither waits for it
-        nor (in the engine core, where that request is admitted on the step loop's thread) stalls every
-        running request while it is built: the build is mostly Python that holds the GIL. Meant for
-        start-up, beside the model's loading. None when DEEPSERVE_GRAMMAR_WARMUP is off or llguidance is
-        not installed (then it is built at first use, as before)."""
-        if self.warming is None and grammar_warmup_enabled():
-            self.warming = run_in_daemon(lambda: self.ll_tokenizer, "deepserve-grammar-warmup")
-        return self.warming
+    def warm_up(self) -> bool:
+        """Build ll_tokenizer now, at start-up, so the first request with a grammar does not: that took ~0.9 s
+        of mostly GIL-holding Python for a 152k vocabulary (2-core sandbox), and in the engine core it ran
+        beside the step loop (after the loop's own load of the tokenizer), slowing every running request.
+        Built on the starting thread: on one H200 a build on a thread beside the model's loading was no
+        better for W1 with a schema on every request and made ready later (bench/RESULTS.md, 2026-12-03).
+        Returns whether it was built: not when DEEPSERVE_GRAMMAR_WARMUP is off or llguidance is not
+        installed, nor when the build fails (logged; the first request with a grammar then builds it and
+        raises there, naming its request)."""
+        if not grammar_warmup_enabled():
+            return False
+        try:
+            self.ll_tokenizer  # noqa: B018 (built here)
+        except Exception as e:  # noqa: BLE001 (start-up goes on: the first request retries and reports)
+            logger.warning("building the grammar engine's view of the tokenizer failed (left to the first "
+                           "request with a grammar): %s", e)
+            return False
+        return True
 
     @property
     def bitmask_bytes(self) -> int:
@@ -233,29 +241,6 @@ def grammar_warmup_enabled() -> bool:
     from deepserve import envs
 
     return envs.DEEPSERVE_GRAMMAR_WARMUP and importlib.util.find_spec("llguidance") is not None
-
-
-def run_in_daemon(fn: Callable[[], Any], name: str) -> Future:
-    """fn() on a daemon thread of its own (start-up work nothing waits on unless it needs the result, and
-    which must not hold up the process's exit), or, with DEEPSERVE_GRAMMAR_WARMUP_THREAD=0, here and now. A
-    failure is logged and kept in the future: whoever needs the result builds it again in its own path,
-    which raises there with the request's context."""
-    from deepserve import envs
-
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except Exception as e:  # noqa: BLE001 (kept, and logged: start-up goes on without the warm-up)
-            logger.warning("%s failed (left to first use): %s", name, e)
-            future.set_exception(e)
-
-    if envs.DEEPSERVE_GRAMMAR_WARMUP_THREAD:
-        threading.Thread(target=run, daemon=True, name=name).start()
-    else:
-        run()
-    return future
 
 
 def _short(message: str, limit: int = 500) -> str:

@@ -29,8 +29,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """The tokenizer first: its grammar compiler's warm-up (GrammarCompiler.warm_up) then runs beside the
-        model's loading instead of beside the first requests."""
+        """The tokenizer first, and its grammar compiler's warm-up (GrammarCompiler.warm_up), then the core."""
         from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
 
         config = args.create_engine_config()

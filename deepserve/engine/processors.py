@@ -30,8 +30,8 @@ class InputProcessor:
         self.grammars: GrammarCompiler | None = None  # built at the first structured-output request
 
     def warm_grammars(self) -> None:
-        """Start building this front end's GrammarCompiler now (GrammarCompiler.warm_up): the API server's,
-        at start-up, while its engine core loads."""
+        """Build this front end's GrammarCompiler now (GrammarCompiler.warm_up): the API server's, at start-up,
+        while its engine core loads in its own process."""
         if self.tokenizer is not None and self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
             self.grammars.warm_up()

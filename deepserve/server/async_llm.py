@@ -53,7 +53,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config, tokenizer, eos_ids)
-        self.input_processor.warm_grammars()  # beside the engine core's start-up
+        self.input_processor.warm_grammars()  # while the engine core process starts
         self.output_processor = OutputProcessor(tokenizer)
         self.client = EngineCoreClient(core, self._on_outputs, self._on_dead)
         self.streams: dict[str, _Stream] = {}

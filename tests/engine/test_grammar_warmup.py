@@ -1,6 +1,6 @@
 """Structured output's start-up warm-up (DEEPSERVE_GRAMMAR_WARMUP): llguidance's view of the tokenizer is
-built once, on a thread of its own, from start-up on; the first request with a grammar uses that build
-instead of making its own on the engine's thread."""
+built once, at start-up, before the model loads; the first request with a grammar uses that build instead
+of making its own on the engine's thread."""
 
 from __future__ import annotations
 
@@ -18,22 +18,27 @@ from deepserve.engine.processors import InputProcessor
 from deepserve.sampling_params import StructuredOutputsParams
 
 CHOICE = StructuredOutputsParams(choice=["alpha", "beta"])
-WARMUP_THREAD = "deepserve-grammar-warmup"
+
+
+class _Seen(list):
+    """Who built an llguidance tokenizer, in order: the test sets `phase` to "request" once start-up is over."""
+
+    phase = "start-up"
 
 
 @pytest.fixture
 def builds(monkeypatch):
-    """The threads that built an llguidance tokenizer, in order (llguidance's own builder, wrapped)."""
+    """llguidance's builder, wrapped to record each build's phase."""
     import llguidance.hf
 
-    real, names = llguidance.hf.from_tokenizer, []
+    real, seen = llguidance.hf.from_tokenizer, _Seen()
 
     def spy(*args, **kwargs):
-        names.append(threading.current_thread().name)
+        seen.append(seen.phase)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", spy)
-    return names
+    return seen
 
 
 def _engine_args() -> EngineArgs:
@@ -47,55 +52,46 @@ def _tokenizer_and_vocab():
     return load_tokenizer(config.model.tokenizer), config.model.hf_config.vocab_size
 
 
+def _pick(llm: LLM) -> str:
+    out = llm.generate(["pick one"], SamplingParams(max_tokens=8, structured_outputs=CHOICE), use_tqdm=False)
+    return out[0].outputs[0].text
+
+
 def test_the_offline_engine_builds_it_at_start_up_once_for_front_end_and_core(builds):
     llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256)
     engine = llm.llm_engine
-    grammars = engine.core.grammars
-    assert grammars is engine.input_processor.grammars  # one process: one compiler
-    assert grammars.warming is not None
-    grammars.warming.result(timeout=60)
-    assert builds == [WARMUP_THREAD]
-    out = llm.generate(["pick one"], SamplingParams(max_tokens=8, structured_outputs=CHOICE), use_tqdm=False)
-    assert out[0].outputs[0].text in ("alpha", "beta")
-    assert builds == [WARMUP_THREAD]  # the request used the start-up build
+    assert engine.core.grammars is engine.input_processor.grammars  # one process: one compiler
+    assert builds == ["start-up"]
+    builds.phase = "request"
+    assert _pick(llm) in ("alpha", "beta")
+    assert builds == ["start-up"]  # the request used the start-up build
 
 
 def test_switched_off_it_is_built_by_the_first_request(builds, monkeypatch):
     monkeypatch.setenv("DEEPSERVE_GRAMMAR_WARMUP", "0")
     llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256)
-    assert llm.llm_engine.core.grammars.warming is None
     assert builds == []
-    out = llm.generate(["pick one"], SamplingParams(max_tokens=8, structured_outputs=CHOICE), use_tqdm=False)
-    assert out[0].outputs[0].text in ("alpha", "beta")
-    assert builds == [threading.main_thread().name]
+    builds.phase = "request"
+    assert _pick(llm) in ("alpha", "beta")
+    assert builds == ["request"]
 
 
-def test_a_compile_during_the_warm_up_waits_for_it_instead_of_building_again(builds, monkeypatch):
-    import llguidance.hf
-
-    spy = llguidance.hf.from_tokenizer
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: (time.sleep(0.5), spy(*a, **k))[1])
-    compiler = GrammarCompiler(*_tokenizer_and_vocab())
-    warming = compiler.warm_up()
-    assert compiler.warm_up() is warming  # started once
-    state = compiler.compile(CHOICE)  # while the warm-up is still inside its 0.5 s build
-    assert warming.done() and state.bitmask()
-    assert builds == [WARMUP_THREAD]
-
-
-def test_the_engine_core_process_builds_its_own_from_start_up(builds):
-    # The server's core runs in a process of its own: it loads its tokenizer and builds on its own thread.
+def test_the_engine_core_process_builds_its_own_at_start_up(builds):
+    # The server's core runs in a process of its own: it loads its tokenizer and builds before the model.
     core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
-    compiler = core.grammar_warmup.result(timeout=60)
-    assert isinstance(compiler, GrammarCompiler) and builds == [WARMUP_THREAD]
+    compiler = core.grammars
+    assert isinstance(compiler, GrammarCompiler) and builds == ["start-up"]
+    builds.phase = "request"
     params = SamplingParams(max_tokens=8, structured_outputs=CHOICE)
     core.add_request(EngineCoreRequest("r", [5, 6, 7], params, [], time.time()))
-    assert core.grammars is compiler
     tokens = []
     while core.has_unfinished_requests():
         tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert core.grammars is compiler
     assert compiler.tokenizer.decode(tokens, skip_special_tokens=True).strip() in ("alpha", "beta")
-    assert builds == [WARMUP_THREAD]
+    assert builds == ["start-up"]
+    # Without warm_grammars (the one-process engine, which hands the core its front end's compiler) none.
+    assert EngineCore.from_engine_args(_engine_args()).grammars is None and builds == ["start-up"]
 
 
 def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monkeypatch, caplog):
@@ -112,13 +108,25 @@ def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monk
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", fail_once)
     with caplog.at_level(logging.WARNING, logger="deepserve.engine.grammar"):
         core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
-        assert isinstance(core.grammar_warmup.exception(timeout=60), RuntimeError)
+    assert core.grammars is None
     assert any("tokenizer not readable" in r.getMessage() for r in caplog.records)
     params = SamplingParams(max_tokens=8, structured_outputs=CHOICE)
     core.add_request(EngineCoreRequest("r", [5, 6, 7], params, [], time.time()))
     while core.has_unfinished_requests():
         core.step()
-    assert len(calls) == 2 and core.grammars is not None and core.grammar_warmup is None
+    assert len(calls) == 2 and core.grammars is not None
+
+
+def test_an_unreadable_tokenizer_does_not_stop_the_core(monkeypatch, caplog):
+    import deepserve.loader.tokenizer as loader
+
+    def unreadable(path):
+        raise OSError(f"no tokenizer at {path}")
+
+    monkeypatch.setattr(loader, "load_tokenizer", unreadable)
+    with caplog.at_level(logging.WARNING, logger="deepserve.engine.core"):
+        core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
+    assert core.grammars is None and any("no tokenizer at" in r.getMessage() for r in caplog.records)
 
 
 def test_the_api_front_end_warms_its_own_compiler(builds):
@@ -126,16 +134,26 @@ def test_the_api_front_end_warms_its_own_compiler(builds):
     tokenizer, _ = _tokenizer_and_vocab()
     front = InputProcessor(config, tokenizer, frozenset())
     front.warm_grammars()
-    assert front.grammars.warming.result(timeout=60) is front.grammars.ll_tokenizer
-    assert builds == [WARMUP_THREAD]
+    assert builds == ["start-up"] and front.grammars._ll_tokenizer is not None
+    builds.phase = "request"
+    front.check_grammar(SamplingParams(max_tokens=8, structured_outputs=CHOICE))
+    assert builds == ["start-up"]
     bare = InputProcessor(config, None, frozenset())
     bare.warm_grammars()  # no tokenizer (skip_tokenizer_init): no grammars to serve, nothing built
     assert bare.grammars is None
 
 
-def test_without_its_thread_start_up_builds_it_before_returning(builds, monkeypatch):
-    monkeypatch.setenv("DEEPSERVE_GRAMMAR_WARMUP_THREAD", "0")
+def test_compiles_on_two_threads_build_it_once(builds, monkeypatch):
+    # The engine core's compile thread and a front end may reach a compiler left to first use together.
+    import llguidance.hf
+
+    spy = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: (time.sleep(0.3), spy(*a, **k))[1])
     compiler = GrammarCompiler(*_tokenizer_and_vocab())
-    assert compiler.warm_up().done() and builds == [threading.main_thread().name]
-    core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
-    assert core.grammar_warmup.done() and builds == [threading.main_thread().name] * 2
+    states = []
+    workers = [threading.Thread(target=lambda: states.append(compiler.compile(CHOICE))) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(states) == 2 and all(s.bitmask() for s in states) and len(builds) == 1
