@@ -2,7 +2,8 @@
 
 On one H200 host (ab9, 2026-12-03), W1 with a JSON schema filled its masks in 1.46-1.58 ms a step when a
 (since removed) warm-up built that view on a daemon thread at start-up, against 1.01-1.15 ms when the first
-request built it on the main thread; the next A/B (ab10) then read 0.92-1.68 ms within each variant. This
+request built it on the main thread; in the next A/B (ab10) fills with the view built at start-up read
+0.92-1.68 ms a step, without the warm-up 0.97-1.26 (bench/RESULTS.md, 2026-12-03). This
 takes the engine out of it: the gate's schema and R1-Distill-Qwen's vocabulary (the preset's generated
 tokenizer), `--rows` matchers advanced a random number of allowed tokens each (seeded), then `--fills` fills
 of all their masks through llguidance's executor, as the engine fills them (engine/grammar.py _fill); the

@@ -118,8 +118,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                  "structured output's llguidance view of the tokenizer is built at start-up "
                                  "(engine/grammar.py GrammarCompiler.warm_up), not by the first request with a "
                                  "schema, regex or grammar; on one H200, W1 with a JSON schema on every request "
-                                 "rose from 0.86-0.89 to 0.92-0.95 of the same work unconstrained, and start-up "
-                                 "took ~2 s longer; 0: built at first use"),
+                                 "(a fresh engine's first run) rose from 0.88 to 0.92-0.95 of the same work "
+                                 "unconstrained, the offline engine's start-up took ~2 s longer and its second "
+                                 "schema runs 0.7-4 % slower (not settled); 0: built at first use"),
     "DEEPSERVE_PINNED_GRAMMAR_MASKS": (_flag("DEEPSERVE_PINNED_GRAMMAR_MASKS", True),
                                        "structured output's masks are filled straight into pinned host buffers used "
                                        "in turn (layers/sampling_metadata.py MaskBuffers), so their copy to the GPU "

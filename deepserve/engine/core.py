@@ -101,13 +101,16 @@ class EngineCoreOutput:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: Runner, load_s: float | None = None,
-                 process_age_s: float | None = None) -> None:
+                 process_age_s: float | None = None, grammar_warmup_s: float | None = None) -> None:
         self.config = config
         self.runner = runner
-        # Where start-up goes (seconds): building the model and its weights (when from_engine_args
-        # timed it), sizing the KV cache (a profile step on the GPU), allocating it and capturing the
-        # decode CUDA graphs; and what came before them. Logged, and read by the benchmarks.
-        self.startup_s: dict[str, float] = {} if load_s is None else {"load": load_s}
+        # Where start-up goes (seconds): structured output's warm-up and building the model and its
+        # weights (when from_config timed them), sizing the KV cache (a profile step on the GPU),
+        # allocating it and capturing the decode CUDA graphs; and what came before them. Logged, and read
+        # by the benchmarks.
+        self.startup_s: dict[str, float] = {} if grammar_warmup_s is None else {"grammar_warmup": grammar_warmup_s}
+        if load_s is not None:
+            self.startup_s["load"] = load_s
         start = time.perf_counter()
         logger.info("sizing the KV cache (a profile step; the first run of each kernel compiles it)")
         self.num_blocks = runner.determine_num_blocks()
@@ -159,24 +162,24 @@ class EngineCore:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, warm_grammars: bool = False) -> EngineCore:
-        return cls.from_config(args.create_engine_config(), warm_grammars)
+        return cls.from_config(args.create_engine_config(), warm_grammars=warm_grammars)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, warm_grammars: bool = False) -> EngineCore:
-        """warm_grammars: this core builds its own GrammarCompiler now, before the model loads (it runs in a
-        process of its own; GrammarCompiler.warm_up says why)."""
-        grammars = _warm_grammar_compiler(config) if warm_grammars else None
-        core = cls._build(config)
-        core.grammars = grammars
-        return core
-
-    @classmethod
-    def _build(cls, config: EngineConfig) -> EngineCore:
+    def from_config(cls, config: EngineConfig, grammars: GrammarCompiler | None = None,
+                    warm_grammars: bool = False) -> EngineCore:
+        """Structured output's compiler is warmed first, before the model loads (GrammarCompiler.warm_up says
+        why): `grammars`, the one a front end in this process shares with the core, or with warm_grammars
+        (the core runs in a process of its own) one this core builds from its tokenizer."""
         # The one place the torch-free engine reaches for the runner, lazily, at construction.
         from deepserve.runner.model_runner import ModelRunner
 
-        start = time.perf_counter()
         age = _process_age_s()  # the interpreter, imports and the config: before any of the engine's work
+        start = time.perf_counter()
+        if warm_grammars:
+            grammars = _warm_grammar_compiler(config)
+        elif grammars is not None:
+            grammars.warm_up()
+        warmed = time.perf_counter()
         m = config.model
         logger.info("loading %s (%s, %s weights%s) on %s", m.model, m.dtype,
                     "random" if m.load_format == "dummy" else "checkpoint",
@@ -187,7 +190,10 @@ class EngineCore:
             runner: Runner = MultiprocExecutor(config)
         else:
             runner = ModelRunner(config)
-        return cls(config, runner, load_s=time.perf_counter() - start, process_age_s=age)
+        core = cls(config, runner, load_s=time.perf_counter() - warmed, process_age_s=age,
+                   grammar_warmup_s=warmed - start if grammars is not None or warm_grammars else None)
+        core.grammars = grammars
+        return core
 
     def add_request(self, req: EngineCoreRequest) -> None:
         wait_for = self.scheduler.requests.get(req.wait_for) if req.wait_for else None
@@ -464,8 +470,9 @@ def _check_cache_fits(config: EngineConfig, num_blocks: int) -> None:
 
 def _warm_grammar_compiler(config: EngineConfig) -> GrammarCompiler | None:
     """The engine core process's own GrammarCompiler, its tokenizer loaded and llguidance's view of it built
-    (GrammarCompiler.warm_up); None without a tokenizer, when the warm-up is off or when it failed (then
-    the first request with a grammar builds one)."""
+    (GrammarCompiler.warm_up; a view that failed to build is left to the first request with a grammar,
+    which reports why); None without a tokenizer, when the warm-up is off or the tokenizer does not load
+    (then the first such request loads it)."""
     if config.model.tokenizer is None or not grammar_warmup_enabled():
         return None
     from deepserve.loader.tokenizer import load_tokenizer
@@ -476,7 +483,8 @@ def _warm_grammar_compiler(config: EngineConfig) -> GrammarCompiler | None:
         logger.warning("structured output's warm-up could not load the tokenizer: %s", e)
         return None
     compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
-    return compiler if compiler.warm_up() else None
+    compiler.warm_up()
+    return compiler
 
 
 def _process_age_s() -> float | None:

@@ -36,12 +36,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 
 from deepserve import envs
 from deepserve.heap import freeze_startup_heap
+
+if TYPE_CHECKING:  # the core is built lazily, in the child process
+    from deepserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -279,14 +282,20 @@ def _remove_socket_path(address: str) -> None:
         os.rmdir(os.path.dirname(address))  # only when empty: the folder the server made for it
 
 
+def build_engine_core(engine_args: dict[str, Any]) -> EngineCore:
+    """The engine core of a process of its own: it builds and warms its own grammar compiler, since it shares
+    none with the API server's front end (EngineCore.from_config)."""
+    from deepserve.config import EngineArgs
+    from deepserve.engine.core import EngineCore
+
+    return EngineCore.from_engine_args(EngineArgs(**engine_args), warm_grammars=True)
+
+
 def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned: bool = False) -> int:
     """Connect, build the engine, say Ready, serve. With `exit_if_orphaned` (the real child process) the
     process exits at once when the API server goes away while the engine is still loading: the server
     spawns us before its own start-up work, so a server that fails there must not leave us loading a
     model (and holding GPU memory) for nobody."""
-    from deepserve.config import EngineArgs
-    from deepserve.engine.core import EngineCore
-
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address)
@@ -306,7 +315,7 @@ def run_core_process(address: str, engine_args: dict[str, Any], exit_if_orphaned
     threading.Thread(target=_reader, args=(sock, inbox, orphaned_while_loading), daemon=True,
                      name="engine-reader").start()
     try:
-        core = EngineCore.from_engine_args(EngineArgs(**engine_args), warm_grammars=True)
+        core = build_engine_core(engine_args)
         freeze_startup_heap("engine core")
         serving.set()
         sock.sendall(encode(Ready(core.num_blocks, core.config.model.max_model_len)))

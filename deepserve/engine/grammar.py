@@ -178,19 +178,22 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def warm_up(self) -> bool:
-        """Build ll_tokenizer now, at start-up, so the first request with a grammar does not: that took ~0.9 s
-        of mostly GIL-holding Python for a 152k vocabulary (2-core sandbox), and in the engine core it ran
-        beside the step loop (after the loop's own load of the tokenizer), slowing every running request.
-        Built on the starting thread: on one H200 a build on a thread beside the model's loading was no
-        better for W1 with a schema on every request and made ready later (bench/RESULTS.md, 2026-12-03).
-        Returns whether it was built: not when DEEPSERVE_GRAMMAR_WARMUP is off or llguidance is not
-        installed, nor when the build fails (logged; the first request with a grammar then builds it and
-        raises there, naming its request)."""
+        """Build ll_tokenizer now, at start-up, so the first request with a grammar does not: that took 0.89 s
+        for a 152k vocabulary on a 2-core sandbox, mostly inside llguidance's native build, which holds the
+        GIL; in the engine core it ran beside the step loop (after the loop's own load of the tokenizer),
+        slowing every running request. On one H200 it moved W1 with a JSON schema on every request, as a
+        fresh engine's first run, from 0.88 to 0.92-0.95 of the same work unconstrained (a build on a thread
+        beside the model's loading did no better; bench/RESULTS.md, 2026-12-03). Returns whether
+        it was built: not when DEEPSERVE_GRAMMAR_WARMUP is off or llguidance is not installed, nor when the
+        build fails (logged; the first request with a grammar then builds it and raises there, naming its
+        request)."""
         if not grammar_warmup_enabled():
             return False
         try:
             self.ll_tokenizer  # noqa: B018 (built here)
-        except Exception as e:  # noqa: BLE001 (start-up goes on: the first request retries and reports)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 (a Rust panic is a BaseException; the first request retries)
             logger.warning("building the grammar engine's view of the tokenizer failed (left to the first "
                            "request with a grammar): %s", e)
             return False

@@ -14,8 +14,7 @@ from deepserve.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int],
-                 grammars: GrammarCompiler | None = None) -> None:
+    def __init__(self, config: EngineConfig, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self.config = config
         self.core = core
         self.tokenizer = tokenizer
@@ -23,13 +22,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         # One process: the core reuses the front end's compiled grammars (the compile that validated a
         # request is the one its matcher is copied from).
-        if tokenizer is not None and core.grammars is None:
-            grammars = grammars or GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
-            core.grammars = self.input_processor.grammars = grammars
+        if tokenizer is not None:
+            if core.grammars is None:
+                core.grammars = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
+            self.input_processor.grammars = core.grammars
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        """The tokenizer first, and its grammar compiler's warm-up (GrammarCompiler.warm_up), then the core."""
+        """The tokenizer first: the core warms its grammar compiler before the model loads (EngineCore.from_config)."""
         from deepserve.loader.tokenizer import load_eos_token_ids, load_tokenizer
 
         config = args.create_engine_config()
@@ -38,10 +38,8 @@ class LLMEngine:
             eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
             return cls(config, EngineCore.from_config(config), None, eos_ids)
         tokenizer = load_tokenizer(config.model.tokenizer)
-        grammars = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
-        grammars.warm_up()
-        core = EngineCore.from_config(config)
-        return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer), grammars)
+        core = EngineCore.from_config(config, grammars=GrammarCompiler(tokenizer, config.model.hf_config.vocab_size))
+        return cls(config, core, tokenizer, load_eos_token_ids(config.model.model, tokenizer))
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, final_only: bool = False,

@@ -4,6 +4,7 @@ of making its own on the engine's thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -108,13 +109,32 @@ def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monk
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", fail_once)
     with caplog.at_level(logging.WARNING, logger="deepserve.engine.grammar"):
         core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
-    assert core.grammars is None
+    compiler = core.grammars  # kept, its tokenizer loaded: the view is left to the first request
+    assert compiler is not None and compiler._ll_tokenizer is None
     assert any("tokenizer not readable" in r.getMessage() for r in caplog.records)
     params = SamplingParams(max_tokens=8, structured_outputs=CHOICE)
     core.add_request(EngineCoreRequest("r", [5, 6, 7], params, [], time.time()))
     while core.has_unfinished_requests():
         core.step()
-    assert len(calls) == 2 and core.grammars is not None
+    assert len(calls) == 2 and core.grammars is compiler and compiler._ll_tokenizer is not None
+
+
+def test_a_failed_warm_up_in_the_offline_engine_leaves_it_to_the_first_request(builds, monkeypatch, caplog):
+    import llguidance.hf
+
+    spy, calls = llguidance.hf.from_tokenizer, []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("tokenizer not readable")
+        return spy(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", fail_once)
+    with caplog.at_level(logging.WARNING, logger="deepserve.engine.grammar"):
+        llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+    assert any("tokenizer not readable" in r.getMessage() for r in caplog.records)
+    assert _pick(llm) in ("alpha", "beta") and len(calls) == 2
 
 
 def test_an_unreadable_tokenizer_does_not_stop_the_core(monkeypatch, caplog):
@@ -157,3 +177,61 @@ def test_compiles_on_two_threads_build_it_once(builds, monkeypatch):
     for w in workers:
         w.join()
     assert len(states) == 2 and all(s.bitmask() for s in states) and len(builds) == 1
+
+
+def test_it_runs_before_the_model_loads_and_start_up_times_it(builds, monkeypatch):
+    from deepserve.runner import model_runner
+
+    init = model_runner.ModelRunner.__init__
+
+    def recording(self, *args, **kwargs):
+        builds.append("model")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", recording)
+    llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256)
+    assert builds == ["start-up", "model"]
+    startup = llm.llm_engine.core.startup_s
+    assert list(startup)[:2] == ["grammar_warmup", "load"] and startup["grammar_warmup"] > 0
+
+
+def test_the_engine_core_process_builds_its_core_with_its_own_warm_compiler(builds):
+    from deepserve.engine.core_process import build_engine_core
+
+    core = build_engine_core(dataclasses.asdict(_engine_args()))  # as the API server hands them over
+    assert isinstance(core.grammars, GrammarCompiler) and builds == ["start-up"]
+    assert "grammar_warmup" in core.startup_s
+
+
+def test_the_api_server_warms_its_front_end_at_construction(builds):
+    from deepserve.server.async_llm import AsyncLLM
+
+    config = _engine_args().create_engine_config()
+    tokenizer, _ = _tokenizer_and_vocab()
+    engine = AsyncLLM(config, tokenizer, frozenset(), core=None)  # the core process is not needed for this
+    assert engine.input_processor.grammars._ll_tokenizer is not None and builds == ["start-up"]
+
+
+@pytest.mark.parametrize("why", ["switched off", "no llguidance"])
+def test_nothing_is_built_when_off_or_without_llguidance(builds, monkeypatch, why):
+    import importlib.util
+
+    from deepserve.engine import core as core_module
+
+    if why == "switched off":
+        monkeypatch.setenv("DEEPSERVE_GRAMMAR_WARMUP", "0")
+    else:
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llguidance"
+                            else find_spec(name, *a))
+    config = _engine_args().create_engine_config()
+    assert core_module._warm_grammar_compiler(config) is None
+    front = InputProcessor(config, _tokenizer_and_vocab()[0], frozenset())
+    front.warm_grammars()
+    assert front.grammars._ll_tokenizer is None and builds == []
+
+
+def test_an_engine_without_a_tokenizer_builds_nothing(builds):
+    llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256, skip_tokenizer_init=True)
+    assert llm.llm_engine.core.grammars is None and builds == []
+    assert "grammar_warmup" not in llm.llm_engine.core.startup_s
