@@ -95,7 +95,8 @@ def test_the_engine_core_process_builds_its_own_at_start_up(builds):
     assert EngineCore.from_engine_args(_engine_args()).grammars is None and builds == ["start-up"]
 
 
-def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monkeypatch, caplog):
+def _fail_first_build(monkeypatch) -> list:
+    """llguidance's builder raising on its first call only; returns the list of its calls."""
     import llguidance.hf
 
     spy, calls = llguidance.hf.from_tokenizer, []
@@ -107,6 +108,11 @@ def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monk
         return spy(*args, **kwargs)
 
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", fail_once)
+    return calls
+
+
+def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monkeypatch, caplog):
+    calls = _fail_first_build(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="deepserve.engine.grammar"):
         core = EngineCore.from_engine_args(_engine_args(), warm_grammars=True)
     compiler = core.grammars  # kept, its tokenizer loaded: the view is left to the first request
@@ -120,17 +126,7 @@ def test_a_failed_warm_up_is_logged_and_the_first_request_builds_it(builds, monk
 
 
 def test_a_failed_warm_up_in_the_offline_engine_leaves_it_to_the_first_request(builds, monkeypatch, caplog):
-    import llguidance.hf
-
-    spy, calls = llguidance.hf.from_tokenizer, []
-
-    def fail_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("tokenizer not readable")
-        return spy(*args, **kwargs)
-
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", fail_once)
+    calls = _fail_first_build(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="deepserve.engine.grammar"):
         llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=256)
     assert any("tokenizer not readable" in r.getMessage() for r in caplog.records)
