@@ -234,12 +234,9 @@ class EngineCore:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
-            from deepserve.loader.tokenizer import load_tokenizer
-
             if self.config.model.tokenizer is None:
                 raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
-            tokenizer = load_tokenizer(self.config.model.tokenizer)
-            self.grammars = GrammarCompiler(tokenizer, self.config.model.hf_config.vocab_size)
+            self.grammars = _load_grammar_compiler(self.config)
         return self.grammars
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -475,16 +472,21 @@ def _warm_grammar_compiler(config: EngineConfig) -> GrammarCompiler | None:
     (then the first such request loads it)."""
     if config.model.tokenizer is None or not grammar_warmup_enabled():
         return None
-    from deepserve.loader.tokenizer import load_tokenizer
-
     try:
-        tokenizer = load_tokenizer(config.model.tokenizer)
+        compiler = _load_grammar_compiler(config)
     except Exception as e:  # noqa: BLE001 (the engine serves token ids without it; a grammar request reports it)
         logger.warning("structured output's warm-up could not load the tokenizer: %s", e)
         return None
-    compiler = GrammarCompiler(tokenizer, config.model.hf_config.vocab_size)
     compiler.warm_up()
     return compiler
+
+
+def _load_grammar_compiler(config: EngineConfig) -> GrammarCompiler:
+    """A GrammarCompiler on the model's tokenizer, loaded here (this core's own: its front end, if any, runs
+    in another process)."""
+    from deepserve.loader.tokenizer import load_tokenizer
+
+    return GrammarCompiler(load_tokenizer(config.model.tokenizer), config.model.hf_config.vocab_size)
 
 
 def _process_age_s() -> float | None:

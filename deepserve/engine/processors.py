@@ -32,9 +32,8 @@ class InputProcessor:
     def warm_grammars(self) -> None:
         """Build this front end's GrammarCompiler now (GrammarCompiler.warm_up): the API server's, at start-up,
         while its engine core loads in its own process."""
-        if self.tokenizer is not None and self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-            self.grammars.warm_up()
+        if self.tokenizer is not None:
+            self._grammar_compiler().warm_up()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -100,9 +99,12 @@ class InputProcessor:
         refused before it reaches the core (GrammarError, a ValueError naming the problem)."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+        self._grammar_compiler().compile(params.structured_outputs)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-        self.grammars.compile(params.structured_outputs)
+        return self.grammars
 
 
 def _drop_tokens_after_stop(completion: _Completion, keep: int | None, step_logprobs: list) -> None:
