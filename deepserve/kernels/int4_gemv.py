@@ -14,7 +14,7 @@ which is why BLOCK_M > 1 exists and why the GEMV is meant for small M). Split-K 
 order in the kernel by the program that completes each tile (split_k.store_split), or by split_k.sum_splits
 under DEEPSERVE_SPLIT_K_FUSED_SUM=0 (the same sum; deterministic either way).
 
-Two numerics (a constexpr, FACTORED):
+Three numerics (constexprs FACTORED, MAGIC):
   exact     w = q * s - z * s per element (exact in fp32, int4_tile.py), rounded to x's dtype like
             int4_ref.w4a16_linear_ref, times x: the reference's weight exactly.
   factored  where a word lies in one group (no act order, groups a multiple of pack):
@@ -22,6 +22,10 @@ Two numerics (a constexpr, FACTORED):
             the code's unpacking instead of two and the rounding; the weight is not rounded to x's dtype,
             so the result differs from the reference by about bf16 rounding (tested within the bf16
             tolerance). Elsewhere (act order, groups that split words) exact is used.
+  magic     factored, one token, 4-bit codes, bf16 / fp16 inputs: each code becomes a float by one and-or
+            into 1.0f's mantissa (int4_tile._magic_tile: fewer instructions per code; a shift per two
+            codes instead of one each, no subtraction). Off by default (DEEPSERVE_INT4_GEMV_MAGIC) until
+            timed on the H200.
 Codes become floats through the fp32 mantissa (int4_tile._codes_to_float), not an int-to-float convert.
 No wrapper reads a device value on the host: every call can be captured in a CUDA graph.
 """
@@ -40,6 +44,7 @@ from deepserve.kernels.split_k import fused_sum, store_split, store_tile, sum_sp
 
 # Read once, at import (a launch must not reread the environment): the one-token GEMV's numerics.
 FACTORED_ONE_TOKEN = envs.DEEPSERVE_INT4_GEMV_FACTORED
+MAGIC_ONE_TOKEN = envs.DEEPSERVE_INT4_GEMV_MAGIC
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight while others unpack
 
 
@@ -52,6 +57,7 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     factored: bool = False
+    magic: bool = False  # with factored: the codes made floats by the mantissa trick (int4_tile._magic_tile)
     prefetch: bool = False  # load the next K tile before unpacking this one (int4_tile.gemv_rows; block_m 1 only)
     programs_per_sm: int = PROGRAMS_PER_SM  # with split_k 0: the split count aims at this many programs an SM
 
@@ -67,7 +73,7 @@ def default_gemv_config(m: int) -> Int4GemvConfig:
     program); prefetch applies to one token a program only."""
     if m <= 1:
         return Int4GemvConfig(block_n=64, block_k=128, prefetch=True, programs_per_sm=8,
-                              factored=FACTORED_ONE_TOKEN)
+                              factored=FACTORED_ONE_TOKEN, magic=FACTORED_ONE_TOKEN and MAGIC_ONE_TOKEN)
     return Int4GemvConfig(block_n=16, block_k=128, block_m=min(16, triton.next_power_of_2(m)))
 
 
@@ -104,7 +110,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         locks, m, n, k, split, x.stride(0), qweight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_G_IDX=g_idx is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, FACTORED=cfg.factored, PREFETCH=cfg.prefetch, PARTIAL=partial,
+        EVEN_K=k % cfg.block_k == 0, FACTORED=cfg.factored, MAGIC=cfg.magic, PREFETCH=cfg.prefetch, PARTIAL=partial,
         HAS_BIAS=bias is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not fused["FUSED_SUM"]:
@@ -118,7 +124,7 @@ def _w4a16_gemv_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, c_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, split_k, stride_am, stride_qn,
     stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr,
-    PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
+    MAGIC: tl.constexpr, PREFETCH: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
     INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # c[row, n] = sum_k a[row, k] * w[n, k], w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or
@@ -135,7 +141,7 @@ def _w4a16_gemv_kernel(
     q_cols, s_cols, z_cols = q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn
     if BLOCK_M == 1:
         out = gemv_rows(a_ptr + pid_m.to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first, last, K,
-                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH)[None, :]
+                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH, MAGIC)[None, :]
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = gemv_rows_block(a_ptr + (rows % M).to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first,

@@ -37,8 +37,9 @@ GEMV = Int4GemvConfig(block_n=16, block_k=32, num_stages=2)  # interpreter-sized
 FACTORED = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, factored=True)
 DEQUANT = Int4DequantConfig(block_n=16, block_k=32)
 GATHER = Int4DequantConfig(block_n=16, block_k=32, reshape_unpack=False)
+MAGIC = replace(FACTORED, magic=True)  # one token, 4-bit, bf16 / fp16 inputs; else the factored sum
 BLOCK4 = Int4GemvConfig(block_n=16, block_k=32, num_stages=2, block_m=4)  # 4 tokens a program
-VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-prefetch": replace(GEMV, prefetch=True),
+VARIANTS = {"gemv": GEMV, "gemv-factored": FACTORED, "gemv-magic": MAGIC, "gemv-prefetch": replace(GEMV, prefetch=True),
             "gemv-block4": BLOCK4,
             "gemv-block4-factored": replace(BLOCK4, factored=True), "dequant": DEQUANT, "dequant-gather": GATHER}
 
@@ -83,6 +84,25 @@ def test_variants_with_a_partial_last_k_step(variant, group):
 @pytest.mark.parametrize("variant", ["gemv", "gemv-factored", "gemv-block4", "dequant"])
 def test_variants_with_half_precision_activations_and_bias(variant):
     check(VARIANTS[variant], 5, 24, 64, 4, 32, dtype=torch.float16, bias=True)
+
+
+@pytest.mark.parametrize("group,k", [(32, 96), (16, 96), (32, 80), (8, 64), (128, 256)])
+def test_magic_numerics_at_one_token_match_the_reference(group, k):
+    # fp16 inputs take int4_tile._magic_tile (fp32 ones the factored sum): one group a K step (32, 128),
+    # a group per word (8) or two a step (16), a masked last step (80)
+    check(MAGIC, 1, 40, k, 4, group, dtype=torch.float16, bias=True)
+    check(replace(MAGIC, prefetch=True, split_k=2), 1, 40, k, 4, group, dtype=torch.float16, seed=3)
+
+
+def test_magic_numerics_catch_a_wrong_zero_point_in_half_precision():
+    qweight, scales, zeros, _ = map(on, random_weights(16, 64, 4, 32, False, 0))
+    x = torch.randn(1, 64).to(DEVICE, torch.float16)
+    want = int4_ref.w4a16_linear_ref(x, qweight, scales, zeros, 4, 32).float()
+    assert rel_err(int4.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=MAGIC), want) < TOLERANCE[torch.float16]
+    shifted = zeros.clone()
+    shifted[:, 1] += 1
+    got = int4.w4a16_matmul(x, qweight, scales, shifted, 4, 32, config=MAGIC)
+    assert rel_err(got, want) > 10 * TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("split", [2, 3])

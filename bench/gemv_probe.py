@@ -1,0 +1,165 @@
+"""The one-token GEMVs of a decode step (int4 W4A16 and FP8 per-channel), variant by variant, as the engine's
+graph runs them: for each of DeepSeek-LLM-7B's four linear shapes, one CUDA graph of calls that cycle
+through enough copies of the weight that L2 (50 MB) holds none of them (each call streams its weight from
+HBM, as a step's 30 layers do), timed by replay (bench_env.graph_per_call_us). Every variant is first checked
+against a torch reference on the same weights (exit 1 if one is wrong). The table ends with the per-step sum
+(30 layers x the four shapes) and the streamed GB/s.
+
+    python bench/gemv_probe.py [--json OUT.json]
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
+        python bench/gemv_probe.py --ncu       # one call of each variant on the gate_up shape, profiled
+
+--ncu compiles and runs every variant first, then runs each once more between cudaProfilerStart / Stop
+and prints the launch order, so Nsight Compute's kernels can be matched to the variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import bench_env
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from deepserve.kernels import fp8_gemv, int4  # noqa: E402
+from deepserve.kernels import int4_ref as ref  # noqa: E402
+from deepserve.kernels.fp8_ref import quantize_weight_per_channel  # noqa: E402
+from deepserve.kernels.int4_gemv import default_gemv_config  # noqa: E402
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+LAYERS = 30
+L2_DEFEAT_BYTES = 256 << 20  # weight copies per shape: at least this many bytes, 5x the H200's L2
+GROUP = 128
+
+
+def int4_variants() -> dict:
+    base = replace(default_gemv_config(1), factored=True, magic=False)  # the default at one token
+    magic = replace(base, magic=True)
+    return {"int4 factored (default)": base, "int4 magic": magic,
+            "int4 magic pps4": replace(magic, programs_per_sm=4),
+            "int4 magic pps16": replace(magic, programs_per_sm=16),
+            "int4 magic n128": replace(magic, block_n=128),
+            "int4 magic n32 k256": replace(magic, block_n=32, block_k=256),
+            "int4 magic w8": replace(magic, num_warps=8, block_n=128)}
+
+
+def fp8_variants() -> dict:
+    base = fp8_gemv.default_gemv_config(1, 4096, 4096)
+    return {"fp8 fma (default)": base,
+            "fp8 fma2d n128": replace(base, numerics="fma2d"),
+            "fp8 fma2d n64": replace(base, numerics="fma2d", block_n=64),
+            "fp8 fma2d n64 pf": replace(base, numerics="fma2d", block_n=64, prefetch=True),
+            "fp8 fma2d n32 w2": replace(base, numerics="fma2d", block_n=32, num_warps=2, waves=8)}
+
+
+def int4_weights(n: int, k: int, copies: int, seed: int) -> list[tuple]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 16, (n, k), device="cuda", generator=g, dtype=torch.int32)
+        qweight = ref.pack_rows(codes, 4)
+        scales = (torch.rand(n, k // GROUP, device="cuda", generator=g) * 0.02 + 0.001).half()
+        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", generator=g, dtype=torch.int32).half()
+        out.append((qweight, scales, zeros))
+    return out
+
+
+def fp8_weights(n: int, k: int, copies: int, seed: int) -> list[tuple]:
+    torch.manual_seed(seed)
+    return [quantize_weight_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            for _ in range(copies)]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def shape_rows(name: str, n: int, k: int, ncu: bool) -> list[dict]:
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    copies = 1 if ncu else max(2, -(-L2_DEFEAT_BYTES // (n * k)))  # fp8 bytes; int4 then 128+ MB
+    q4, q8 = int4_weights(n, k, copies, 0), fp8_weights(n, k, copies, 1)
+    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(1, copies // 2))]
+    w4 = ref.dequantize(*q4[0], 4, GROUP).to(torch.bfloat16).float()
+    want4 = x.float() @ w4.T
+    want8 = x.float() @ (q8[0][0].float() * q8[0][1][:, None]).T
+    variants = {}
+    for label, cfg in int4_variants().items():
+        variants[label] = ([lambda w=w, c=cfg: int4.w4a16_matmul(x, *w, 4, GROUP, config=c) for w in q4], want4,
+                           n * k // 2)
+    for label, cfg in fp8_variants().items():
+        variants[label] = ([lambda w=w, c=cfg: fp8_gemv.fp8_gemv(x, w[0], w[1], None, None, c) for w in q8], want8,
+                           n * k)
+    variants["bf16 cuBLAS"] = ([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16], None, n * k * 2)
+    rows = []
+    for label, (fns, want, nbytes) in variants.items():
+        row = dict(shape=name, n=n, k=k, variant=label)
+        try:
+            got = fns[0]()
+            if want is not None:
+                row["rel_err"] = rel_err(got, want)
+                row["ok"] = row["rel_err"] < 1e-2
+            if not ncu:
+                row["us"] = bench_env.graph_per_call_us(fns, min_calls=2 * len(fns), repeats=20)
+                row["gbs"] = nbytes / row["us"] / 1e3
+        except Exception as exc:  # a variant that does not compile is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row["ok"] = False
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if ncu:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for i, (label, (fns, _, _)) in enumerate(variants.items()):
+            fns[0]()
+            print(f"ncu launch order {i}: {label}", flush=True)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    labels = list(dict.fromkeys(r["variant"] for r in rows))
+    print("\n==== one-token GEMVs, µs per call (weights from HBM), DeepSeek-LLM-7B shapes ====")
+    print(f"{'variant':>26} " + " ".join(f"{s:>9}" for s in SHAPES) + f" {'step us':>9} {'GB/s':>6} {'max err':>8}")
+    for label in labels:
+        mine = {r["shape"]: r for r in rows if r["variant"] == label}
+        us = [mine.get(s, {}).get("us") for s in SHAPES]
+        cells = " ".join(f"{u:9.2f}" if u else f"{'-':>9}" for u in us)
+        step = LAYERS * sum(us) if all(us) else None
+        nbytes = sum(n * k for n, k in SHAPES.values()) * (0.5 if "int4" in label else 1 if "fp8" in label else 2)
+        gbs = f"{LAYERS * nbytes / step / 1e3:6.0f}" if step else "     -"
+        errs = [r.get("rel_err") for r in mine.values() if r.get("rel_err") is not None]
+        err = f"{max(errs):8.1e}" if errs else "       -"
+        print(f"{label:>26} {cells} {step or 0:9.0f} {gbs} {err}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--ncu", action="store_true", help="the gate_up shape once per variant, for Nsight Compute")
+    ns = ap.parse_args()
+    env = bench_env.environment(torch.device("cuda"))
+    print(json.dumps(env), flush=True)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        if ns.ncu and name != "gate_up":
+            continue
+        rows += shape_rows(name, n, k, ns.ncu)
+        torch.cuda.empty_cache()
+    bad = [r for r in rows if r.get("ok") is False]
+    if not ns.ncu:
+        print_table(rows)
+    if ns.json:
+        ns.json.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    print(f"checks: {len(rows) - len(bad)} ok, {len(bad)} wrong or failed" +
+          "".join(f"\n  {r['shape']} {r['variant']}: {r.get('error') or r.get('rel_err')}" for r in bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
