@@ -56,6 +56,7 @@ MAX_COPIES = 128  # cap on the KV copies (calls) in one timing graph: V2-Lite B=
 MIN_CALLS = 20  # calls per timing graph, so the graph launch itself is amortized
 SPLIT_VARIANTS = (8, 16, 32, 64)  # forced split counts timed next to the default ...
 SPLIT_VARIANTS_MAX_BATCH = 16  # ... up to this batch
+MODELS: tuple[str, ...] | None = None  # --models: only these models' cases
 LC = tpa.LaunchConfig
 KV_SCALE = 0.05  # the FP8 caches' scale (k, v and latent alike): bf16 randn / 0.05 stays inside ±448
 KV_DTYPE = torch.bfloat16  # --kv-dtype
@@ -86,7 +87,12 @@ FP8_GQA_VARIANTS = {
 FP8_MLA_VARIANTS = {
     16: {"f16": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16"),
          "n64": LC(block_n=64, block_h=16, num_warps=4, num_stages=2),
-         "f16-n64-s3": LC(block_n=64, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16")},
+         "f16-n64-s3": LC(block_n=64, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16"),
+         # 16 heads widen a whole key tile per 16 rows of product: more warps to share the widening
+         "f16-w8": LC(block_n=32, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16"),
+         "f16-n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16"),
+         "f16-n64-w8-s3": LC(block_n=64, block_h=16, num_warps=8, num_stages=3, fp8_widen="fp16"),
+         "f16-n16": LC(block_n=16, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16")},
     128: {"f16": LC(block_n=16, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16"),
           "f16-n32": LC(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16"),
           "f16-h16-n32": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16")},
@@ -298,8 +304,10 @@ def run_all(batches: tuple[int, ...], seq_lens: tuple[int, ...], graph_batches: 
             graph_lens: tuple[int, ...], graph_bound: int, device: torch.device, variants: bool) -> list[Row]:
     # The graph cases first: they are what this script is watched for, and variants stop after
     # VARIANTS_UNTIL_S. (case, model, batch, seq_len, max_seq_len) each.
-    case_of = {**{m: gqa_case for m in GQA_MODELS}, **{m: mla_case for m in MLA_MODELS}}
-    plan = [(case_of[m], m, b, n, graph_bound) for m in GRAPH_MODELS for b in graph_batches for n in graph_lens]
+    case_of = {m: c for m, c in {**{m: gqa_case for m in GQA_MODELS}, **{m: mla_case for m in MLA_MODELS}}.items()
+               if MODELS is None or m in MODELS}
+    plan = [(case_of[m], m, b, n, graph_bound) for m in GRAPH_MODELS if m in case_of for b in graph_batches
+            for n in graph_lens]
     plan += [(case_of[m], m, b, n, n) for m in case_of for b in batches for n in seq_lens]
     rows: list[Row] = []
     for case, model, batch, seq_len, bound in plan:
@@ -343,7 +351,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself")
     parser.add_argument("--no-variants", action="store_true", help="time the default launch configs only")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the caches' dtype")
+    parser.add_argument("--models", type=lambda v: tuple(v.split(",")),
+                        help=f"only these models' cases (comma-separated; of {', '.join([*GQA_MODELS, *MLA_MODELS])})")
     args = parser.parse_args()
+    global MODELS
+    MODELS = args.models
     global KV_DTYPE
     KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
