@@ -74,9 +74,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                      "one-token step of DeepSeek-LLM-7B AWQ took 3.68 ms of graph replay with it, "
                                      "4.18 without"),
     "DEEPSERVE_INT4_GEMV_MAGIC": (_flag("DEEPSERVE_INT4_GEMV_MAGIC", False),
-                                  "with the factored numerics, the one-token int4 GEMV makes each 4-bit code a "
-                                  "float by one and-or into 1.0f's mantissa (kernels/int4_tile._magic_tile) "
-                                  "instead of a shift, an and-or and a subtraction; bf16 / fp16 inputs only. "
+                                  "with the factored numerics, the one-token int4 GEMV makes each 4-bit code the "
+                                  "float 2 + q / 64 by one byte permute (kernels/int4_tile._magic_tile) instead "
+                                  "of a bit-field extract, an or and a subtraction; bf16 / fp16 inputs only. "
                                   "Off until timed on the H200"),
     "DEEPSERVE_SPLIT_K_FUSED_SUM": (_flag("DEEPSERVE_SPLIT_K_FUSED_SUM", True),
                                     "the decode GEMVs (FP8 and int4) add their split-K partials in the program "

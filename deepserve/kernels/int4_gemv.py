@@ -22,10 +22,10 @@ Three numerics (constexprs FACTORED, MAGIC):
             the code's unpacking instead of two and the rounding; the weight is not rounded to x's dtype,
             so the result differs from the reference by about bf16 rounding (tested within the bf16
             tolerance). Elsewhere (act order, groups that split words) exact is used.
-  magic     factored, one token, 4-bit codes, bf16 / fp16 inputs: each code becomes a float by one and-or
-            into 1.0f's mantissa (int4_tile._magic_tile: fewer instructions per code; a shift per two
-            codes instead of one each, no subtraction). Off by default (DEEPSERVE_INT4_GEMV_MAGIC) until
-            timed on the H200.
+  magic     factored, one token, 4-bit codes, bf16 / fp16 inputs: each code becomes the float 2 + q / 64 by
+            one byte permute (int4_tile._magic_tile, inline PTX: sm_90's SASS for a 64 x 128 tile's loop
+            is 311 instructions a thread against the factored loop's 455). Off by default
+            (DEEPSERVE_INT4_GEMV_MAGIC) until timed on the H200.
 Codes become floats through the fp32 mantissa (int4_tile._codes_to_float), not an int-to-float convert.
 No wrapper reads a device value on the host: every call can be captured in a CUDA graph.
 """
@@ -141,7 +141,8 @@ def _w4a16_gemv_kernel(
     q_cols, s_cols, z_cols = q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn
     if BLOCK_M == 1:
         out = gemv_rows(a_ptr + pid_m.to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first, last, K,
-                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH, MAGIC)[None, :]
+                        BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH, MAGIC,
+                        not INTERPRETED)[None, :]
     else:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         out = gemv_rows_block(a_ptr + (rows % M).to(tl.int64) * stride_am, q_cols, s_cols, z_cols, g_ptr, first,

@@ -63,7 +63,8 @@ def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.
 @triton.jit
 def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr, GROUP: tl.constexpr,
               HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              FACTORED: tl.constexpr, PREFETCH: tl.constexpr, MAGIC: tl.constexpr = False):
+              FACTORED: tl.constexpr, PREFETCH: tl.constexpr, MAGIC: tl.constexpr = False,
+              ASM: tl.constexpr = False):
     """sum over the K tiles first .. last - 1 of a_row[k] * w[n, k] -> [BLOCK_N] fp32, for the BLOCK_N
     output rows whose packed codes start at q_cols and scales / zero points at s_cols / z_cols ([BLOCK_N]
     pointers), one token's inputs at a_row. kernels/int4_gemv.py's docstring has the loop and the three
@@ -72,7 +73,8 @@ def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.con
     PREFETCH: the next K tile's words are loaded before this tile is unpacked, so each program keeps a
     load in flight while it computes (Triton's pipeliner stages loads that feed tl.dot, not these). The
     lookahead stays inside the split: its last step reloads its own last tile (an L1/L2 hit) instead of
-    the next split's first, and an empty split reads K's last tile once, in bounds."""
+    the next split's first, and an empty split reads K's last tile once, in bounds. ASM: _magic_tile's
+    inline PTX (not under Triton's interpreter)."""
     PACK: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PACK
     acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
@@ -83,20 +85,20 @@ def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.con
         for t in range(first, last):
             following = _load_words(q_cols, tl.minimum(t + 1, last - 1) * WORDS + span, K, PACK, EVEN_K)
             acc = _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, t * WORDS + span, K, BITS, GROUP,
-                             HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, MAGIC)
+                             HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, MAGIC, ASM)
             packed = following
     else:
         for t in range(first, last):
             words = t * WORDS + span
             acc = _gemv_tile(acc, _load_words(q_cols, words, K, PACK, EVEN_K), a_row, s_cols, z_cols, g_ptr, t,
-                             words, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, MAGIC)
+                             words, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, MAGIC, ASM)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, words, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               FACTORED: tl.constexpr, MAGIC: tl.constexpr = False):
+               FACTORED: tl.constexpr, MAGIC: tl.constexpr = False, ASM: tl.constexpr = False):
     """acc [BLOCK_N, WORDS] + K tile t's products: its packed words [BLOCK_N, WORDS] (at `words`) unpacked
     one bit field at a time, each field's inputs k = word * pack + field."""
     PACK: tl.constexpr = 32 // BITS
@@ -108,7 +110,7 @@ def _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, words, K, BITS: tl.
     # the magic numerics need 4-bit codes and inputs of at most 11 significant bits (bf16 / fp16: _magic_tile)
     USE_MAGIC: tl.constexpr = MAGIC and FACTORED and WORD_GROUP and BITS == 4 and a_row.dtype.element_ty != tl.float32
     if USE_MAGIC:
-        return acc + _magic_tile(packed, a_row, s, zs, words, K, EVEN_K)
+        return _magic_tile(acc, packed, a_row, s, zs, words, K, EVEN_K, ASM)
     if FACTORED and WORD_GROUP:
         qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         sx = tl.zeros([WORDS], dtype=tl.float32)
@@ -136,41 +138,59 @@ def _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, words, K, BITS: tl.
 
 
 @triton.jit
-def _magic_tile(packed, a_row, s, zs, words, K, EVEN_K: tl.constexpr):
-    """One K tile of 4-bit codes times one token, per packed word: s * sum_f x_f q_f - z s sum_f x_f
-    ([BLOCK_N, WORDS] fp32; the factored sum, kernels/int4_gemv.py) with each code made a float by one
-    and-or, no shift of its own and no subtraction. Code q ORed into 1.0f's mantissa at bits 12..15 reads
-    1 + q 2^-11, at bits 16..19 1 + q 2^-7. Field f sits at bits 4f: fields 3 and 4 are there already,
-    one shift by 8 or 16 brings the others (f 1, 2 left by 8; 5, 6 right by 8; 0 left by 16; 7 right by
-    16). With the input scaled by 2^11 or 2^7 (exact) the product is x 2^e + x q: exact in fp32 while x
-    has at most 11 significant bits (8-bit bf16, 11-bit fp16, times the 12-bit 1 + q 2^-11), so the sum
-    of x 2^e, taken apart from the codes, is subtracted once per word. Against the factored sum the
-    only new rounding is that of the 8-term sum next to x 2^e (relative ~2^-13 of sum |x|)."""
-    u = packed.to(tl.uint32, bitcast=True)  # logical shifts
-    ONE: tl.constexpr = 0x3F800000
+def _magic_tile(acc, packed, a_row, s, zs, words, K, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """acc + one K tile of 4-bit codes times one token ([BLOCK_N, WORDS] fp32): per packed word the factored
+    sum s (sum_f x_f q_f - z sum_f x_f) (kernels/int4_gemv.py), each code made a float by one byte permute.
+
+    The word's even and odd nibbles are split into two words of clean bytes (0x0q: two and-masks and a
+    shift per word), then each byte is moved under 2.0f's exponent byte: 0x40 0q 00 00 reads 2 + q / 64
+    (exact), one `prmt` per code (ASM: inline PTX; Triton's interpreter runs the same values made by shifts
+    and masks). With v_f = 2 + q_f / 64, sum_f x_f v_f = 2 sum x + (sum x q) / 64, and every product
+    x v is exact in fp32 (x has at most 11 significant bits, v 7), so
+        s (sum x q - z sum x) = 64 s sum_f x_f v_f - (128 + z) s sum_f x_f
+    with 64 s and (128 + z) s exact: two fmas per word and row after the 8 products. Against the factored
+    sum the new rounding is that of the 8-term sum next to 2 sum x (relative ~2^-21 of sum |x|)."""
+    u = packed.to(tl.uint32, bitcast=True)
+    if ASM:
+        v = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, two;
+            mov.b32 two, 0x40000000;
+            and.b32 lo, $8, 0x0F0F0F0F;
+            shr.u32 hi, $8, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, two, 0x7054;
+            prmt.b32 $1, hi, two, 0x7054;
+            prmt.b32 $2, lo, two, 0x7154;
+            prmt.b32 $3, hi, two, 0x7154;
+            prmt.b32 $4, lo, two, 0x7254;
+            prmt.b32 $5, hi, two, 0x7254;
+            prmt.b32 $6, lo, two, 0x7354;
+            prmt.b32 $7, hi, two, 0x7354;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [u], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        v = (_two_plus(u, 0), _two_plus(u, 1), _two_plus(u, 2), _two_plus(u, 3), _two_plus(u, 4), _two_plus(u, 5),
+             _two_plus(u, 6), _two_plus(u, 7))
     q = tl.zeros(packed.shape, dtype=tl.float32)
-    big = tl.zeros(words.shape, dtype=tl.float32)  # sum_f x_f 2^e_f: the 1s' share of q
     sx = tl.zeros(words.shape, dtype=tl.float32)
     for f in tl.static_range(8):
-        SHIFT: tl.constexpr = 16 - 8 * ((f + 1) // 2)  # left; negative: right
-        BITS_AT: tl.constexpr = 0xF000 if f % 2 == 1 else 0xF0000
-        SCALE: tl.constexpr = 2048.0 if f % 2 == 1 else 128.0
-        if SHIFT > 0:
-            src = u << SHIFT
-        elif SHIFT < 0:
-            src = u >> (-SHIFT)
-        else:
-            src = u
         ks = words * 8 + f
         if EVEN_K:
             x = tl.load(a_row + ks).to(tl.float32)
         else:
             x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        xs = x * SCALE
-        q += ((src & BITS_AT) | ONE).to(tl.float32, bitcast=True) * xs[None, :]
-        big += xs
+        q += v[f] * x[None, :]
         sx += x
-    return (q - big[None, :]) * s - zs * sx[None, :]
+    s64 = s * 64.0
+    c = s * 128.0 + zs  # (128 + z) s: exact
+    return acc + q * s64 - c * sx[None, :]
+
+
+@triton.jit
+def _two_plus(u, f: tl.constexpr):
+    # 2 + q_f / 64 as _magic_tile's permute makes it: code f (bits 4f..4f+3) at bits 16..19 under 0x40
+    return ((((u >> (4 * f)) & 0xF) << 16) | 0x40000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -323,10 +323,11 @@ def test_int4_gemv_and_dequant_kernels_compile(monkeypatch):
                     replace(gemv, prefetch=True),
                     replace(gemv, prefetch=True, factored=True, split_k=2), replace(gemv, block_m=4),
                     replace(gemv, block_m=4, block_n=16, block_k=128, factored=True), dequant,
-                    replace(dequant, reshape_unpack=False)):
+                    replace(dequant, reshape_unpack=False), replace(gemv, factored=True, magic=True),
+                    replace(int4_gemv.default_gemv_config(1), factored=True, magic=True)):
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
             int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, bias, config=cfg)
-        for cfg in (gemv, replace(gemv, factored=True), dequant):
+        for cfg in (gemv, replace(gemv, factored=True), dequant, replace(gemv, factored=True, magic=True)):
             int4.w4a16_matmul(x, pack_rows(torch.randint(0, 256, (n, k)), 8), scales, zeros, 8, 128, config=cfg)
             int4.w4a16_matmul(torch.randn(3, 200, dtype=torch.bfloat16), odd, scales, zeros, 4, 128, bias=bias,
                               config=cfg)
