@@ -46,9 +46,6 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                 "0: MoE routing by torch ops instead of the Triton routing kernel"),
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),
                                  "0: sampling by torch ops instead of the fused Triton pass"),
-    "DEEPSERVE_FP8_GEMV_NUMERICS": (_str("DEEPSERVE_FP8_GEMV_NUMERICS"),
-                                    "how the one-token FP8 GEMV multiplies (kernels/fp8_gemv.py's docstring): fma "
-                                    "(default), fma2d or dota; for timing the others in the engine"),
     "DEEPSERVE_FP8_CUBLAS_MIN_M": (_float("DEEPSERVE_FP8_CUBLAS_MIN_M", 257),
                                    "FP8 linears with at least this many tokens run torch._scaled_mm (cuBLAS), "
                                    "fewer the Triton kernels; a huge value keeps every call on Triton"),

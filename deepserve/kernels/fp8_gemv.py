@@ -38,14 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepserve import envs
 from deepserve.kernels.fp8 import GEMV_BLOCK_K, INTERPRET
 from deepserve.kernels.split_k import fused_sum, sm_count, store_split, sum_splits
 
 NUMERICS = ("dot", "fma", "fma2d", "dota")
-ONE_TOKEN_NUMERICS = envs.DEEPSERVE_FP8_GEMV_NUMERICS or "fma"  # read once, at import
-if ONE_TOKEN_NUMERICS not in NUMERICS[1:]:
-    raise ValueError(f"DEEPSERVE_FP8_GEMV_NUMERICS must be one of fma, fma2d, dota; got {ONE_TOKEN_NUMERICS!r}")
 
 
 @dataclass(frozen=True)
@@ -68,8 +64,8 @@ def default_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     (dot-64-128-2-4: 1.06x at M = 2, 1.05x at M = 4-16; fma-32 was 1.46x at M = 2). Against the W8A8 Triton
     path this config took 0.64-0.99x its time at M = 1 (every shape), 0.82-1.11x at M = 2 and up to 1.36x
     above, hence DEEPSERVE_FP8_GEMV_MAX_M = 1 (the default since the engine runs of 2026-12-02)."""
-    if m == 1:  # DEEPSERVE_FP8_GEMV_NUMERICS picks another way to multiply, on the same tiles
-        return Fp8GemvConfig(numerics=ONE_TOKEN_NUMERICS, block_n=128, waves=4, num_warps=4)
+    if m == 1:
+        return Fp8GemvConfig(numerics="fma", block_n=128, waves=4, num_warps=4)
     return Fp8GemvConfig(numerics="dot", block_n=64, waves=2, num_warps=4)
 
 
