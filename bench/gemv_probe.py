@@ -54,11 +54,7 @@ def fp8_variants() -> dict:
             "fp8 fma2d n128": replace(base, numerics="fma2d"),
             "fp8 fma2d n64": replace(base, numerics="fma2d", block_n=64),
             "fp8 fma2d n64 pf": replace(base, numerics="fma2d", block_n=64, prefetch=True),
-            "fp8 fma2d n32 w2": replace(base, numerics="fma2d", block_n=32, num_warps=2, waves=8),
-            "fp8 dota n64": replace(base, numerics="dota", block_n=64),
-            "fp8 dota n128": replace(base, numerics="dota", block_n=128),
-            "fp8 dota n128 w8": replace(base, numerics="dota", block_n=128, num_warps=8),
-            "fp8 dota n64 k256": replace(base, numerics="dota", block_n=64, block_k=256)}
+            "fp8 fma2d n32 w2": replace(base, numerics="fma2d", block_n=32, num_warps=2, waves=8)}
 
 
 def int4_weights(n: int, k: int, copies: int, seed: int) -> list[tuple]:

@@ -17,10 +17,6 @@ path is more exact than the one it replaces. Two ways to multiply, chosen by the
          split's K tiles and are summed along K once, after the loop ("fma" sums every K tile across the
          threads that hold it); a block scale that is one number for the whole tile (BLOCK_N divides the
          scale block) multiplies the tile's inputs instead of every weight. Not timed on a GPU yet.
-  "dota" the tensor cores with the weight as the dot's first operand, straight from registers: each K tile
-         w [BLOCK_N, BLOCK_K] widened to fp16 (one conversion per two codes on sm_90, no fp32 step and no
-         trip through shared memory) times x^T [BLOCK_K, 16] in fp16 (x saturated to fp16's range; rows past
-         M zeros), accumulated in fp32 and transposed once at the end. Not timed on a GPU yet.
 Triton's interpreter (CPU tests) gives wrong products for a bf16 tl.dot whose operand was widened from
 fp8 (seen with triton 3.x: the same dot in fp32 is right), so there the dot runs in fp32; the H200 check
 (bench/fp8_decode_graphs.py --gemv-s) covers the bf16 dot. Split-K: programs along K write fp32 partials,
@@ -41,7 +37,7 @@ import triton.language as tl
 from deepserve.kernels.fp8 import GEMV_BLOCK_K, INTERPRET
 from deepserve.kernels.split_k import fused_sum, sm_count, store_split, sum_splits
 
-NUMERICS = ("dot", "fma", "fma2d", "dota")
+NUMERICS = ("dot", "fma", "fma2d")
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     if cfg.numerics == "fma2d" and m != 1:
         raise ValueError(f"fp8 gemv: numerics 'fma2d' takes one row, got {m}")
-    block_m = 16 if cfg.numerics in ("dot", "dota") else triton.next_power_of_2(m)
+    block_m = 16 if cfg.numerics == "dot" else triton.next_power_of_2(m)
     scale2 = scale.view(-1, 1) if block is None else scale
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, fused = fused_sum(x.device, triton.cdiv(n, cfg.block_n), partials)
@@ -107,7 +103,6 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tup
         m, n, k, tiles_per_split, x.stride(0), w_q.stride(0),
         scale2.stride(0), scale2.stride(1), GROUP_N=group_n, GROUP_K=group_k, PER_CHANNEL=block is None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.numerics == "dot",
-        DOTA=cfg.numerics == "dota",
         FMA2D=cfg.numerics == "fma2d", TILE_SCALE=block is not None and group_n % cfg.block_n == 0,
         IEEE=x.dtype == torch.float32 or INTERPRET, EVEN_K=k % cfg.block_k == 0, PREFETCH=cfg.prefetch,
         HAS_BIAS=bias is not None, **fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -138,7 +133,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
                      BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                      PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED_SUM: tl.constexpr,
                      INTERPRETED: tl.constexpr, MAX_SPLITS: tl.constexpr, FMA2D: tl.constexpr,
-                     TILE_SCALE: tl.constexpr, DOTA: tl.constexpr):
+                     TILE_SCALE: tl.constexpr):
     # Program (n tile, split): out[:, n tile] partial over its split's K tiles, into ws[split]; with
     # FUSED_SUM the tile's last program also writes out (split_k.store_split).
     # Columns past N wrap (modulo) so weight loads need no N mask; rows past M read x as zeros.
@@ -169,13 +164,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
                 tile_acc = _fma2d_tile(tile_acc, w, t, x_ptr, s_ptr, offs_n, block_row, K, stride_sn, stride_sk,
                                        GROUP_N, GROUP_K, PER_CHANNEL, TILE_SCALE, BLOCK_K)
         acc += tl.sum(tile_acc, axis=1)[None, :]
-    elif DOTA:  # the weight tile as the dot's register operand, the result transposed once (docstring)
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for t in range(first, last):
-            w = _load_weight_tile(w_rows, t, K, BLOCK_K, EVEN_K)
-            acc_t = _dota_tile(acc_t, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
-                               GROUP_N, GROUP_K, PER_CHANNEL, BLOCK_K, IEEE)
-        acc += tl.trans(acc_t)
     elif PREFETCH:
         w = _load_weight_tile(w_rows, tl.minimum(first, k_tiles - 1), K, BLOCK_K, EVEN_K)
         for t in range(first, last):
@@ -209,26 +197,6 @@ def _fma2d_tile(tile_acc, w, t, x_ptr, s_ptr, offs_n, block_row, K, stride_sn, s
         return tile_acc + wf * (x * tl.load(s_ptr + block_row + k_block))[None, :]
     s = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + k_block)
     return tile_acc + (wf * s[:, None]) * x[None, :]
-
-
-@triton.jit
-def _dota_tile(acc_t, w, t, x_ptr, s_ptr, offs_n, offs_m, M, K, stride_xm, stride_sn, stride_sk,
-               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_K: tl.constexpr,
-               IEEE: tl.constexpr):
-    """acc_t [BLOCK_N, BLOCK_M] + w [BLOCK_N, BLOCK_K] (fp8, K tile t) times x[:, K tile t]^T, the weight
-    widened to fp16 in registers as the dot's first operand (block scales after the dot, per row)."""
-    ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_t = tl.load(x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + ks[:, None],
-                  mask=(offs_m < M)[None, :] & (ks < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
-    if IEEE:  # fp32 activations, or the interpreter (module docstring)
-        part = tl.dot(w.to(tl.float32), x_t.to(tl.float32), input_precision="ieee")
-    else:  # saturated: an input past fp16's range must not become inf
-        x_h = tl.clamp(x_t.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        part = tl.dot(w.to(tl.float16), x_h, out_dtype=tl.float32)
-    if not PER_CHANNEL:  # one scale per (row block, K block): BLOCK_K divides GROUP_K
-        s_rows = tl.load(s_ptr + (offs_n // GROUP_N) * stride_sn + (t * BLOCK_K // GROUP_K) * stride_sk)
-        part = part * s_rows[:, None]
-    return acc_t + part
 
 
 @triton.jit

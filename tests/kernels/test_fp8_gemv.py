@@ -29,7 +29,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return out if bias is None else out + bias.float()
 
 
-@pytest.mark.parametrize("numerics", ["dot", "fma", "fma-prefetch", "dota"])
+@pytest.mark.parametrize("numerics", ["dot", "fma", "fma-prefetch"])
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n, k", [(200, 256), (130, 328)])
 @pytest.mark.parametrize("split_k", [1, 3, 0])
@@ -61,7 +61,7 @@ def test_fma2d_one_row_equals_the_dequantized_product(block_n, n, k, split_k, pr
 
 
 @pytest.mark.parametrize("numerics,prefetch", [("dot", False), ("fma", False), ("fma", True), ("dot", True),
-                                               ("fma2d", False), ("fma2d", True), ("dota", False)])
+                                               ("fma2d", False), ("fma2d", True)])
 def test_bf16_activations_and_per_channel_scales(numerics, prefetch):
     # K 200: the last K tile of 64 is partial (masked), also in the prefetched load
     n, k = 96, 200
