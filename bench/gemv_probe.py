@@ -38,21 +38,20 @@ GROUP = 128
 
 
 def int4_variants() -> dict:
-    base = replace(default_gemv_config(1), factored=True, magic=False)  # the default at one token
-    magic = replace(base, magic=True)
-    return {"int4 factored (default)": base, "int4 magic": magic,
-            "int4 magic pps4": replace(magic, programs_per_sm=4),
-            "int4 magic pps6": replace(magic, programs_per_sm=6),
-            "int4 magic pps12": replace(magic, programs_per_sm=12),
-            "int4 magic n128": replace(magic, block_n=128),
-            "int4 magic k256": replace(magic, block_k=256),
-            "int4 magic n32 k256": replace(magic, block_n=32, block_k=256),
-            "int4 magic n128 w8": replace(magic, num_warps=8, block_n=128)}
+    base = replace(default_gemv_config(1), factored=True, magic=False)  # before the magic numerics
+    magic = replace(base, magic=True)  # the default at one token since this probe's second run
+    return {"int4 factored": base, "int4 magic (default)": magic,
+            **{f"int4 magic pps{p}": replace(magic, programs_per_sm=p) for p in (3, 4, 5, 6)},
+            "int4 magic n32 pps8": replace(magic, block_n=32),
+            "int4 magic n32 pps4": replace(magic, block_n=32, programs_per_sm=4),
+            "int4 magic w2 n32": replace(magic, block_n=32, num_warps=2, programs_per_sm=8),
+            "int4 magic w2 n32 pps16": replace(magic, block_n=32, num_warps=2, programs_per_sm=16)}
 
 
 def fp8_variants() -> dict:
     base = fp8_gemv.default_gemv_config(1, 4096, 4096)  # fma2d, dota: slower on every 7B shape (RESULTS.md)
-    return {"fp8 fma (default)": base}
+    return {"fp8 fma (default)": base, **{f"fp8 fma waves{w}": replace(base, waves=w) for w in (3, 6, 8)},
+            "fp8 fma n64 waves8": replace(base, block_n=64, waves=8)}
 
 
 def int4_weights(n: int, k: int, copies: int, seed: int) -> list[tuple]:

@@ -24,8 +24,10 @@ Three numerics (constexprs FACTORED, MAGIC):
             tolerance). Elsewhere (act order, groups that split words) exact is used.
   magic     factored, one token, 4-bit codes, bf16 / fp16 inputs: each code becomes the float 2 + q / 64 by
             one byte permute (int4_tile._magic_tile, inline PTX: sm_90's SASS for a 64 x 128 tile's loop
-            is 311 instructions a thread against the factored loop's 455). Off by default
-            (DEEPSERVE_INT4_GEMV_MAGIC) until timed on the H200.
+            is 311 instructions a thread against the factored loop's 455). On by default
+            (DEEPSERVE_INT4_GEMV_MAGIC; bench/RESULTS.md, third session of 2026-12-03): the one-token
+            GEMVs of a 7B step 2,826 -> 2,478 µs (bench/gemv_probe.py), W2 TPOT of LLM-7B AWQ 3.50 ms
+            against 3.84 (the int4 gate with it on).
 Codes become floats through the fp32 mantissa (int4_tile._codes_to_float), not an int-to-float convert.
 No wrapper reads a device value on the host: every call can be captured in a CUDA graph.
 """
