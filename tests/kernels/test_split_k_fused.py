@@ -101,10 +101,13 @@ def test_int4_gemv_fused_sum_equals_the_separate_sum(monkeypatch, launch_order, 
 def test_the_fused_sum_and_the_factored_gemv_are_the_defaults(monkeypatch):
     from deepserve import envs
 
-    for name in ("DEEPSERVE_SPLIT_K_FUSED_SUM", "DEEPSERVE_INT4_GEMV_FACTORED"):
+    for name in ("DEEPSERVE_SPLIT_K_FUSED_SUM", "DEEPSERVE_INT4_GEMV_FACTORED", "DEEPSERVE_INT4_GEMV_MAGIC",
+                 "DEEPSERVE_FUSED_ROPE_KV_STORE"):
         monkeypatch.delenv(name, raising=False)
         assert getattr(envs, name) is True, name
-    assert split_k.FUSED_SUM is True and int4_gemv.default_gemv_config(1).factored is True
+    one_token = int4_gemv.default_gemv_config(1)
+    assert split_k.FUSED_SUM is True and one_token.factored is True and one_token.magic is True
+    assert int4_gemv.default_gemv_config(2).magic is False  # several tokens a program: not that loop
 
 
 def test_too_many_tiles_fall_back_to_the_separate_sum(monkeypatch):

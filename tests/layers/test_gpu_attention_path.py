@@ -94,12 +94,12 @@ def fuse_rope_into_the_store(monkeypatch, hf_model, fused: bool) -> tuple[list, 
     the returned list, and how many a two-step test expects (one per MHA/GQA layer and step; the MLA
     checkpoint has no such front, so none: the switch must leave it alone)."""
     calls: list = []
+    monkeypatch.setattr(attention_front, "FUSED_ROPE_KV_STORE", fused)  # on by default: both ways pinned
     if not fused:
         return calls, 0
     import deepserve.kernels.rope_kv_store as rope_kv_store
 
     kernel = rope_kv_store.rope_and_store_kv
-    monkeypatch.setattr(attention_front, "FUSED_ROPE_KV_STORE", True)
     monkeypatch.setattr(rope_kv_store, "rope_and_store_kv", lambda *a: calls.append(1) or kernel(*a))
     return calls, 2 * LLAMA["num_hidden_layers"] if isinstance(hf_model, LlamaForCausalLM) else 0
 
