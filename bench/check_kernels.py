@@ -356,6 +356,10 @@ def main() -> int:
     args = parser.parse_args()
     global MODELS
     MODELS = args.models
+    unknown = set(MODELS or ()) - {*GQA_MODELS, *MLA_MODELS}
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join([*GQA_MODELS, *MLA_MODELS])}")
     global KV_DTYPE
     KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -74,8 +74,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                   "with the factored numerics, the one-token int4 GEMV makes each 4-bit code the "
                                   "float 2 + q / 64 by one byte permute (kernels/int4_tile._magic_tile) instead "
                                   "of a bit-field extract, an or and a subtraction; bf16 / fp16 inputs only. "
-                                  "Default on: the int4 gate's LLM-7B AWQ W2 TPOT 3.50 ms with it, 3.84 before; "
-                                  "0: the factored loop"),
+                                  "Default on: on one H200 a DeepSeek-LLM-7B step's one-token GEMVs 2.83 -> 2.48 ms "
+                                  "(bench/gemv_probe.py); 0: the factored loop"),
     "DEEPSERVE_SPLIT_K_FUSED_SUM": (_flag("DEEPSERVE_SPLIT_K_FUSED_SUM", True),
                                     "the decode GEMVs (FP8 and int4) add their split-K partials in the program "
                                     "that finishes each output tile (kernels/split_k.py) instead of a second "

@@ -22,12 +22,14 @@ Three numerics (constexprs FACTORED, MAGIC):
             the code's unpacking instead of two and the rounding; the weight is not rounded to x's dtype,
             so the result differs from the reference by about bf16 rounding (tested within the bf16
             tolerance). Elsewhere (act order, groups that split words) exact is used.
-  magic     factored, one token, 4-bit codes, bf16 / fp16 inputs: each code becomes the float 2 + q / 64 by
-            one byte permute (int4_tile._magic_tile, inline PTX: sm_90's SASS for a 64 x 128 tile's loop
-            is 311 instructions a thread against the factored loop's 455). On by default
-            (DEEPSERVE_INT4_GEMV_MAGIC; bench/RESULTS.md, third session of 2026-12-03): the one-token
-            GEMVs of a 7B step 2,826 -> 2,478 µs (bench/gemv_probe.py), W2 TPOT of LLM-7B AWQ 3.50 ms
-            against 3.84 (the int4 gate with it on).
+  magic     factored, one token a program, 4-bit codes, bf16 / fp16 inputs: each code becomes the float
+            2 + q / 64 by one byte permute (int4_tile._magic_tile, inline PTX: sm_90's SASS for a 64 x 128
+            tile's loop is 311 instructions a thread against the factored loop's 455,
+            bench/results/2026-12-03c/sass-loop-counts.txt). On by default (DEEPSERVE_INT4_GEMV_MAGIC):
+            on one H200 the one-token GEMVs of a DeepSeek-LLM-7B step took 2,478 µs against 2,826
+            (bench/gemv_probe.py, same machine); the int4 gate passed with it (LLM-7B AWQ W2 TPOT 3.50 ms;
+            3.84 in the previous gate, another machine and tree). The expert GEMV (int4_moe_gemv.py) and
+            several tokens a program do not take it.
 Codes become floats through the fp32 mantissa (int4_tile._codes_to_float), not an int-to-float convert.
 No wrapper reads a device value on the host: every call can be captured in a CUDA graph.
 """
@@ -59,7 +61,7 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     factored: bool = False
-    magic: bool = False  # with factored: the codes made floats by the mantissa trick (int4_tile._magic_tile)
+    magic: bool = False  # with factored, block_m 1: codes made floats by a byte permute (int4_tile._magic_tile)
     prefetch: bool = False  # load the next K tile before unpacking this one (int4_tile.gemv_rows; block_m 1 only)
     programs_per_sm: int = PROGRAMS_PER_SM  # with split_k 0: the split count aims at this many programs an SM
 

@@ -44,7 +44,7 @@ def int4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             0 if g_idx is None else g_idx.stride(0), out.stride(0),
             ROWS_PER_A=top_k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BITS=bits, GROUP=group,
             HAS_G_IDX=g_idx is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-            FACTORED=cfg.factored, MAGIC=cfg.magic, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+            FACTORED=cfg.factored, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
     return y.view(t, top_k, h).sum(dim=1) if top_k > 1 else y
@@ -56,7 +56,7 @@ def _moe_gemv_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, g_ptr, ids_ptr, tw_ptr, c_ptr, A, N, K, E, stride_am, stride_qe, stride_qn,
     stride_se, stride_sn, stride_ge, stride_cm, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr, MAGIC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FACTORED: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     # Program (assignment, n tile): c[assignment, n tile] from a's row assignment // ROWS_PER_A and expert
@@ -75,10 +75,11 @@ def _moe_gemv_kernel(
     g_row = g_ptr + expert64 * stride_ge
     k_tiles = tl.cdiv(K, BLOCK_K)
     out = gemv_rows(a_row, q_cols, s_cols, z_cols, g_row, 0, k_tiles, K, BITS, GROUP, HAS_G_IDX, BLOCK_N,
-                    BLOCK_K, EVEN_K, FACTORED, PREFETCH, MAGIC)
+                    BLOCK_K, EVEN_K, FACTORED, PREFETCH, False, False)  # the magic loop: linears only, untimed here
     if GATED:  # the up rows follow the N gate rows
         up = gemv_rows(a_row, q_cols + N * stride_qn, s_cols + N * stride_sn, z_cols + N * stride_sn, g_row, 0,
-                       k_tiles, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH, MAGIC)
+                       k_tiles, K, BITS, GROUP, HAS_G_IDX, BLOCK_N, BLOCK_K, EVEN_K, FACTORED, PREFETCH, False,
+                       False)
         out = out / (1.0 + tl.exp(-out)) * up  # silu(gate) * up in fp32
     if MUL_WEIGHT:
         out = out * tl.load(tw_ptr + assignment)

@@ -63,8 +63,7 @@ def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.
 @triton.jit
 def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.constexpr, GROUP: tl.constexpr,
               HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              FACTORED: tl.constexpr, PREFETCH: tl.constexpr, MAGIC: tl.constexpr = False,
-              ASM: tl.constexpr = False):
+              FACTORED: tl.constexpr, PREFETCH: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
     """sum over the K tiles first .. last - 1 of a_row[k] * w[n, k] -> [BLOCK_N] fp32, for the BLOCK_N
     output rows whose packed codes start at q_cols and scales / zero points at s_cols / z_cols ([BLOCK_N]
     pointers), one token's inputs at a_row. kernels/int4_gemv.py's docstring has the loop and the three
@@ -98,7 +97,7 @@ def gemv_rows(a_row, q_cols, s_cols, z_cols, g_ptr, first, last, K, BITS: tl.con
 @triton.jit
 def _gemv_tile(acc, packed, a_row, s_cols, z_cols, g_ptr, t, words, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               FACTORED: tl.constexpr, MAGIC: tl.constexpr = False, ASM: tl.constexpr = False):
+               FACTORED: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
     """acc [BLOCK_N, WORDS] + K tile t's products: its packed words [BLOCK_N, WORDS] (at `words`) unpacked
     one bit field at a time, each field's inputs k = word * pack + field."""
     PACK: tl.constexpr = 32 // BITS
@@ -144,12 +143,13 @@ def _magic_tile(acc, packed, a_row, s, zs, words, K, EVEN_K: tl.constexpr, ASM: 
 
     The word's even and odd nibbles are split into two words of clean bytes (0x0q: two and-masks and a
     shift per word), then each byte is moved under 2.0f's exponent byte: 0x40 0q 00 00 reads 2 + q / 64
-    (exact), one `prmt` per code (ASM: inline PTX; Triton's interpreter runs the same values made by shifts
-    and masks). With v_f = 2 + q_f / 64, sum_f x_f v_f = 2 sum x + (sum x q) / 64, and every product
-    x v is exact in fp32 (x has at most 11 significant bits, v 7), so
+    (exact), one `prmt` per code (ASM: inline PTX; Triton's interpreter makes the same values by shifts and
+    masks, _two_plus). With v_f = 2 + q_f / 64, sum_f x_f v_f = 2 sum x + (sum x q) / 64, and every product
+    x v is exact in fp32 (x has at most 11 significant bits, v at most 8), so
         s (sum x q - z sum x) = 64 s sum_f x_f v_f - (128 + z) s sum_f x_f
-    with 64 s and (128 + z) s exact: two fmas per word and row after the 8 products. Against the factored
-    sum the new rounding is that of the 8-term sum next to 2 sum x (relative ~2^-21 of sum |x|)."""
+    with 64 s and (128 + z) s exact (an fp16 scale): two fmas per word and row after the 8 products. The
+    two terms are each ~128 s sum x, so their roundings cost more than the factored sum's; both stay far
+    below bf16's rounding (tests/kernels/test_int4_variants.py's tolerances)."""
     u = packed.to(tl.uint32, bitcast=True)
     if ASM:
         v = tl.inline_asm_elementwise(
@@ -172,7 +172,7 @@ def _magic_tile(acc, packed, a_row, s, zs, words, K, EVEN_K: tl.constexpr, ASM: 
     else:
         v = (_two_plus(u, 0), _two_plus(u, 1), _two_plus(u, 2), _two_plus(u, 3), _two_plus(u, 4), _two_plus(u, 5),
              _two_plus(u, 6), _two_plus(u, 7))
-    q = tl.zeros(packed.shape, dtype=tl.float32)
+    xv = tl.zeros(packed.shape, dtype=tl.float32)  # sum_f x_f v_f per word and row
     sx = tl.zeros(words.shape, dtype=tl.float32)
     for f in tl.static_range(8):
         ks = words * 8 + f
@@ -180,11 +180,11 @@ def _magic_tile(acc, packed, a_row, s, zs, words, K, EVEN_K: tl.constexpr, ASM: 
             x = tl.load(a_row + ks).to(tl.float32)
         else:
             x = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q += v[f] * x[None, :]
+        xv += v[f] * x[None, :]
         sx += x
     s64 = s * 64.0
     c = s * 128.0 + zs  # (128 + z) s: exact
-    return acc + q * s64 - c * sx[None, :]
+    return acc + xv * s64 - c * sx[None, :]
 
 
 @triton.jit

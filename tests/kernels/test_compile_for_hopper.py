@@ -480,3 +480,57 @@ def test_elementwise_kernels_compile(monkeypatch):
             ew.apply_rope(torch.tensor([1, 2, 3]), q[..., :64], k[..., :64], cos_sin, 64, True)  # no rest
 
     _compile_all(_record(monkeypatch, ew, run))
+
+
+_PTX_COUNT = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+for job in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+    source = triton.compiler.ASTSource(fn=kernel, signature=job["signature"], constexprs=job["constexprs"])
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=job["options"]).asm["ptx"]
+    print(json.dumps([job["constexprs"]["MAGIC"], job["signature"]["a_ptr"], job["constexprs"]["BITS"],
+                      job["constexprs"]["HAS_G_IDX"], ptx.count("prmt.b32")]))
+"""
+
+
+def test_int4_magic_gemv_takes_the_byte_permutes_on_the_gpu(monkeypatch):
+    # The one-token default (DEEPSERVE_INT4_GEMV_MAGIC) must compile to _magic_tile's inline PTX on sm_90 for
+    # bf16 and fp16 inputs (8 prmt a word: 64 per 64 x 128 tile's loop, more with the prefetch's copies), and
+    # every case it must not take (the factored config, fp32 inputs, 8-bit codes, act order) to none: the
+    # interpreter's tests pass on the factored loop too, so only the compiled code shows which loop runs.
+    from dataclasses import replace
+
+    from deepserve.kernels import int4_gemv, split_k
+    from deepserve.kernels.int4_ref import pack_rows
+
+    int4 = import_kernels("deepserve.kernels.int4")
+    monkeypatch.setattr(split_k, "INTERPRET", False)  # the GPU's launch: ASM on (recorded, not run)
+    monkeypatch.setattr(split_k, "_tile_locks", {})
+    n, k = 192, 512
+    scales, zeros = torch.rand(n, 4, dtype=torch.float16), torch.full((n, 4), 8.0, dtype=torch.float16)
+    g_idx = (torch.randperm(k) // 128).to(torch.int32)
+    magic = int4_gemv.default_gemv_config(1)
+    assert magic.magic and magic.factored
+
+    def run():
+        for bits in (4, 8):
+            qweight = pack_rows(torch.randint(0, 2**bits, (n, k)), bits)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                x = torch.randn(1, k, dtype=dtype)
+                int4.w4a16_matmul(x, qweight, scales, zeros, bits, 128, config=magic)
+                if bits == 4 and dtype != torch.float32:
+                    int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, g_idx, config=magic)
+                    int4.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=replace(magic, magic=False))
+
+    launches = _record(monkeypatch, int4_gemv, run, execute=False)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PTX_COUNT], input=json.dumps(launches), capture_output=True,
+                          text=True, env=env, cwd=pathlib.Path(__file__).parents[2], timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) == 10
+    for magic_on, dtype, bits, act_order, permutes in rows:
+        takes = magic_on and bits == 4 and not act_order and dtype in ("*bf16", "*fp16")
+        assert (permutes >= 64) if takes else (permutes == 0), (magic_on, dtype, bits, act_order, permutes)

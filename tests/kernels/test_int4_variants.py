@@ -19,7 +19,10 @@ from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
 int4 = import_kernels("deepserve.kernels.int4")
 
-from deepserve.kernels import int4_ref  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from deepserve.kernels import int4_ref, int4_tile  # noqa: E402
 from deepserve.kernels.int4_dequant import Int4DequantConfig, dequantize_weight  # noqa: E402
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, gemv_split_count  # noqa: E402
 from deepserve.layers.quantization import Int4Config  # noqa: E402
@@ -92,6 +95,32 @@ def test_magic_numerics_at_one_token_match_the_reference(group, k):
     # a group per word (8) or two a step (16), a masked last step (80)
     check(MAGIC, 1, 40, k, 4, group, dtype=torch.float16, bias=True)
     check(replace(MAGIC, prefetch=True, split_k=2), 1, 40, k, 4, group, dtype=torch.float16, seed=3)
+
+
+@pytest.mark.parametrize("bits,group,act_order", [(8, 32, False), (4, 32, True), (4, 4, False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_magic_config_falls_back_where_its_loop_does_not_apply(bits, group, act_order, dtype):
+    # 8-bit codes, act order and groups narrower than a word take the factored / exact loops with half
+    # precision inputs too (tests/kernels/test_compile_for_hopper.py shows which loop compiles)
+    check(MAGIC, 1, 40, 96 if not act_order else 64, bits, group, dtype=dtype, act_order=act_order)
+
+
+@triton.jit
+def _fields_kernel(w_ptr, out_ptr, N: tl.constexpr):
+    # _two_plus of every field of N words -> out [N, 8]
+    u = tl.load(w_ptr + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    for f in tl.static_range(8):
+        tl.store(out_ptr + tl.arange(0, N) * 8 + f, int4_tile._two_plus(u, f))
+
+
+def test_magic_codes_read_two_plus_a_64th_of_the_code():
+    # _magic_tile's values as the interpreter makes them (the GPU's byte permute: the sm_90 compile test and
+    # the H200 checks): every code in every field of a word
+    codes = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # word r, field f: code (r + f) % 16
+    words = int4_ref.pack_rows(codes, 4)[:, 0].contiguous().to(DEVICE)
+    out = torch.empty(16, 8, dtype=torch.float32, device=DEVICE)
+    _fields_kernel[(1,)](words, out, N=16)
+    assert torch.equal(out.cpu(), 2.0 + codes.float() / 64.0)
 
 
 def test_magic_numerics_catch_a_wrong_zero_point_in_half_precision():

@@ -98,7 +98,7 @@ def test_int4_gemv_fused_sum_equals_the_separate_sum(monkeypatch, launch_order, 
     assert torch.equal(unfused, fused)
 
 
-def test_the_fused_sum_and_the_factored_gemv_are_the_defaults(monkeypatch):
+def test_the_decode_switches_that_are_on_by_default(monkeypatch):
     from deepserve import envs
 
     for name in ("DEEPSERVE_SPLIT_K_FUSED_SUM", "DEEPSERVE_INT4_GEMV_FACTORED", "DEEPSERVE_INT4_GEMV_MAGIC",
