@@ -534,3 +534,17 @@ def test_int4_magic_gemv_takes_the_byte_permutes_on_the_gpu(monkeypatch):
     for magic_on, dtype, bits, act_order, permutes in rows:
         takes = magic_on and bits == 4 and not act_order and dtype in ("*bf16", "*fp16")
         assert (permutes >= 64) if takes else (permutes == 0), (magic_on, dtype, bits, act_order, permutes)
+
+
+def test_sass_loop_counts_a_shorter_magic_loop_of_byte_permutes():
+    # bench/sass_loop.py (the figures in int4_gemv.py's docstring): the one-token GEMV's K loop in sm_90
+    # machine code, one byte permute per code with the magic numerics and fewer instructions than factored
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, str(root / "bench" / "sass_loop.py")], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {line.split(":")[0]: line for line in done.stdout.splitlines()}
+    total = {name: int(line.split(": ")[1].split()[0]) for name, line in counts.items()}
+    assert total["magic"] < total["factored"], done.stdout
+    assert "PRMT 64" in counts["magic"] and "PRMT" not in counts["factored"], done.stdout
