@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import bench_env
@@ -30,6 +29,7 @@ from deepserve.kernels import fp8_gemv, int4  # noqa: E402
 from deepserve.kernels import int4_ref as ref  # noqa: E402
 from deepserve.kernels.fp8_ref import quantize_weight_per_channel  # noqa: E402
 from deepserve.kernels.int4_gemv import default_gemv_config  # noqa: E402
+from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, w4a16_mma_gemv  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 LAYERS = 30
@@ -38,30 +38,29 @@ GROUP = 128
 
 
 def int4_variants() -> dict:
-    base = replace(default_gemv_config(1), factored=True, magic=False)  # before the magic numerics
-    magic = replace(base, magic=True)  # the default at one token since this probe's second run
-    return {"int4 factored": base, "int4 magic (default)": magic,
-            **{f"int4 magic pps{p}": replace(magic, programs_per_sm=p) for p in (3, 4, 5, 6)},
-            "int4 magic n32 pps8": replace(magic, block_n=32),
-            "int4 magic n32 pps4": replace(magic, block_n=32, programs_per_sm=4),
-            "int4 magic w2 n32": replace(magic, block_n=32, num_warps=2, programs_per_sm=8),
-            "int4 magic w2 n32 pps16": replace(magic, block_n=32, num_warps=2, programs_per_sm=16)}
+    magic = default_gemv_config(1)  # magic numerics, 64 x 128 tiles, register prefetch
+    return {"int4 magic (default)": magic}
+
+
+def mma_variants() -> dict:
+    pf = {"int4 mma pf w2 pps8": Int4MmaGemvConfig(num_warps=2, programs_per_sm=8, prefetch=True)}
+    return pf | {f"int4 mma st{st} w{w} pps{p}": Int4MmaGemvConfig(num_warps=w, programs_per_sm=p, stages=st)
+                 for st, w, p in ((3, 2, 8), (4, 2, 8), (6, 2, 8), (4, 2, 4), (4, 4, 4), (4, 4, 8), (6, 4, 4),
+                                  (4, 2, 16))}
 
 
 def fp8_variants() -> dict:
-    base = fp8_gemv.default_gemv_config(1, 4096, 4096)  # fma2d and dota (removed): slower a step (RESULTS.md)
-    return {"fp8 fma (default)": base, **{f"fp8 fma waves{w}": replace(base, waves=w) for w in (3, 6, 8)},
-            "fp8 fma n64 waves8": replace(base, block_n=64, waves=8)}
+    return {"fp8 fma (default)": fp8_gemv.default_gemv_config(1, 4096, 4096)}
 
 
-def int4_weights(n: int, k: int, copies: int, seed: int) -> list[tuple]:
+def int4_weights(n: int, k: int, copies: int, seed: int, group: int = GROUP) -> list[tuple]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for _ in range(copies):
         codes = torch.randint(0, 16, (n, k), device="cuda", generator=g, dtype=torch.int32)
         qweight = ref.pack_rows(codes, 4)
-        scales = (torch.rand(n, k // GROUP, device="cuda", generator=g) * 0.02 + 0.001).half()
-        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", generator=g, dtype=torch.int32).half()
+        scales = (torch.rand(n, k // group, device="cuda", generator=g) * 0.02 + 0.001).half()
+        zeros = torch.randint(0, 16, (n, k // group), device="cuda", generator=g, dtype=torch.int32).half()
         out.append((qweight, scales, zeros))
     return out
 
@@ -88,6 +87,8 @@ def shape_rows(name: str, n: int, k: int, ncu: bool) -> list[dict]:
     for label, cfg in int4_variants().items():
         variants[label] = ([lambda w=w, c=cfg: int4.w4a16_matmul(x, *w, 4, GROUP, config=c) for w in q4], want4,
                            n * k // 2)
+    for label, cfg in mma_variants().items():
+        variants[label] = ([lambda w=w, c=cfg: w4a16_mma_gemv(x, *w, GROUP, None, c) for w in q4], want4, n * k // 2)
     for label, cfg in fp8_variants().items():
         variants[label] = ([lambda w=w, c=cfg: fp8_gemv.fp8_gemv(x, w[0], w[1], None, None, c) for w in q8], want8,
                            n * k)
@@ -135,26 +136,78 @@ def print_table(rows: list[dict]) -> None:
         print(f"{label:>26} {cells} {step or 0:9.0f} {gbs} {err}")
 
 
+def mma_checks() -> list[dict]:
+    """The tensor-core int4 GEMV against x @ the dequantized weight: 1-8 tokens, fp16 and bf16, bias, N not
+    a multiple of 16, groups of 128 and 256, K with a split that is not a multiple of the warps."""
+    rows = []
+    for m, n, k, group, dtype, bias in ((1, 4096, 4096, 128, torch.bfloat16, False),
+                                        (2, 4104, 11008, 128, torch.bfloat16, True),
+                                        (3, 1000, 1024, 256, torch.float16, True),
+                                        (8, 22016, 4096, 128, torch.bfloat16, False),
+                                        (5, 80, 640, 128, torch.float16, False),
+                                        (1, 12288, 4096, 128, torch.float16, True)):
+        (qweight, scales, zeros), = int4_weights(n, k, 1, m + n, group)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+        want = x.float() @ ref.dequantize(qweight, scales, zeros, 4, group).float().T + (b.float() if bias else 0)
+        for label, cfg in mma_variants().items():
+            got = w4a16_mma_gemv(x, qweight, scales, zeros, group, b, cfg)
+            again = w4a16_mma_gemv(x, qweight, scales, zeros, group, b, cfg)
+            row = dict(check="mma", variant=label, m=m, n=n, k=k, group=group, dtype=str(dtype), bias=bias,
+                       rel_err=rel_err(got, want), same_twice=bool(torch.equal(got, again)))
+            row["ok"] = row["rel_err"] < 1e-2 and row["same_twice"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def token_sweep(cfg: Int4MmaGemvConfig) -> list[dict]:
+    """Per-step µs at M = 1, 2, 4, 8 tokens: the default int4 dispatch (int4.w4a16_matmul) against the mma
+    GEMV with cfg, weights from HBM as in shape_rows."""
+    rows = []
+    for m in (1, 2, 4, 8):
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q4 = int4_weights(n, k, max(2, -(-L2_DEFEAT_BYTES // (n * k))), 0)
+            for label, fns in (("default", [lambda w=w, x=x: int4.w4a16_matmul(x, *w, 4, GROUP) for w in q4]),
+                               ("mma", [lambda w=w, x=x: w4a16_mma_gemv(x, *w, GROUP, None, cfg) for w in q4])):
+                us = bench_env.graph_per_call_us(fns, min_calls=2 * len(fns), repeats=20)
+                rows.append(dict(sweep=label, m=m, shape=name, us=us))
+            del q4
+            torch.cuda.empty_cache()
+    print("\n==== tokens a step: default int4 dispatch vs mma, step µs (30 layers x 4 shapes) ====")
+    for m in (1, 2, 4, 8):
+        d = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "default")
+        t = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "mma")
+        print(f"M={m}: default {d:8.0f}  mma {t:8.0f}  ratio {t / d:5.2f}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--sweep", action="store_true", help="also time 1-8 tokens: default dispatch vs mma")
     ap.add_argument("--ncu", action="store_true", help="the gate_up shape once per variant, for Nsight Compute")
     ns = ap.parse_args()
     env = bench_env.environment(torch.device("cuda"))
     print(json.dumps(env), flush=True)
-    rows = []
+    rows = mma_checks()
     for name, (n, k) in SHAPES.items():
         if ns.ncu and name != "gate_up":
             continue
         rows += shape_rows(name, n, k, ns.ncu)
         torch.cuda.empty_cache()
     bad = [r for r in rows if r.get("ok") is False]
+    if ns.sweep:
+        rows += token_sweep(Int4MmaGemvConfig(num_warps=2, programs_per_sm=8, prefetch=True))
+    checked = [r for r in rows if r.get("check")]
+    print(f"mma checks: {sum(1 for r in checked if r['ok'])} ok of {len(checked)}")
     if not ns.ncu:
-        print_table(rows)
+        print_table([r for r in rows if "shape" in r and "variant" in r])
     if ns.json:
         ns.json.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     print(f"checks: {len(rows) - len(bad)} ok, {len(bad)} wrong or failed" +
-          "".join(f"\n  {r['shape']} {r['variant']}: {r.get('error') or r.get('rel_err')}" for r in bad))
+          "".join(f"\n  {r.get('shape') or r}: {r['variant']}: {r.get('error') or r.get('rel_err')}" for r in bad))
     return 1 if bad else 0
 
 

@@ -64,6 +64,13 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                   "with its one-token tiles (64 x 128, 8 programs an SM, prefetching) W2 TPOT "
                                   "DeepSeek-LLM-7B AWQ 4.46 ms against 6.21 with the tile kernel (one H200, same "
                                   "machine)"),
+    "DEEPSERVE_INT4_MMA_GEMV_MAX_M": (_float("DEEPSERVE_INT4_MMA_GEMV_MAX_M", 8),
+                                      "int4 linears with at most this many tokens (up to 8) on a Hopper GPU run the "
+                                      "tensor-core GEMV (kernels/int4_mma_gemv.py: 4-bit, no act order, groups and K "
+                                      "multiples of 128; other checkpoints keep the kernels below); 0: off. On one "
+                                      "H200 a DeepSeek-LLM-7B step's int4 GEMVs took 1.92 / 1.95 / 2.02 / 2.35 ms at "
+                                      "1 / 2 / 4 / 8 tokens against 2.56 / 5.16 / 5.14 / 5.16 without it "
+                                      "(bench/gemv_probe.py --sweep)"),
     "DEEPSERVE_INT4_GEMV_FACTORED": (_flag("DEEPSERVE_INT4_GEMV_FACTORED", True),
                                      "the one-token int4 GEMV multiplies each packed word's codes by the inputs and "
                                      "scales once per word (s * (sum x q - z sum x), kernels/int4_gemv.py), the "

@@ -12,8 +12,10 @@ the CPU path); this file must equal it.
   Decode (M <= 64) streams 0.5 byte per weight: narrow N tiles, and split-K when the tiles cannot fill
   the SMs (fp8.py's split-K: fp32 partials summed in order, deterministic).
 
-Three variants, chosen by the config's type (choose_config picks one per M; bench/check_int4.py
+Four variants, chosen by the config's type (choose_config picks one per M; bench/check_int4.py
 --variants checks and times them all):
+  Int4MmaGemvConfig  int4_mma_gemv.py: the tensor-core GEMV for 1-8 tokens on Hopper (4-bit, no act order,
+                     groups and K multiples of 128), taken first up to DEEPSERVE_INT4_MMA_GEMV_MAX_M (8)
   Int4GemmConfig     the tile kernel below (tl.dot); the default below DEEPSERVE_INT4_CUBLAS_MIN_M
   Int4GemvConfig     int4_gemv.py: split-K GEMV without tensor cores, for decode; taken for
                      M <= DEEPSERVE_INT4_GEMV_MAX_M (1 by default: with its one-token tiles, W2 TPOT of
@@ -39,6 +41,7 @@ from deepserve import envs
 from deepserve.kernels.fused_moe import _tile_ids
 from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
+from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, mma_gemv_supported, w4a16_mma_gemv
 from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
 from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
@@ -48,6 +51,7 @@ USE_SPLIT_K = True
 # Which variant a call takes by token count M (module docstring); read once, at import.
 GEMV_MAX_M = int(envs.DEEPSERVE_INT4_GEMV_MAX_M)
 CUBLAS_MIN_M = int(envs.DEEPSERVE_INT4_CUBLAS_MIN_M)
+MMA_GEMV_MAX_M = int(envs.DEEPSERVE_INT4_MMA_GEMV_MAX_M)
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,17 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                  group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 config: Int4GemmConfig | Int4GemvConfig | Int4DequantConfig | None = None) -> torch.Tensor:
+                 config: Int4GemmConfig | Int4GemvConfig | Int4DequantConfig | Int4MmaGemvConfig | None = None
+                 ) -> torch.Tensor:
     """x [M, K], qweight int32 [N, K/pack], scales / zeros fp16 [N, G], g_idx int32 [K] or None (input k
     is in group k // group), bias [N] -> [M, N] in x's dtype: int4_ref.w4a16_linear_ref's numerics.
     config picks the variant (module docstring); None: choose_config's for M."""
     _check_inputs(x, qweight, scales, zeros, bits, g_idx, bias)
     (m, k), n = x.shape, qweight.shape[0]
+    if config is None and m <= MMA_GEMV_MAX_M and mma_gemv_supported(x, bits, group, g_idx, k):
+        config = Int4MmaGemvConfig()
+    if isinstance(config, Int4MmaGemvConfig):
+        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, config)
     cfg = config or choose_config(m, n, k, sm_count(x.device))
     if isinstance(cfg, Int4GemvConfig):
         return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, sm_count(x.device))

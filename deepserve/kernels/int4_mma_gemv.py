@@ -1,0 +1,347 @@
+"""Decode W4A16 on the tensor cores: a GEMV for 1-8 tokens in which every warp feeds `mma.sync` straight from
+the packed words it loaded, with no shared memory and no register shuffles. Written in Gluon (Triton's
+explicit-layout dialect), so each thread's data is exactly where the instruction expects it.
+
+Why: the CUDA-core GEMV (int4_gemv.py) spends ~8 instructions a weight byte on unpacking and multiply-adds
+and is bound by instructions, not bytes (bench/RESULTS.md, ncu on the H200). Here a warp's mma multiplies 16
+output rows by 8 token columns over 16 inputs in one instruction, so per 32-bit word of 8 codes a thread
+spends ~7 instructions unpacking (3 shifts, 4 lop3 that place two codes under bf16 128.0's exponent: the
+pair (128 + q_i, 128 + q_{i+4}), exact) and 4 subtracting the zero point (bf16x2, exact: small integers).
+
+The layout trick (int4_mma_ref.py has it in torch): a dot product does not change when its inputs are
+permuted, as long as the weights and the activations are permuted alike. mma.m16n8k16's A fragment gives
+lane (g, t) = (lane / 4, lane % 4) rows g and g + 8 at "virtual" inputs 2t, 2t + 1, 2t + 8, 2t + 9, and its
+B fragment the same inputs of token column g. We let lane t of every row hold physical words 4t .. 4t + 3 of
+the 128-input block (one 16-byte load a row), and put word j's code pairs (0, 4), (1, 5) at the virtual
+inputs of the j-th pair of mmas and (2, 6), (3, 7) at the second; the activations are loaded in the same
+lane order and their pairs rearranged to (x0, x4), (x1, x5), ... by one byte permute each. Every lane uses
+the same rule, so each mma sums 16 real products of matching weight and input.
+
+Numerics: A = q - z exactly (bf16 or fp16 small integers), products exact, accumulated in fp32 by the
+tensor cores over one 128-input block, then y += s * that (s the group's fp16 scale, in fp32): the factored
+numerics of int4_gemv.py (not rounded to the activation dtype per weight), tested against the same reference.
+Groups must be a multiple of 128 (one scale per block), 4-bit codes, no act order, K a multiple of 128:
+mma_gemv_supported says; the others take int4_gemv.py.
+
+Measured on one H200 (bench/gemv_probe.py, bench/RESULTS.md, fourth session of 2026-12-03): a DeepSeek-LLM-7B
+step's int4 GEMVs 1.89 ms at one token against the CUDA-core GEMV's 2.50 (same machine), and 1.95 / 2.02 /
+2.35 ms at 2 / 4 / 8 tokens against the tile kernel's ~5.15; LLM-7B AWQ W2 TPOT 2.77 ms in the int4 gate.
+That is still ~1.6 TB/s: fewer instructions moved it less than they should, and staging the words through
+shared memory with cp.async 3-6 rounds ahead (more bytes in flight without registers) was slower (2.04-2.55
+ms), so neither instruction count nor bytes in flight alone bounds it; not explained yet.
+
+Work split: a program is NUM_WARPS warps on 16 output rows; its warps take the 128-input blocks of its
+K split in turn (block first + warp, + NUM_WARPS, ...), their partials are added across warps at the end,
+and split-K partials are summed in split order by the last program of the row tile (the same protocol as
+split_k.store_split, written here for Gluon), so results do not depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
+
+TILE_ROWS, BLOCK_INPUTS = 16, 128  # output rows a program (one mma tile); inputs a block (16 words of 8 codes)
+ROWS = gl.constexpr(TILE_ROWS)  # the same, for the kernels
+KB = gl.constexpr(BLOCK_INPUTS)
+MAX_TOKENS = 8  # mma.m16n8k16's N
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
+
+
+# Two fp16/bf16 codes under the magic exponent per lop3: (q_i, q_{i+4}) of word >> 4i, for i = 0..3.
+_UNPACK_BF16 = """
+        lop3.b32 {d}0, {w}, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 tmp, {w}, 4;
+        lop3.b32 {d}1, tmp, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 tmp, {w}, 8;
+        lop3.b32 {d}2, tmp, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 tmp, {w}, 12;
+        lop3.b32 {d}3, tmp, 0x000F000F, 0x43004300, 0xEA;
+        sub.bf16x2 {d}0, {d}0, {z};
+        sub.bf16x2 {d}1, {d}1, {z};
+        sub.bf16x2 {d}2, {d}2, {z};
+        sub.bf16x2 {d}3, {d}3, {z};"""
+
+
+def _block_asm(dtype: str) -> str:
+    """One word column j of a 128-input block for one lane: rows a (g) and b (g + 8), each one packed word;
+    x0..x3 the token's activations of that word as pairs (x0, x1) .. (x6, x7); za / zb 128 + z as f32
+    (1024 + z for fp16); the 4 accumulators in ($12..$15) and out ($0..$3)."""
+    if dtype == "bf16":
+        unpack, cvt, mma = _UNPACK_BF16, "cvt.rn.bf16x2.f32", "bf16.bf16"
+    else:
+        unpack = _UNPACK_BF16.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2")
+        cvt, mma = "cvt.rn.f16x2.f32", "f16.f16"
+    return ("{\n        .reg .b32 tmp, za, zb, a0, a1, a2, a3, b0, b1, b2, b3, x0, x1, x2, x3;\n"
+            f"        {cvt} za, $10, $10;\n        {cvt} zb, $11, $11;"
+            + unpack.format(d="a", w="$4", z="za") + unpack.format(d="b", w="$5", z="zb") + """
+        prmt.b32 x0, $6, $8, 0x5410;
+        prmt.b32 x1, $6, $8, 0x7632;
+        prmt.b32 x2, $7, $9, 0x5410;
+        prmt.b32 x3, $7, $9, 0x7632;
+        mma.sync.aligned.m16n8k16.row.col.f32.MMA.f32 {$0, $1, $2, $3}, {a0, b0, a1, b1}, {x0, x1},
+            {$12, $13, $14, $15};
+        mma.sync.aligned.m16n8k16.row.col.f32.MMA.f32 {$0, $1, $2, $3}, {a2, b2, a3, b3}, {x2, x3},
+            {$0, $1, $2, $3};
+        }""".replace("MMA", mma))
+
+
+BLOCK_ASM_BF16 = gl.constexpr(_block_asm("bf16"))
+BLOCK_ASM_F16 = gl.constexpr(_block_asm("f16"))
+
+
+@gluon.jit
+def _split4(v, L: gl.constexpr):
+    """[W, 32, 4] (4 values a thread) -> its 4 [W, 32] slices, each pinned to L (no data moves)."""
+    a, b = gl.split(gl.reshape(v, [v.shape[0], 32, 2, 2]))  # a: items 0, 2; b: items 1, 3
+    v0, v2 = gl.split(a)
+    v1, v3 = gl.split(b)
+    return (gl.convert_layout(v0, L, assert_trivial=True), gl.convert_layout(v1, L, assert_trivial=True),
+            gl.convert_layout(v2, L, assert_trivial=True), gl.convert_layout(v3, L, assert_trivial=True))
+
+
+@gluon.jit
+def _block(acc, wa, wb, x, za, zb, j: gl.constexpr, F16: gl.constexpr):
+    """acc (4 [W, 32] fp32) + word column j of the block (mma pair), see _block_asm."""
+    asm: gl.constexpr = BLOCK_ASM_F16 if F16 else BLOCK_ASM_BF16
+    return gl.inline_asm_elementwise(
+        asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,f,f",
+        [wa, wb, x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3], za, zb, acc[0], acc[1], acc[2], acc[3]],
+        dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit(do_not_specialize=["M", "blocks_per_split"])
+def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K,
+                          blocks_per_split, stride_xm, stride_qn, stride_sn, GROUP: gl.constexpr,
+                          F16: gl.constexpr, HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr,
+                          NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr):
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 4 words a lane
+    L16: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 16 x pairs
+    tile, split = gl.program_id(0), gl.program_id(1)
+    warp = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, L))[:, None]  # [W, 1]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :]  # [1, 32]
+    g = lane // 4
+    row_a = (tile * ROWS + g) % N  # rows past N wrap (loads in bounds; the store masks them)
+    row_b = (tile * ROWS + g + 8) % N
+    warp4 = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))[:, None, None]
+    lane4 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))[None, :, None]
+    item4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L4)))[None, None, :]
+    lane16 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L16)))[None, :, None]
+    item16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L16)))[None, None, :]
+    # word offsets of lane t's 4 words in a block's row, and of its 16 activation pairs (x as int32 pairs)
+    words_a = ((tile * ROWS + lane4 // 4) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
+    words_b = ((tile * ROWS + lane4 // 4 + 8) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
+    tok16 = lane16 // 4
+    x_off = tok16.to(gl.int64) * (stride_xm // 2) + (lane16 % 4) * 16 + item16
+    x_ok = (tok16 < M) & (item16 >= 0)
+    x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    y0 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
+    y1 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
+    y2 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
+    y3 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
+    k_blocks = K // KB
+    first = split * blocks_per_split
+    last = gl.minimum(first + blocks_per_split, k_blocks)
+    warp16 = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L16)))[:, None, None]
+    rows_a, rows_b = row_a.to(gl.int64) * stride_sn, row_b.to(gl.int64) * stride_sn
+    if PREFETCH:  # the next round's loads issued before this round's mmas (register double buffering)
+        wa4, wb4, xv, sa, sb, za, zb = _load_block(first, last, warp, warp4, warp16, q_ptr, words_a, words_b,
+                                                   x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP, F16)
+        for b in range(first, last, NUM_WARPS):
+            nwa4, nwb4, nxv, nsa, nsb, nza, nzb = _load_block(
+                b + NUM_WARPS, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr,
+                z_ptr, rows_a, rows_b, GROUP, F16)
+            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16)
+            wa4, wb4, xv, sa, sb, za, zb = nwa4, nwb4, nxv, nsa, nsb, nza, nzb
+    else:
+        for b in range(first, last, NUM_WARPS):
+            wa4, wb4, xv, sa, sb, za, zb = _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b,
+                                                       x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP,
+                                                       F16)
+            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16)
+    # y0, y1: row g, tokens 2t, 2t + 1; y2, y3: row g + 8, the same tokens. Sum the warps' blocks.
+    _store_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
+                 out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N, HAS_BIAS, FUSED_SUM,
+                 MAX_SPLITS, L)
+
+
+@gluon.jit
+def _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
+                rows_a, rows_b, GROUP: gl.constexpr, F16: gl.constexpr):
+    """Round b's loads for every warp (block b + warp, clamped to the split's last: a warp past the end
+    reloads it and _mma_block adds nothing): the two rows' words [W, 32, 4], then _load_rest's."""
+    wa4 = gl.load(q_ptr + words_a + gl.minimum(b + warp4, last - 1) * 16)
+    wb4 = gl.load(q_ptr + words_b + gl.minimum(b + warp4, last - 1) * 16)
+    xv, sa, sb, za, zb = _load_rest(b, last, warp, warp16, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b,
+                                    GROUP, F16)
+    return wa4, wb4, xv, sa, sb, za, zb
+
+
+@gluon.jit
+def _load_rest(b, last, warp, warp16, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP: gl.constexpr,
+               F16: gl.constexpr):
+    """Round b's activation pairs [W, 32, 16] and the two rows' scales and 128 + zero points (1024 + for
+    fp16) [W, 32] fp32."""
+    kb = gl.minimum(b + warp, last - 1)
+    xv = gl.load(x_words + x_off + gl.minimum(b + warp16, last - 1) * 64, mask=x_ok, other=0)
+    grp = (kb * KB) // GROUP
+    magic = 1024.0 if F16 else 128.0
+    sa = gl.load(s_ptr + rows_a + grp).to(gl.float32)
+    sb = gl.load(s_ptr + rows_b + grp).to(gl.float32)
+    za = gl.load(z_ptr + rows_a + grp).to(gl.float32) + magic
+    zb = gl.load(z_ptr + rows_b + grp).to(gl.float32) + magic
+    return xv, sa, sb, za, zb
+
+
+@gluon.jit
+def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constexpr, F16: gl.constexpr):
+    """y + one round's 128-input block per warp: four mma pairs into fresh fp32 accumulators, then scaled."""
+    wa, wb, x = _split4(wa4, L), _split4(wb4, L), _split16(xv, L)
+    zero = gl.zeros(sa.shape, gl.float32, L)
+    acc = (zero, zero, zero, zero)
+    acc = _block(acc, wa[0], wb[0], x, za, zb, 0, F16)
+    acc = _block(acc, wa[1], wb[1], x, za, zb, 1, F16)
+    acc = _block(acc, wa[2], wb[2], x, za, zb, 2, F16)
+    acc = _block(acc, wa[3], wb[3], x, za, zb, 3, F16)
+    sa = gl.where(live, sa, 0.0)
+    sb = gl.where(live, sb, 0.0)
+    return y0 + sa * acc[0], y1 + sa * acc[1], y2 + sb * acc[2], y3 + sb * acc[3]
+
+
+@gluon.jit
+def _split16(v, L: gl.constexpr):
+    """[W, 32, 16] (a lane's 16 activation pairs: word j's pairs at 4j .. 4j + 3) -> the 16 [W, 32] slices."""
+    w: gl.constexpr = v.shape[0]
+    a, b = gl.split(gl.reshape(v, [w, 32, 8, 2]))  # items 2i / 2i + 1
+    a0, a1 = gl.split(gl.reshape(a, [w, 32, 4, 2]))  # items 4i / 4i + 2
+    b0, b1 = gl.split(gl.reshape(b, [w, 32, 4, 2]))  # items 4i + 1 / 4i + 3
+    return _interleave16(_split4(a0, L), _split4(b0, L), _split4(a1, L), _split4(b1, L))
+
+
+@gluon.jit
+def _interleave16(e0, e1, e2, e3):
+    # e_r[i] is item 4i + r: the 16 items in order
+    return (e0[0], e1[0], e2[0], e3[0], e0[1], e1[1], e2[1], e3[1], e0[2], e1[2], e2[2], e3[2],
+            e0[3], e1[3], e2[3], e3[3])
+
+
+@gluon.jit
+def _store_split(y0, y1, y2, y3, ws_ptr, out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N,
+                 HAS_BIAS: gl.constexpr, FUSED: gl.constexpr, MAX_SPLITS: gl.constexpr, L: gl.constexpr):
+    """Lane (g, t)'s four sums (rows g / g + 8 of the tile, tokens 2t / 2t + 1) into split `split` of the
+    [split_k, M, N] fp32 workspace; FUSED: the tile's last program adds the splits in order (+ bias) into
+    out (split_k.store_split's protocol)."""
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+    g, t = lane // 4, lane % 4
+    rows = tile * ROWS + g
+    slice_size = M.to(gl.int64) * N
+    base = ws_ptr + split * slice_size
+    offs = (
+        (2 * t).to(gl.int64) * N + rows, (2 * t + 1).to(gl.int64) * N + rows,
+        (2 * t).to(gl.int64) * N + rows + 8, (2 * t + 1).to(gl.int64) * N + rows + 8)
+    oks = ((2 * t < M) & (rows < N), (2 * t + 1 < M) & (rows < N), (2 * t < M) & (rows + 8 < N),
+           (2 * t + 1 < M) & (rows + 8 < N))
+    gl.store(base + offs[0], y0, mask=oks[0])
+    gl.store(base + offs[1], y1, mask=oks[1])
+    gl.store(base + offs[2], y2, mask=oks[2])
+    gl.store(base + offs[3], y3, mask=oks[3])
+    if FUSED:
+        _fence_gpu(split)  # each thread's stores before the count (the producer's fence)
+        _cta_barrier()  # every thread's partial stored before the one counting atomic
+        arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the other split_k - 1 partials are in memory
+            _fence_gpu(split)
+            bias_a = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
+            bias_b = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
+            if HAS_BIAS:
+                bias_a = gl.load(bias_ptr + rows % N).to(gl.float32)
+                bias_b = gl.load(bias_ptr + (rows + 8) % N).to(gl.float32)
+            _sum_into(ws_ptr, out_ptr, offs[0], oks[0], bias_a, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[1], oks[1], bias_a, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[2], oks[2], bias_b, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[3], oks[3], bias_b, slice_size, split_k, MAX_SPLITS)
+            gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (or graph replay)
+
+
+@gluon.jit
+def _sum_into(ws_ptr, out_ptr, offs, ok, bias, slice_size, split_k, MAX_SPLITS: gl.constexpr):
+    # out[offs] = the splits' partials added in split order (+ bias); L2 reads (.cg), unrolled
+    total = bias * 0.0
+    for s in gl.static_range(MAX_SPLITS):
+        total += gl.load(ws_ptr + s * slice_size + offs, mask=ok & (s < split_k), other=0.0, cache_modifier=".cg")
+    gl.store(out_ptr + offs, (total + bias).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _fence_gpu(anchor):
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@functools.cache
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def mma_gemv_supported(x, bits: int, group: int, g_idx, k: int) -> bool:
+    """Whether w4a16_mma_gemv takes this product: 1-8 tokens of bf16 / fp16 on a CUDA GPU of compute
+    capability 8.0 or more (mma.sync m16n8k16 and bf16x2 arithmetic: 9.0 for sub.bf16x2), 4-bit codes, no act
+    order, groups and K multiples of 128."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or not 1 <= x.shape[0] <= MAX_TOKENS:
+        return False
+    if not _is_hopper_or_newer(x.device):
+        return False
+    return bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and k % BLOCK_INPUTS == 0 and x.stride(1) == 1
+
+
+@dataclass(frozen=True)
+class Int4MmaGemvConfig:
+    """The default is the fastest of bench/gemv_probe.py's variants on the H200 (DeepSeek-LLM-7B's four
+    shapes, one token, per-step sum): 2 warps, 8 programs an SM, prefetching 1,890-1,894 µs; 4 warps with 4
+    programs an SM 1,963 (2,013 without the prefetch); 8 warps 2,456; the words staged through shared memory
+    by cp.async, 3-6 rounds ahead, 2,036-2,546 (tried and removed). The CUDA-core GEMV: 2,494-2,509."""
+    num_warps: int = 2
+    programs_per_sm: int = 8  # the split count aims at this many programs an SM
+    prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
+
+
+def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int:
+    """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least
+    one 128-input block a warp; rounded so no split is empty."""
+    blocks, tiles = k // BLOCK_INPUTS, triton.cdiv(n, TILE_ROWS)
+    want = max(1, min(triton.cdiv(cfg.programs_per_sm * num_sms, tiles), blocks // cfg.num_warps or 1))
+    return triton.cdiv(blocks, triton.cdiv(blocks, want))
+
+
+def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                   bias: torch.Tensor | None, cfg: Int4MmaGemvConfig | None = None) -> torch.Tensor:
+    """x [M <= 8, K] @ the int4 weight (int4_ref.py's layout: qweight [N, K / 8] int32, scales / zeros
+    [N, K / group] fp16) -> [M, N] in x's dtype; mma_gemv_supported must hold."""
+    cfg = cfg or Int4MmaGemvConfig()
+    (m, k), n = x.shape, qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    x = x if x.stride(0) % 8 == 0 else x.contiguous()  # x is read as int32 pairs, 16 bytes a load
+    splits = mma_split_count(n, k, cfg, sm_count(x.device))
+    blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
+    tiles = triton.cdiv(n, TILE_ROWS)
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    locks, fused = fused_sum(x.device, tiles, ws)
+    _int4_mma_gemv_kernel[(tiles, splits)](
+        x, qweight, scales, zeros, ws, out, out if bias is None else bias, locks, m, n, k, blocks_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group, F16=x.dtype == torch.float16,
+        HAS_BIAS=bias is not None, FUSED_SUM=fused["FUSED_SUM"], NUM_WARPS=cfg.num_warps,
+        MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps)
+    if not fused["FUSED_SUM"]:
+        sum_splits(ws, out, bias)
+    return out
