@@ -43,10 +43,9 @@ def int4_variants() -> dict:
 
 
 def mma_variants() -> dict:
-    pf = {"int4 mma pf w2 pps8": Int4MmaGemvConfig(num_warps=2, programs_per_sm=8, prefetch=True)}
-    return pf | {f"int4 mma st{st} w{w} pps{p}": Int4MmaGemvConfig(num_warps=w, programs_per_sm=p, stages=st)
-                 for st, w, p in ((3, 2, 8), (4, 2, 8), (6, 2, 8), (4, 2, 4), (4, 4, 4), (4, 4, 8), (6, 4, 4),
-                                  (4, 2, 16))}
+    """The default (2 warps, 8 programs an SM, prefetching) and the runner-up of the probes."""
+    return {"int4 mma (default)": Int4MmaGemvConfig(),
+            "int4 mma w4 pps4": Int4MmaGemvConfig(num_warps=4, programs_per_sm=4)}
 
 
 def fp8_variants() -> dict:
@@ -162,20 +161,23 @@ def mma_checks() -> list[dict]:
 
 
 def token_sweep(cfg: Int4MmaGemvConfig) -> list[dict]:
-    """Per-step µs at M = 1, 2, 4, 8 tokens: the default int4 dispatch (int4.w4a16_matmul) against the mma
-    GEMV with cfg, weights from HBM as in shape_rows."""
+    """Per-step µs at M = 1, 2, 4, 8 tokens: the int4 dispatch without the mma GEMV (int4.choose_config: the
+    CUDA-core GEMV at one token, the tile kernel above) against the mma GEMV with cfg, weights from HBM as in
+    shape_rows."""
     rows = []
     for m in (1, 2, 4, 8):
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q4 = int4_weights(n, k, max(2, -(-L2_DEFEAT_BYTES // (n * k))), 0)
-            for label, fns in (("default", [lambda w=w, x=x: int4.w4a16_matmul(x, *w, 4, GROUP) for w in q4]),
+            before = int4.choose_config(m, n, k)
+            for label, fns in (("default", [lambda w=w, x=x, c=before: int4.w4a16_matmul(x, *w, 4, GROUP, config=c)
+                                            for w in q4]),
                                ("mma", [lambda w=w, x=x: w4a16_mma_gemv(x, *w, GROUP, None, cfg) for w in q4])):
                 us = bench_env.graph_per_call_us(fns, min_calls=2 * len(fns), repeats=20)
                 rows.append(dict(sweep=label, m=m, shape=name, us=us))
             del q4
             torch.cuda.empty_cache()
-    print("\n==== tokens a step: default int4 dispatch vs mma, step µs (30 layers x 4 shapes) ====")
+    print("\n==== tokens a step: int4 dispatch without the mma GEMV vs mma, step µs (30 layers x 4 shapes) ====")
     for m in (1, 2, 4, 8):
         d = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "default")
         t = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "mma")

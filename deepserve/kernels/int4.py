@@ -12,8 +12,8 @@ the CPU path); this file must equal it.
   Decode (M <= 64) streams 0.5 byte per weight: narrow N tiles, and split-K when the tiles cannot fill
   the SMs (fp8.py's split-K: fp32 partials summed in order, deterministic).
 
-Four variants, chosen by the config's type (choose_config picks one per M; bench/check_int4.py
---variants checks and times them all):
+Four variants, chosen by the config's type (choose_config picks one per M among the last three;
+bench/check_int4.py --variants checks and times those three, bench/gemv_probe.py the first):
   Int4MmaGemvConfig  int4_mma_gemv.py: the tensor-core GEMV for 1-8 tokens on Hopper (4-bit, no act order,
                      groups and K multiples of 128), taken first up to DEEPSERVE_INT4_MMA_GEMV_MAX_M (8)
   Int4GemmConfig     the tile kernel below (tl.dot); the default below DEEPSERVE_INT4_CUBLAS_MIN_M

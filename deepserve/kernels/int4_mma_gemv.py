@@ -26,9 +26,11 @@ mma_gemv_supported says; the others take int4_gemv.py.
 Measured on one H200 (bench/gemv_probe.py, bench/RESULTS.md, fourth session of 2026-12-03): a DeepSeek-LLM-7B
 step's int4 GEMVs 1.89 ms at one token against the CUDA-core GEMV's 2.50 (same machine), and 1.95 / 2.02 /
 2.35 ms at 2 / 4 / 8 tokens against the tile kernel's ~5.15; LLM-7B AWQ W2 TPOT 2.77 ms in the int4 gate.
-That is still ~1.6 TB/s: fewer instructions moved it less than they should, and staging the words through
-shared memory with cp.async 3-6 rounds ahead (more bytes in flight without registers) was slower (2.04-2.55
-ms), so neither instruction count nor bytes in flight alone bounds it; not explained yet.
+Its loop: 173 SASS instructions a thread per 32 bytes of codes (bench/results/2026-12-03d/mma-sass-loop.txt).
+That is still ~1.6 TB/s. Staging the words through shared memory with cp.async 3-6 rounds ahead was slower
+(2.04-2.55 ms; removed). Nsight Compute on gate_up: DRAM 42 %, 0.65 of a wave (1,376 programs of 2 warps where
+16 fit an SM), ~2 KB of codes in flight a warp; cuBLAS reaches 80 % with far more bytes in flight a thread.
+The next steps are several blocks a warp a round and a grid of whole waves.
 
 Work split: a program is NUM_WARPS warps on 16 output rows; its warps take the 128-input blocks of its
 K split in turn (block first + warp, + NUM_WARPS, ...), their partials are added across warps at the end,
@@ -46,13 +48,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
+from deepserve import envs
+from deepserve.kernels.split_k import MAX_SPLIT_K, fused_sum, sm_count, sum_splits
 
 TILE_ROWS, BLOCK_INPUTS = 16, 128  # output rows a program (one mma tile); inputs a block (16 words of 8 codes)
 ROWS = gl.constexpr(TILE_ROWS)  # the same, for the kernels
 KB = gl.constexpr(BLOCK_INPUTS)
 MAX_TOKENS = 8  # mma.m16n8k16's N
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
+INTERPRET = envs.TRITON_INTERPRET  # read once, at import
 
 
 # Two fp16/bf16 codes under the magic exponent per lop3: (q_i, q_{i+4}) of word >> 4i, for i = 0..3.
@@ -211,9 +215,9 @@ def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constex
     acc = _block(acc, wa[1], wb[1], x, za, zb, 1, F16)
     acc = _block(acc, wa[2], wb[2], x, za, zb, 2, F16)
     acc = _block(acc, wa[3], wb[3], x, za, zb, 3, F16)
-    sa = gl.where(live, sa, 0.0)
-    sb = gl.where(live, sb, 0.0)
-    return y0 + sa * acc[0], y1 + sa * acc[1], y2 + sb * acc[2], y3 + sb * acc[3]
+    # a warp past its split's end multiplied a duplicate block: add nothing (not 0 * it, which could be NaN)
+    return (y0 + gl.where(live, sa * acc[0], 0.0), y1 + gl.where(live, sa * acc[1], 0.0),
+            y2 + gl.where(live, sb * acc[2], 0.0), y3 + gl.where(live, sb * acc[3], 0.0))
 
 
 @gluon.jit
@@ -287,19 +291,21 @@ def _fence_gpu(anchor):
 
 
 @functools.cache
-def _is_hopper_or_newer(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+def _is_hopper(device: torch.device) -> bool:
+    # sub.bf16x2 needs sm_90; measured on the H200 only, so newer GPUs keep the other kernels for now
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def mma_gemv_supported(x, bits: int, group: int, g_idx, k: int) -> bool:
-    """Whether w4a16_mma_gemv takes this product: 1-8 tokens of bf16 / fp16 on a CUDA GPU of compute
-    capability 8.0 or more (mma.sync m16n8k16 and bf16x2 arithmetic: 9.0 for sub.bf16x2), 4-bit codes, no act
-    order, groups and K multiples of 128."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or not 1 <= x.shape[0] <= MAX_TOKENS:
+    """Whether w4a16_mma_gemv takes this product: 1-8 tokens of bf16 / fp16 on a Hopper GPU (not under
+    Triton's interpreter), 4-bit codes, no act order, groups and K multiples of 128, x's rows 16-byte aligned
+    (it is read as int32 pairs, 16 bytes a load)."""
+    if INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not _is_hopper_or_newer(x.device):
+    if not 1 <= x.shape[0] <= MAX_TOKENS or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return False
-    return bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and k % BLOCK_INPUTS == 0 and x.stride(1) == 1
+    return _is_hopper(x.device) and bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and \
+        k % BLOCK_INPUTS == 0
 
 
 @dataclass(frozen=True)
@@ -315,9 +321,10 @@ class Int4MmaGemvConfig:
 
 def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int:
     """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least
-    one 128-input block a warp; rounded so no split is empty."""
+    one 128-input block a warp, at most split_k.MAX_SPLIT_K (the fused sum unrolls over them); rounded so no
+    split is empty."""
     blocks, tiles = k // BLOCK_INPUTS, triton.cdiv(n, TILE_ROWS)
-    want = max(1, min(triton.cdiv(cfg.programs_per_sm * num_sms, tiles), blocks // cfg.num_warps or 1))
+    want = max(1, min(triton.cdiv(cfg.programs_per_sm * num_sms, tiles), blocks // cfg.num_warps or 1, MAX_SPLIT_K))
     return triton.cdiv(blocks, triton.cdiv(blocks, want))
 
 
@@ -327,10 +334,13 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     [N, K / group] fp16) -> [M, N] in x's dtype; mma_gemv_supported must hold."""
     cfg = cfg or Int4MmaGemvConfig()
     (m, k), n = x.shape, qweight.shape[0]
+    if not mma_gemv_supported(x, 4, group, None, k):
+        raise ValueError("int4 mma gemv: needs 1-8 bf16 / fp16 tokens with 16-byte aligned rows on a Hopper GPU, "
+                         f"groups and K multiples of {BLOCK_INPUTS}; got x {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"group {group} (pass config=None to let int4.w4a16_matmul choose a kernel)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    x = x if x.stride(0) % 8 == 0 else x.contiguous()  # x is read as int32 pairs, 16 bytes a load
     splits = mma_split_count(n, k, cfg, sm_count(x.device))
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
