@@ -43,9 +43,12 @@ def int4_variants() -> dict:
 
 
 def mma_variants() -> dict:
-    """The default (2 warps, 8 programs an SM, prefetching) and the runner-up of the probes."""
+    """The default (2 warps, 8 programs an SM, prefetching), the runner-up of the probes, and two blocks a warp
+    a round (Int4MmaGemvConfig.pair: not yet timed)."""
     return {"int4 mma (default)": Int4MmaGemvConfig(),
-            "int4 mma w4 pps4": Int4MmaGemvConfig(num_warps=4, programs_per_sm=4)}
+            "int4 mma w4 pps4": Int4MmaGemvConfig(num_warps=4, programs_per_sm=4),
+            **{f"int4 mma pair w{w} pps{p}": Int4MmaGemvConfig(num_warps=w, programs_per_sm=p, pair=True)
+               for w, p in ((2, 8), (2, 4), (4, 4))}}
 
 
 def fp8_variants() -> dict:

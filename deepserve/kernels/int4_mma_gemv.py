@@ -125,7 +125,8 @@ def _block(acc, wa, wb, x, za, zb, j: gl.constexpr, F16: gl.constexpr):
 def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K,
                           blocks_per_split, stride_xm, stride_qn, stride_sn, GROUP: gl.constexpr,
                           F16: gl.constexpr, HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr,
-                          NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr):
+                          NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
+                          PAIR: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 4 words a lane
     L16: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 16 x pairs
@@ -156,7 +157,10 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
     last = gl.minimum(first + blocks_per_split, k_blocks)
     warp16 = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L16)))[:, None, None]
     rows_a, rows_b = row_a.to(gl.int64) * stride_sn, row_b.to(gl.int64) * stride_sn
-    if PREFETCH:  # the next round's loads issued before this round's mmas (register double buffering)
+    if PAIR:  # two adjacent blocks a warp a round (and the next round's two prefetched)
+        y0, y1, y2, y3 = _paired_rounds(y0, y1, y2, y3, first, last, warp, warp4, warp16, q_ptr, words_a, words_b,
+                                        x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP, F16, NUM_WARPS, L)
+    elif PREFETCH:  # the next round's loads issued before this round's mmas (register double buffering)
         wa4, wb4, xv, sa, sb, za, zb = _load_block(first, last, warp, warp4, warp16, q_ptr, words_a, words_b,
                                                    x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP, F16)
         for b in range(first, last, NUM_WARPS):
@@ -175,6 +179,31 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
     _store_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
                  out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N, HAS_BIAS, FUSED_SUM,
                  MAX_SPLITS, L)
+
+
+@gluon.jit
+def _paired_rounds(y0, y1, y2, y3, first, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok,
+                   s_ptr, z_ptr, rows_a, rows_b, GROUP: gl.constexpr, F16: gl.constexpr, NUM_WARPS: gl.constexpr,
+                   L: gl.constexpr):
+    """The K loop with each warp on two adjacent blocks a round (blocks b + 2 warp and b + 2 warp + 1): 128
+    contiguous bytes of each row a round, and twice the codes in flight a warp, the next round's prefetched."""
+    w2, w24, w216 = warp * 2, warp4 * 2, warp16 * 2
+    step: gl.constexpr = 2 * NUM_WARPS
+    a = _load_block(first, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a,
+                    rows_b, GROUP, F16)
+    b = _load_block(first + 1, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
+                    rows_a, rows_b, GROUP, F16)
+    for r in range(first, last, step):
+        na = _load_block(r + step, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
+                         rows_a, rows_b, GROUP, F16)
+        nb = _load_block(r + step + 1, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr,
+                         z_ptr, rows_a, rows_b, GROUP, F16)
+        y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, a[0], a[1], a[2], a[3], a[4], a[5], a[6], r + w2 < last, L, F16)
+        y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, b[0], b[1], b[2], b[3], b[4], b[5], b[6], r + 1 + w2 < last, L,
+                                    F16)
+        a = na
+        b = nb
+    return y0, y1, y2, y3
 
 
 @gluon.jit
@@ -317,6 +346,7 @@ class Int4MmaGemvConfig:
     num_warps: int = 2
     programs_per_sm: int = 8  # the split count aims at this many programs an SM
     prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
+    pair: bool = False  # two adjacent blocks a warp a round, prefetching (not yet timed on a GPU)
 
 
 def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int:
@@ -350,7 +380,7 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, zeros, ws, out, out if bias is None else bias, locks, m, n, k, blocks_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group, F16=x.dtype == torch.float16,
         HAS_BIAS=bias is not None, FUSED_SUM=fused["FUSED_SUM"], NUM_WARPS=cfg.num_warps,
-        MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch,
+        MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch, PAIR=cfg.pair,
         num_warps=cfg.num_warps)
     if not fused["FUSED_SUM"]:
         sum_splits(ws, out, bias)

@@ -123,13 +123,14 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm",
            "stride_qn", "stride_sn"]
 for f16 in (False, True):
-    for fused, prefetch in ((True, True), (False, False)):
-        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=8, PREFETCH=prefetch)
+    for fused, prefetch, pair in ((True, True, False), (False, False, False), (True, True, True)):
+        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=8, PREFETCH=prefetch,
+                  PAIR=pair)
         s = dict(sig, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16") if f16 else sig
         src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                              attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=2)).asm["ptx"]
-        print(f16, fused, prefetch, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"))
+        print(f16, fused, prefetch, pair, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"))
 """
 
 
@@ -139,10 +140,11 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 4
-    for f16, fused, prefetch, mmas, vector_loads in lines:
-        # 8 mmas a round (4 word columns x 2), twice with the prefetch's loop peeled or not
-        assert int(mmas) >= 8 and int(vector_loads) >= 2, (f16, fused, prefetch, mmas, vector_loads)
+    assert len(lines) == 6
+    for f16, fused, prefetch, pair, mmas, vector_loads in lines:
+        # 8 mmas a round (4 word columns x 2) a block, two blocks a round with PAIR
+        least = 16 if pair == "True" else 8
+        assert int(mmas) >= least and int(vector_loads) >= least // 4, (f16, fused, prefetch, pair, mmas, vector_loads)
 
 
 def test_an_explicit_config_where_it_does_not_apply_is_refused():
