@@ -41,7 +41,7 @@ from deepserve import envs
 from deepserve.kernels.fused_moe import _tile_ids
 from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
-from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, mma_gemv_supported, w4a16_mma_gemv
+from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, mma_gemv_supported, require_supported, w4a16_mma_gemv
 from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
 from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
@@ -127,8 +127,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _check_inputs(x, qweight, scales, zeros, bits, g_idx, bias)
     (m, k), n = x.shape, qweight.shape[0]
     if config is None and m <= MMA_GEMV_MAX_M and mma_gemv_supported(x, bits, group, g_idx, k):
-        config = Int4MmaGemvConfig()
-    if isinstance(config, Int4MmaGemvConfig):
+        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias)
+    if isinstance(config, Int4MmaGemvConfig):  # asked for: checked here, once
+        require_supported(x, bits, group, g_idx, k)
         return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, config)
     cfg = config or choose_config(m, n, k, sm_count(x.device))
     if isinstance(cfg, Int4GemvConfig):

@@ -337,6 +337,15 @@ def mma_gemv_supported(x, bits: int, group: int, g_idx, k: int) -> bool:
         k % BLOCK_INPUTS == 0
 
 
+def require_supported(x, bits: int, group: int, g_idx, k: int) -> None:
+    """mma_gemv_supported or a ValueError naming what it needs (a caller that asked for this kernel)."""
+    if not mma_gemv_supported(x, bits, group, g_idx, k):
+        raise ValueError(f"int4 mma gemv: needs 1-8 bf16 / fp16 tokens with 16-byte aligned rows on a Hopper GPU, "
+                         f"4-bit codes without act order, groups and K multiples of {BLOCK_INPUTS}; got x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}, {bits} bits, group {group} (pass config=None "
+                         "to let int4.w4a16_matmul choose a kernel)")
+
+
 @dataclass(frozen=True)
 class Int4MmaGemvConfig:
     """The default is the fastest of bench/gemv_probe.py's variants on the H200 (DeepSeek-LLM-7B's four
@@ -364,10 +373,6 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     [N, K / group] fp16) -> [M, N] in x's dtype; mma_gemv_supported must hold."""
     cfg = cfg or Int4MmaGemvConfig()
     (m, k), n = x.shape, qweight.shape[0]
-    if not mma_gemv_supported(x, 4, group, None, k):
-        raise ValueError("int4 mma gemv: needs 1-8 bf16 / fp16 tokens with 16-byte aligned rows on a Hopper GPU, "
-                         f"groups and K multiples of {BLOCK_INPUTS}; got x {tuple(x.shape)} {x.dtype} on {x.device}, "
-                         f"group {group} (pass config=None to let int4.w4a16_matmul choose a kernel)")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out

@@ -22,7 +22,10 @@ import re
 
 import torch
 
-ROWS, KB = 16, 128
+from deepserve.kernels.int4_mma_gemv import BLOCK_ASM_BF16, BLOCK_ASM_F16
+from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS as KB
+from deepserve.kernels.int4_mma_gemv import TILE_ROWS as ROWS
+
 _MASK = 0xFFFFFFFF
 
 
@@ -122,8 +125,6 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     does: per 16-row tile and 128-input block, lane (g, t) holds words 4t .. 4t + 3 of rows g and g + 8 and
     token g's activations of those words (as bf16 / fp16 pairs), and runs the kernel's asm once per word
     column j; the block's sums are scaled and added. asm: another asm text than the kernel's (tests)."""
-    from deepserve.kernels.int4_mma_gemv import BLOCK_ASM_BF16, BLOCK_ASM_F16
-
     f16 = x.dtype == torch.float16
     asm = asm or (BLOCK_ASM_F16 if f16 else BLOCK_ASM_BF16).value
     magic = 1024.0 if f16 else 128.0
