@@ -29,7 +29,13 @@ from deepserve.kernels import fp8_gemv, int4  # noqa: E402
 from deepserve.kernels import int4_ref as ref  # noqa: E402
 from deepserve.kernels.fp8_ref import quantize_weight_per_channel  # noqa: E402
 from deepserve.kernels.int4_gemv import default_gemv_config  # noqa: E402
-from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, w4a16_mma_gemv  # noqa: E402
+from deepserve.kernels.int4_mma_gemv import (  # noqa: E402
+    TILED_CONFIG,
+    Int4MmaGemvConfig,
+    tile_scales,
+    tile_words,
+    w4a16_mma_gemv,
+)
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 LAYERS = 30
@@ -43,12 +49,19 @@ def int4_variants() -> dict:
 
 
 def mma_variants() -> dict:
-    """The default (2 warps, 8 programs an SM, prefetching), the runner-up of the probes, and two blocks a warp
-    a round (Int4MmaGemvConfig.pair: not yet timed)."""
-    return {"int4 mma (default)": Int4MmaGemvConfig(),
-            "int4 mma w4 pps4": Int4MmaGemvConfig(num_warps=4, programs_per_sm=4),
-            **{f"int4 mma pair w{w} pps{p}": Int4MmaGemvConfig(num_warps=w, programs_per_sm=p, pair=True)
-               for w, p in ((2, 8), (2, 4), (4, 4))}}
+    """label -> (config, tiled): the row layout's default (2 warps, 8 programs an SM, prefetching) and runner-up,
+    and the tiled layout's default (tile_words / tile_scales: one-warp programs, 16 an SM)."""
+    return {"int4 mma (default)": (Int4MmaGemvConfig(), False),
+            "int4 mma w4 pps4": (Int4MmaGemvConfig(num_warps=4, programs_per_sm=4), False),
+            "int4 mma tiled (default)": (TILED_CONFIG, True),
+            "int4 mma tiled w2 pps8": (Int4MmaGemvConfig(), True)}
+
+
+def mma_call(x, w: tuple, group: int, bias, cfg: Int4MmaGemvConfig, tiled: bool):
+    """A call of the mma GEMV on row-layout weights w, rearranged first (untimed) where tiled."""
+    if tiled:
+        w = tile_words(w[0]), tile_scales(w[1], w[2]), None
+    return lambda: w4a16_mma_gemv(x, *w, group, bias, cfg, tiled)
 
 
 def fp8_variants() -> dict:
@@ -89,8 +102,8 @@ def shape_rows(name: str, n: int, k: int, ncu: bool) -> list[dict]:
     for label, cfg in int4_variants().items():
         variants[label] = ([lambda w=w, c=cfg: int4.w4a16_matmul(x, *w, 4, GROUP, config=c) for w in q4], want4,
                            n * k // 2)
-    for label, cfg in mma_variants().items():
-        variants[label] = ([lambda w=w, c=cfg: w4a16_mma_gemv(x, *w, GROUP, None, c) for w in q4], want4, n * k // 2)
+    for label, (cfg, tiled) in mma_variants().items():
+        variants[label] = ([mma_call(x, w, GROUP, None, cfg, tiled) for w in q4], want4, n * k // 2)
     for label, cfg in fp8_variants().items():
         variants[label] = ([lambda w=w, c=cfg: fp8_gemv.fp8_gemv(x, w[0], w[1], None, None, c) for w in q8], want8,
                            n * k)
@@ -140,21 +153,25 @@ def print_table(rows: list[dict]) -> None:
 
 def mma_checks() -> list[dict]:
     """The tensor-core int4 GEMV against x @ the dequantized weight: 1-8 tokens, fp16 and bf16, bias, N not
-    a multiple of 16, groups of 128 and 256, K with a split that is not a multiple of the warps."""
+    a multiple of 16 (row layout only), groups of 128 and 256, K with a split that is not a multiple of the
+    warps; each variant in its layout."""
     rows = []
     for m, n, k, group, dtype, bias in ((1, 4096, 4096, 128, torch.bfloat16, False),
                                         (2, 4104, 11008, 128, torch.bfloat16, True),
                                         (3, 1000, 1024, 256, torch.float16, True),
                                         (8, 22016, 4096, 128, torch.bfloat16, False),
                                         (5, 80, 640, 128, torch.float16, False),
-                                        (1, 12288, 4096, 128, torch.float16, True)):
+                                        (1, 12288, 4096, 128, torch.float16, True),
+                                        (4, 96, 1280, 256, torch.bfloat16, True)):
         (qweight, scales, zeros), = int4_weights(n, k, 1, m + n, group)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         want = x.float() @ ref.dequantize(qweight, scales, zeros, 4, group).float().T + (b.float() if bias else 0)
-        for label, cfg in mma_variants().items():
-            got = w4a16_mma_gemv(x, qweight, scales, zeros, group, b, cfg)
-            again = w4a16_mma_gemv(x, qweight, scales, zeros, group, b, cfg)
+        for label, (cfg, tiled) in mma_variants().items():
+            if tiled and n % 16:
+                continue  # whole tiles only (tiles_apply)
+            call = mma_call(x, (qweight, scales, zeros), group, b, cfg, tiled)
+            got, again = call(), call()
             row = dict(check="mma", variant=label, m=m, n=n, k=k, group=group, dtype=str(dtype), bias=bias,
                        rel_err=rel_err(got, want), same_twice=bool(torch.equal(got, again)))
             row["ok"] = row["rel_err"] < 1e-2 and row["same_twice"]
@@ -163,28 +180,29 @@ def mma_checks() -> list[dict]:
     return rows
 
 
-def token_sweep(cfg: Int4MmaGemvConfig) -> list[dict]:
+def token_sweep() -> list[dict]:
     """Per-step µs at M = 1, 2, 4, 8 tokens: the int4 dispatch without the mma GEMV (int4.choose_config: the
-    CUDA-core GEMV at one token, the tile kernel above) against the mma GEMV with cfg, weights from HBM as in
-    shape_rows."""
+    CUDA-core GEMV at one token, the tile kernel above) against the mma GEMV's defaults in the row and the
+    tiled layout, weights from HBM as in shape_rows."""
     rows = []
+    labels = ("default", "mma", "mma tiled")
     for m in (1, 2, 4, 8):
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q4 = int4_weights(n, k, max(2, -(-L2_DEFEAT_BYTES // (n * k))), 0)
             before = int4.choose_config(m, n, k)
-            for label, fns in (("default", [lambda w=w, x=x, c=before: int4.w4a16_matmul(x, *w, 4, GROUP, config=c)
-                                            for w in q4]),
-                               ("mma", [lambda w=w, x=x: w4a16_mma_gemv(x, *w, GROUP, None, cfg) for w in q4])):
+            calls = ([lambda w=w, x=x, c=before: int4.w4a16_matmul(x, *w, 4, GROUP, config=c) for w in q4],
+                     [mma_call(x, w, GROUP, None, Int4MmaGemvConfig(), False) for w in q4],
+                     [mma_call(x, w, GROUP, None, TILED_CONFIG, True) for w in q4])
+            for label, fns in zip(labels, calls, strict=True):
                 us = bench_env.graph_per_call_us(fns, min_calls=2 * len(fns), repeats=20)
                 rows.append(dict(sweep=label, m=m, shape=name, us=us))
-            del q4
+            del q4, calls
             torch.cuda.empty_cache()
-    print("\n==== tokens a step: int4 dispatch without the mma GEMV vs mma, step µs (30 layers x 4 shapes) ====")
+    print("\n==== tokens a step: int4 dispatch without the mma GEMV, mma (row layout), mma (tiled), step µs ====")
     for m in (1, 2, 4, 8):
-        d = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "default")
-        t = LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == "mma")
-        print(f"M={m}: default {d:8.0f}  mma {t:8.0f}  ratio {t / d:5.2f}")
+        steps = [LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["sweep"] == label) for label in labels]
+        print(f"M={m}: " + "  ".join(f"{label} {us:8.0f}" for label, us in zip(labels, steps, strict=True)))
     return rows
 
 
@@ -204,7 +222,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     bad = [r for r in rows if r.get("ok") is False]
     if ns.sweep:
-        rows += token_sweep(Int4MmaGemvConfig(num_warps=2, programs_per_sm=8, prefetch=True))
+        rows += token_sweep()
     checked = [r for r in rows if r.get("check")]
     print(f"mma checks: {sum(1 for r in checked if r['ok'])} ok of {len(checked)}")
     if not ns.ncu:

@@ -16,6 +16,9 @@ Four variants, chosen by the config's type (choose_config picks one per M among 
 bench/check_int4.py --variants checks and times those three, bench/gemv_probe.py the first):
   Int4MmaGemvConfig  int4_mma_gemv.py: the tensor-core GEMV for 1-8 tokens on Hopper (4-bit, no act order,
                      groups and K multiples of 128), taken first up to DEEPSERVE_INT4_MMA_GEMV_MAX_M (8)
+A weight in int4_mma_gemv's tiled layout (tiled=True; layers keep it so on Hopper) is read by the tile kernel
+and the dequantize pass through int4_tile.row_starts; the CUDA-core GEMV does not read it (the tile kernel
+stands in where the tensor-core GEMV does not apply to a call, e.g. unaligned activations).
   Int4GemmConfig     the tile kernel below (tl.dot); the default below DEEPSERVE_INT4_CUBLAS_MIN_M
   Int4GemvConfig     int4_gemv.py: split-K GEMV without tensor cores, for decode; taken for
                      M <= DEEPSERVE_INT4_GEMV_MAX_M (1 by default: with its one-token tiles, W2 TPOT of
@@ -41,8 +44,15 @@ from deepserve import envs
 from deepserve.kernels.fused_moe import _tile_ids
 from deepserve.kernels.int4_dequant import Int4DequantConfig, w4a16_dequant_matmul
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_gemv_config, w4a16_gemv
-from deepserve.kernels.int4_mma_gemv import Int4MmaGemvConfig, mma_gemv_supported, require_supported, w4a16_mma_gemv
-from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile
+from deepserve.kernels.int4_mma_gemv import (
+    TILE_ROWS,
+    Int4MmaGemvConfig,
+    mma_gemv_supported,
+    require_supported,
+    tiles_apply,
+    w4a16_mma_gemv,
+)
+from deepserve.kernels.int4_tile import RESHAPE_UNPACK, dequantize_tile, row_starts
 from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
@@ -100,8 +110,8 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(f"int4: {message}")
 
 
-def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                  g_idx: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  bits: int, group: int, g_idx: torch.Tensor | None, bias: torch.Tensor | None, tiled: bool) -> None:
     _require(bits in (4, 8), f"bits must be 4 or 8, got {bits}")
     pack = 32 // bits
     _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
@@ -109,33 +119,45 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     k, n = x.shape[1], qweight.shape[0]
     _require(qweight.dtype == torch.int32 and qweight.is_contiguous() and tuple(qweight.shape) == (n, k // pack)
              and k % pack == 0, f"qweight must be contiguous int32 [N, K/{pack}], got {tuple(qweight.shape)} for K {k}")
-    _require(scales.dtype == zeros.dtype == torch.float16 and scales.shape == zeros.shape and scales.shape[0] == n
-             and scales.is_contiguous() and zeros.is_contiguous(), "scales and zeros must be contiguous fp16 [N, G]")
+    if tiled:  # int4_mma_gemv.tile_words / tile_scales: zeros are in scales
+        _require(tiles_apply(bits, group, g_idx, n, k), f"tiled weights need 4-bit codes, no g_idx, N a multiple of "
+                 f"{TILE_ROWS} and K and the group a multiple of 128; got {bits} bits, N {n}, K {k}, group {group}")
+        _require(scales.dtype == torch.float16 and scales.is_contiguous()
+                 and tuple(scales.shape) == (n // TILE_ROWS, k // group, 8, 4),
+                 f"tiled scales must be contiguous fp16 [N / 16, G, 8, 4] (tile_scales), got {tuple(scales.shape)}")
+    else:
+        _require(zeros is not None and scales.dtype == zeros.dtype == torch.float16 and scales.shape == zeros.shape
+                 and scales.shape[0] == n and scales.is_contiguous() and zeros.is_contiguous(),
+                 "scales and zeros must be contiguous fp16 [N, G]")
     _require(g_idx is None or (g_idx.dtype == torch.int32 and tuple(g_idx.shape) == (k,)), "g_idx must be int32 [K]")
     _require(bias is None or (bias.shape == (n,) and bias.is_contiguous()), "bias must be contiguous [N]")
-    tensors = [x, qweight, scales, zeros] + [t for t in (g_idx, bias) if t is not None]
+    tensors = [x, qweight, scales] + [t for t in (zeros, g_idx, bias) if t is not None]
     _require(len({t.device for t in tensors}) == 1, "all inputs must be on one device")
 
 
-def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 config: Int4GemmConfig | Int4GemvConfig | Int4DequantConfig | Int4MmaGemvConfig | None = None
-                 ) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bits: int, group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 config: Int4GemmConfig | Int4GemvConfig | Int4DequantConfig | Int4MmaGemvConfig | None = None,
+                 tiled: bool = False) -> torch.Tensor:
     """x [M, K], qweight int32 [N, K/pack], scales / zeros fp16 [N, G], g_idx int32 [K] or None (input k
     is in group k // group), bias [N] -> [M, N] in x's dtype: int4_ref.w4a16_linear_ref's numerics.
-    config picks the variant (module docstring); None: choose_config's for M."""
-    _check_inputs(x, qweight, scales, zeros, bits, g_idx, bias)
+    tiled: qweight / scales are int4_mma_gemv.tile_words / tile_scales of those (zeros unused; the CUDA-core
+    GEMV does not read them: the tile kernel stands in). config picks the variant (module docstring);
+    None: choose_config's for M."""
+    _check_inputs(x, qweight, scales, zeros, bits, group, g_idx, bias, tiled)
     (m, k), n = x.shape, qweight.shape[0]
     if config is None and m <= MMA_GEMV_MAX_M and mma_gemv_supported(x, bits, group, g_idx, k):
-        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias)
+        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, tiled=tiled)
     if isinstance(config, Int4MmaGemvConfig):  # asked for: checked here, once
         require_supported(x, bits, group, g_idx, k)
-        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, config)
+        return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, config, tiled)
     cfg = config or choose_config(m, n, k, sm_count(x.device))
+    if isinstance(cfg, Int4GemvConfig) and tiled:
+        cfg = default_config(m, n, k, sm_count(x.device))
     if isinstance(cfg, Int4GemvConfig):
         return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, sm_count(x.device))
     if isinstance(cfg, Int4DequantConfig):
-        return w4a16_dequant_matmul(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg)
+        return w4a16_dequant_matmul(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, tiled)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -146,11 +168,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     c = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _w4a16_gemm_kernel[grid](
-        x, qweight, scales, zeros, out if g_idx is None else g_idx, c, out if bias is None else bias,
+        x, qweight, scales, scales if tiled else zeros, out if g_idx is None else g_idx, c,
+        out if bias is None else bias,
         m, n, k, cfg.split_k, x.stride(0), qweight.stride(0), scales.stride(0), n,
         BITS=bits, GROUP=group, HAS_G_IDX=g_idx is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0, RESHAPE=cfg.reshape_unpack,
-        PARTIAL=partial,
+        PARTIAL=partial, TILED=tiled,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_UPCAST=x.dtype != torch.float32 and INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -159,11 +182,13 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     return out
 
 
-def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bits: int, group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 tiled: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] (layers/int4.int4_linear's CUDA path)."""
     lead = x.shape[:-1]
-    out = w4a16_matmul(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales, zeros, bits, group, g_idx, bias)
+    out = w4a16_matmul(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales, zeros, bits, group, g_idx, bias,
+                       tiled=tiled)
     return out.view(*lead, qweight.shape[0])
 
 
@@ -175,7 +200,7 @@ def _w4a16_gemm_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     RESHAPE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, TILED: tl.constexpr,
 ):
     # c = a [M, K] @ w [N, K]^T with w[n, k] = (code(n, k) - z[n, g]) * s[n, g], g = g_idx[k] or k // GROUP.
     # Program (tile, split) sums split's share of the K tiles; rows and columns past M and N wrap around
@@ -188,12 +213,12 @@ def _w4a16_gemm_kernel(
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    q_rows, s_rows, z_rows = row_starts(offs_n.to(tl.int64), K, stride_qn, stride_sn, GROUP, TILED)
     for t in range(first, last):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         a = _load_a(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :], offs_k, K, EVEN_K)
-        n64 = offs_n.to(tl.int64)
-        w = dequantize_tile(q_ptr + n64 * stride_qn, s_ptr + n64 * stride_sn, z_ptr + n64 * stride_sn, g_ptr,
-                            offs_k, t * BLOCK_K, K, BITS, GROUP, HAS_G_IDX, BLOCK_K, BLOCK_N, EVEN_K, RESHAPE)
+        w = dequantize_tile(q_ptr + q_rows, s_ptr + s_rows, z_ptr + z_rows, g_ptr, offs_k, t * BLOCK_K, K, BITS,
+                            GROUP, HAS_G_IDX, BLOCK_K, BLOCK_N, EVEN_K, RESHAPE, TILED)
         w = w.to(a_ptr.dtype.element_ty)  # the weight as a model on the dequantized weights holds it
         if DOT_UPCAST:  # the interpreter multiplies half types poorly; the values are the same
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)

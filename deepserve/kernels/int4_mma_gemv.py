@@ -23,14 +23,21 @@ numerics of int4_gemv.py (not rounded to the activation dtype per weight), teste
 Groups must be a multiple of 128 (one scale per block), 4-bit codes, no act order, K a multiple of 128:
 mma_gemv_supported says; the others take int4_gemv.py.
 
-Measured on one H200 (bench/gemv_probe.py, bench/RESULTS.md, fourth session of 2026-12-03): a DeepSeek-LLM-7B
-step's int4 GEMVs 1.89 ms at one token against the CUDA-core GEMV's 2.50 (same machine), and 1.95 / 2.02 /
-2.35 ms at 2 / 4 / 8 tokens against the tile kernel's ~5.15; LLM-7B AWQ W2 TPOT 2.77 ms in the int4 gate.
-Its loop: 173 SASS instructions a thread per 32 bytes of codes (bench/results/2026-12-03d/mma-sass-loop.txt).
-That is still ~1.6 TB/s. Staging the words through shared memory with cp.async 3-6 rounds ahead was slower
-(2.04-2.55 ms; removed). Nsight Compute on gate_up: DRAM 42 %, 0.65 of a wave (1,376 programs of 2 warps where
-16 fit an SM), ~2 KB of codes in flight a warp; cuBLAS reaches 80 % with far more bytes in flight a thread.
-The next steps are several blocks a warp a round and a grid of whole waves.
+The tiled layout (TILED; tile_words / tile_scales, made once after loading by layers/int4.tiled_for_mma_gemv
+on Hopper): the same words, rearranged so that each 16-row tile's 128-input block is 256 contiguous words in
+lane order (a warp's round is one 1 KB read instead of 16 rows' 64-byte pieces), each word's nibbles in the
+order 0, 2, 4, 6, 1, 3, 5, 7 (a lop3 then yields (q_2i, q_2i+1), the activations' own pairs: no prmt), and
+per tile and group the two rows' scales and zero points of a lane in one 8-byte load. The other int4
+kernels read it too (int4_tile.row_starts), so a layer keeps one copy.
+
+Measured on one H200 (bench/gemv_probe.py; bench/RESULTS.md, fourth and fifth sessions of 2026-12-03): a
+DeepSeek-LLM-7B step's int4 GEMVs at one token, row layout 1.89-1.91 ms, tiled 1.70-1.71 (one-warp
+programs, 16 an SM), the CUDA-core GEMV 2.48-2.52; LLM-7B AWQ W2 TPOT 2.77 ms (row) and 2.56 (tiled) in the
+int4 gate, on different machines. Still ~1.8 TB/s: Nsight Compute sees DRAM at 42-47 % and ~50 % of the
+warps' cycles waiting on loads. Tried and slower (removed): cp.async staging 3-6 rounds ahead; two blocks a
+warp a round; the zero point subtracted once a block through an extra mma of the activations' sums (11 fewer
+instructions a round, a longer mma chain); a register cap of 128 (ptxas then keeps the next round's loads
+ahead of the mmas, it sinks them at its own 64 registers, but the programs no longer fit one wave).
 
 Work split: a program is NUM_WARPS warps on 16 output rows; its warps take the 128-input blocks of its
 K split in turn (block first + warp, + NUM_WARPS, ...), their partials are added across warps at the end,
@@ -97,8 +104,17 @@ def _block_asm(dtype: str) -> str:
         }""".replace("MMA", mma))
 
 
+def _block_asm_interleaved(dtype: str) -> str:
+    """_block_asm for tile_words' words, whose nibbles hold codes 0, 2, 4, 6, 1, 3, 5, 7: the lop3 pairs are
+    then (q_2i, q_2i+1), the activations' own pairs, so no prmt ($6..$9 are the mmas' B registers)."""
+    asm = "\n".join(line for line in _block_asm(dtype).splitlines() if not line.strip().startswith("prmt."))
+    return asm.replace("{x0, x1}", "{$6, $7}").replace("{x2, x3}", "{$8, $9}")
+
+
 BLOCK_ASM_BF16 = gl.constexpr(_block_asm("bf16"))
 BLOCK_ASM_F16 = gl.constexpr(_block_asm("f16"))
+TILED_ASM_BF16 = gl.constexpr(_block_asm_interleaved("bf16"))
+TILED_ASM_F16 = gl.constexpr(_block_asm_interleaved("f16"))
 
 
 @gluon.jit
@@ -112,9 +128,12 @@ def _split4(v, L: gl.constexpr):
 
 
 @gluon.jit
-def _block(acc, wa, wb, x, za, zb, j: gl.constexpr, F16: gl.constexpr):
-    """acc (4 [W, 32] fp32) + word column j of the block (mma pair), see _block_asm."""
-    asm: gl.constexpr = BLOCK_ASM_F16 if F16 else BLOCK_ASM_BF16
+def _block(acc, wa, wb, x, za, zb, j: gl.constexpr, F16: gl.constexpr, TILED: gl.constexpr):
+    """acc (4 [W, 32] fp32) + word column j of the block (mma pair), see _block_asm (TILED: the interleaved)."""
+    if TILED:
+        asm: gl.constexpr = TILED_ASM_F16 if F16 else TILED_ASM_BF16
+    else:
+        asm: gl.constexpr = BLOCK_ASM_F16 if F16 else BLOCK_ASM_BF16
     return gl.inline_asm_elementwise(
         asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,f,f",
         [wa, wb, x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3], za, zb, acc[0], acc[1], acc[2], acc[3]],
@@ -126,7 +145,7 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
                           blocks_per_split, stride_xm, stride_qn, stride_sn, GROUP: gl.constexpr,
                           F16: gl.constexpr, HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr,
                           NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
-                          PAIR: gl.constexpr):
+                          TILED: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 4 words a lane
     L16: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 16 x pairs
@@ -142,8 +161,14 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
     lane16 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L16)))[None, :, None]
     item16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L16)))[None, None, :]
     # word offsets of lane t's 4 words in a block's row, and of its 16 activation pairs (x as int32 pairs)
-    words_a = ((tile * ROWS + lane4 // 4) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
-    words_b = ((tile * ROWS + lane4 // 4 + 8) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
+    if TILED:  # tile_words: the tile's block b is words b * 256 .. + 255, rows g's, then rows g + 8's, by lane
+        words_a = tile.to(gl.int64) * (K // 8 * ROWS) + lane4 * 4 + item4 + warp4 * 0
+        words_b = words_a + 128
+    else:
+        words_a = ((tile * ROWS + lane4 // 4) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
+        words_b = ((tile * ROWS + lane4 // 4 + 8) % N).to(gl.int64) * stride_qn + (lane4 % 4) * 4 + item4 + warp4 * 0
+    # tile_scales: the tile's group is 8 lanes' (s_a, s_b, z_a, z_b) at (tile * groups + group) * 32 + 4 g
+    sz4 = (tile.to(gl.int64) * (K // GROUP) + warp4 * 0) * 32 + (lane4 // 4) * 4 + item4
     tok16 = lane16 // 4
     x_off = tok16.to(gl.int64) * (stride_xm // 2) + (lane16 % 4) * 16 + item16
     x_ok = (tok16 < M) & (item16 >= 0)
@@ -157,24 +182,24 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
     last = gl.minimum(first + blocks_per_split, k_blocks)
     warp16 = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L16)))[:, None, None]
     rows_a, rows_b = row_a.to(gl.int64) * stride_sn, row_b.to(gl.int64) * stride_sn
-    if PAIR:  # two adjacent blocks a warp a round (and the next round's two prefetched)
-        y0, y1, y2, y3 = _paired_rounds(y0, y1, y2, y3, first, last, warp, warp4, warp16, q_ptr, words_a, words_b,
-                                        x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP, F16, NUM_WARPS, L)
-    elif PREFETCH:  # the next round's loads issued before this round's mmas (register double buffering)
+    if PREFETCH:  # the next round's loads issued before this round's mmas (register double buffering)
         wa4, wb4, xv, sa, sb, za, zb = _load_block(first, last, warp, warp4, warp16, q_ptr, words_a, words_b,
-                                                   x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP, F16)
+                                                   x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, sz4, GROUP,
+                                                   F16, TILED)
         for b in range(first, last, NUM_WARPS):
             nwa4, nwb4, nxv, nsa, nsb, nza, nzb = _load_block(
                 b + NUM_WARPS, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr,
-                z_ptr, rows_a, rows_b, GROUP, F16)
-            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16)
+                z_ptr, rows_a, rows_b, sz4, GROUP, F16, TILED)
+            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16,
+                                        TILED)
             wa4, wb4, xv, sa, sb, za, zb = nwa4, nwb4, nxv, nsa, nsb, nza, nzb
     else:
         for b in range(first, last, NUM_WARPS):
             wa4, wb4, xv, sa, sb, za, zb = _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b,
-                                                       x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP,
-                                                       F16)
-            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16)
+                                                       x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, sz4,
+                                                       GROUP, F16, TILED)
+            y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16,
+                                        TILED)
     # y0, y1: row g, tokens 2t, 2t + 1; y2, y3: row g + 8, the same tokens. Sum the warps' blocks.
     _store_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
                  out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N, HAS_BIAS, FUSED_SUM,
@@ -182,68 +207,42 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
 
 
 @gluon.jit
-def _paired_rounds(y0, y1, y2, y3, first, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok,
-                   s_ptr, z_ptr, rows_a, rows_b, GROUP: gl.constexpr, F16: gl.constexpr, NUM_WARPS: gl.constexpr,
-                   L: gl.constexpr):
-    """The K loop with each warp on two adjacent blocks a round (blocks b + 2 warp and b + 2 warp + 1): 128
-    contiguous bytes of each row a round, and twice the codes in flight a warp, the next round's prefetched."""
-    w2, w24, w216 = warp * 2, warp4 * 2, warp16 * 2
-    step: gl.constexpr = 2 * NUM_WARPS
-    a = _load_block(first, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a,
-                    rows_b, GROUP, F16)
-    b = _load_block(first + 1, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
-                    rows_a, rows_b, GROUP, F16)
-    for r in range(first, last, step):
-        na = _load_block(r + step, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
-                         rows_a, rows_b, GROUP, F16)
-        nb = _load_block(r + step + 1, last, w2, w24, w216, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr,
-                         z_ptr, rows_a, rows_b, GROUP, F16)
-        y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, a[0], a[1], a[2], a[3], a[4], a[5], a[6], r + w2 < last, L, F16)
-        y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, b[0], b[1], b[2], b[3], b[4], b[5], b[6], r + 1 + w2 < last, L,
-                                    F16)
-        a = na
-        b = nb
-    return y0, y1, y2, y3
-
-
-@gluon.jit
 def _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, x_off, x_ok, s_ptr, z_ptr,
-                rows_a, rows_b, GROUP: gl.constexpr, F16: gl.constexpr):
+                rows_a, rows_b, sz4, GROUP: gl.constexpr, F16: gl.constexpr, TILED: gl.constexpr):
     """Round b's loads for every warp (block b + warp, clamped to the split's last: a warp past the end
-    reloads it and _mma_block adds nothing): the two rows' words [W, 32, 4], then _load_rest's."""
-    wa4 = gl.load(q_ptr + words_a + gl.minimum(b + warp4, last - 1) * 16)
-    wb4 = gl.load(q_ptr + words_b + gl.minimum(b + warp4, last - 1) * 16)
-    xv, sa, sb, za, zb = _load_rest(b, last, warp, warp16, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b,
-                                    GROUP, F16)
+    reloads it and _mma_block adds nothing): the two rows' words [W, 32, 4], the activation pairs
+    [W, 32, 16] and the two rows' scales and 128 + zero points (1024 + for fp16) [W, 32] fp32."""
+    kb4 = gl.minimum(b + warp4, last - 1)
+    step: gl.constexpr = 16 * ROWS if TILED else 16  # words from a block to the next, of the tile / of a row
+    wa4 = gl.load(q_ptr + words_a + kb4 * step)
+    wb4 = gl.load(q_ptr + words_b + kb4 * step)
+    xv = gl.load(x_words + x_off + gl.minimum(b + warp16, last - 1) * 64, mask=x_ok, other=0)
+    magic = 1024.0 if F16 else 128.0
+    if TILED:  # one 8-byte load a lane
+        W: gl.constexpr = warp4.shape[0]
+        L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])  # the kernel's [warp, lane]
+        sa, sb, za, zb = _split4(gl.load(s_ptr + sz4 + (kb4 * KB) // GROUP * 32).to(gl.float32), L)
+        za, zb = za + magic, zb + magic
+    else:
+        grp = (gl.minimum(b + warp, last - 1) * KB) // GROUP
+        sa = gl.load(s_ptr + rows_a + grp).to(gl.float32)
+        sb = gl.load(s_ptr + rows_b + grp).to(gl.float32)
+        za = gl.load(z_ptr + rows_a + grp).to(gl.float32) + magic
+        zb = gl.load(z_ptr + rows_b + grp).to(gl.float32) + magic
     return wa4, wb4, xv, sa, sb, za, zb
 
 
 @gluon.jit
-def _load_rest(b, last, warp, warp16, x_words, x_off, x_ok, s_ptr, z_ptr, rows_a, rows_b, GROUP: gl.constexpr,
-               F16: gl.constexpr):
-    """Round b's activation pairs [W, 32, 16] and the two rows' scales and 128 + zero points (1024 + for
-    fp16) [W, 32] fp32."""
-    kb = gl.minimum(b + warp, last - 1)
-    xv = gl.load(x_words + x_off + gl.minimum(b + warp16, last - 1) * 64, mask=x_ok, other=0)
-    grp = (kb * KB) // GROUP
-    magic = 1024.0 if F16 else 128.0
-    sa = gl.load(s_ptr + rows_a + grp).to(gl.float32)
-    sb = gl.load(s_ptr + rows_b + grp).to(gl.float32)
-    za = gl.load(z_ptr + rows_a + grp).to(gl.float32) + magic
-    zb = gl.load(z_ptr + rows_b + grp).to(gl.float32) + magic
-    return xv, sa, sb, za, zb
-
-
-@gluon.jit
-def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constexpr, F16: gl.constexpr):
+def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constexpr, F16: gl.constexpr,
+               TILED: gl.constexpr):
     """y + one round's 128-input block per warp: four mma pairs into fresh fp32 accumulators, then scaled."""
     wa, wb, x = _split4(wa4, L), _split4(wb4, L), _split16(xv, L)
     zero = gl.zeros(sa.shape, gl.float32, L)
     acc = (zero, zero, zero, zero)
-    acc = _block(acc, wa[0], wb[0], x, za, zb, 0, F16)
-    acc = _block(acc, wa[1], wb[1], x, za, zb, 1, F16)
-    acc = _block(acc, wa[2], wb[2], x, za, zb, 2, F16)
-    acc = _block(acc, wa[3], wb[3], x, za, zb, 3, F16)
+    acc = _block(acc, wa[0], wb[0], x, za, zb, 0, F16, TILED)
+    acc = _block(acc, wa[1], wb[1], x, za, zb, 1, F16, TILED)
+    acc = _block(acc, wa[2], wb[2], x, za, zb, 2, F16, TILED)
+    acc = _block(acc, wa[3], wb[3], x, za, zb, 3, F16, TILED)
     # a warp past its split's end multiplied a duplicate block: add nothing (not 0 * it, which could be NaN)
     return (y0 + gl.where(live, sa * acc[0], 0.0), y1 + gl.where(live, sa * acc[1], 0.0),
             y2 + gl.where(live, sb * acc[2], 0.0), y3 + gl.where(live, sb * acc[3], 0.0))
@@ -348,14 +347,17 @@ def require_supported(x, bits: int, group: int, g_idx, k: int) -> None:
 
 @dataclass(frozen=True)
 class Int4MmaGemvConfig:
-    """The default is the fastest of bench/gemv_probe.py's variants on the H200 (DeepSeek-LLM-7B's four
-    shapes, one token, per-step sum): 2 warps, 8 programs an SM, prefetching 1,890-1,894 µs; 4 warps with 4
-    programs an SM 1,963 (2,013 without the prefetch); 8 warps 2,456; the words staged through shared memory
-    by cp.async, 3-6 rounds ahead, 2,036-2,546 (tried and removed). The CUDA-core GEMV: 2,494-2,509."""
+    """The defaults are the fastest of bench/gemv_probe.py's variants on the H200 (DeepSeek-LLM-7B's four
+    shapes, one token, per-step sum; bench/RESULTS.md). Row layout: 2 warps, 8 programs an SM, prefetching
+    1,890-1,906 µs; 4 warps with 4 programs an SM 1,962; 8 warps 2,456; cp.async staging 2,036-2,546; two
+    blocks a warp a round 2,063; one-warp programs 2,020. tile_words' layout (TILED_CONFIG): one-warp
+    programs, 16 an SM 1,697 (2 warps, 8 an SM 1,723)."""
     num_warps: int = 2
     programs_per_sm: int = 8  # the split count aims at this many programs an SM
     prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
-    pair: bool = False  # two adjacent blocks a warp a round, prefetching (not yet timed on a GPU)
+
+
+TILED_CONFIG = Int4MmaGemvConfig(num_warps=1, programs_per_sm=16)
 
 
 def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int:
@@ -367,11 +369,13 @@ def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int
     return triton.cdiv(blocks, triton.cdiv(blocks, want))
 
 
-def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                   bias: torch.Tensor | None, cfg: Int4MmaGemvConfig | None = None) -> torch.Tensor:
-    """x [M <= 8, K] @ the int4 weight (int4_ref.py's layout: qweight [N, K / 8] int32, scales / zeros
-    [N, K / group] fp16) -> [M, N] in x's dtype; mma_gemv_supported must hold."""
-    cfg = cfg or Int4MmaGemvConfig()
+def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   group: int, bias: torch.Tensor | None, cfg: Int4MmaGemvConfig | None = None,
+                   tiled: bool = False) -> torch.Tensor:
+    """x [M <= 8, K] @ the int4 weight -> [M, N] in x's dtype; mma_gemv_supported must hold. The weight in
+    int4_ref.py's layout (qweight [N, K / 8] int32, scales / zeros [N, K / group] fp16) or, tiled, in
+    tile_words' and tile_scales' (zeros unused: tile_scales holds them)."""
+    cfg = cfg or (TILED_CONFIG if tiled else Int4MmaGemvConfig())
     (m, k), n = x.shape, qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -382,11 +386,43 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     locks, fused = fused_sum(x.device, tiles, ws)
     _int4_mma_gemv_kernel[(tiles, splits)](
-        x, qweight, scales, zeros, ws, out, out if bias is None else bias, locks, m, n, k, blocks_per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group, F16=x.dtype == torch.float16,
-        HAS_BIAS=bias is not None, FUSED_SUM=fused["FUSED_SUM"], NUM_WARPS=cfg.num_warps,
-        MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch, PAIR=cfg.pair,
+        x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,
+        blocks_per_split, x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
+        F16=x.dtype == torch.float16, HAS_BIAS=bias is not None, FUSED_SUM=fused["FUSED_SUM"],
+        NUM_WARPS=cfg.num_warps, MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch, TILED=tiled,
         num_warps=cfg.num_warps)
     if not fused["FUSED_SUM"]:
         sum_splits(ws, out, bias)
     return out
+
+
+# tile_words' nibble order: nibble p of a word holds code NIBBLE_CODES[p] (AWQ's order, as it happens)
+NIBBLE_CODES = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def tiles_apply(bits: int, group: int, g_idx, n: int, k: int) -> bool:
+    """Whether a weight can take tile_words' layout: what the mma GEMV needs of it (4-bit, no act order,
+    groups and K multiples of 128) and whole 16-row tiles."""
+    return bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and k % BLOCK_INPUTS == 0 and \
+        n % TILE_ROWS == 0
+
+
+def tile_words(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K / 8] (int4_ref's layout; tiles_apply holds) -> the same words, same shape, in the order
+    the mma GEMV's lanes read them: each 16-row tile's 128-input block is 256 contiguous words (rows 0-7's,
+    then rows 8-15's; row g's words 4t .. 4t + 3 at lane 4 g + t), so a warp's round is one 1 KB read, and
+    each word's nibbles hold codes NIBBLE_CODES (pairs (q_2i, q_2i+1) come out of one lop3 each)."""
+    n, kw = qweight.shape
+    out = torch.zeros_like(qweight)
+    for p, code in enumerate(NIBBLE_CODES):
+        out |= ((qweight >> (4 * code)) & 0xF) << (4 * p)
+    t = out.reshape(n // TILE_ROWS, 2, 8, kw // 16, 4, 4)  # tile, half, g, block, t, word
+    return t.permute(0, 3, 1, 2, 4, 5).contiguous().reshape(n, kw)
+
+
+def tile_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """scales, zeros [N, G] fp16 -> [N / 16, G, 8, 4] fp16: per tile and group, for g = 0..7 (scale of row g,
+    scale of row g + 8, zero of row g, zero of row g + 8): one 8-byte load a lane."""
+    n, groups = scales.shape
+    s, z = (t.reshape(n // TILE_ROWS, 2, 8, groups).permute(0, 3, 2, 1) for t in (scales, zeros))
+    return torch.cat([s, z], dim=3).contiguous()

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from deepserve.kernels.int4_mma_gemv import BLOCK_ASM_BF16, BLOCK_ASM_F16
+from deepserve.kernels.int4_mma_gemv import BLOCK_ASM_BF16, BLOCK_ASM_F16, TILED_ASM_BF16, TILED_ASM_F16
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS as KB
 from deepserve.kernels.int4_mma_gemv import TILE_ROWS as ROWS
 
@@ -119,17 +119,22 @@ def run_block_asm(asm: str, lanes: list[dict[str, int | float]]) -> list[list[fl
     return [[r[f"${i}"] for i in range(4)] for r in regs]
 
 
-def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                    bias: torch.Tensor | None = None, asm: str | None = None) -> torch.Tensor:
+def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group: int, bias: torch.Tensor | None = None, asm: str | None = None,
+                    tiled: bool = False) -> torch.Tensor:
     """x [M <= 8, K] (bf16 / fp16) @ the int4 weight -> [M, N] fp32, computed the way each warp of the kernel
     does: per 16-row tile and 128-input block, lane (g, t) holds words 4t .. 4t + 3 of rows g and g + 8 and
     token g's activations of those words (as bf16 / fp16 pairs), and runs the kernel's asm once per word
-    column j; the block's sums are scaled and added. asm: another asm text than the kernel's (tests)."""
+    column j; the block's sums are scaled and added. asm: another asm text than the kernel's (tests).
+    tiled: qweight / scales are tile_words / tile_scales (zeros unused), read at the kernel's offsets, with
+    its TILED asm."""
     f16 = x.dtype == torch.float16
-    asm = asm or (BLOCK_ASM_F16 if f16 else BLOCK_ASM_BF16).value
+    kernel_asm = (TILED_ASM_F16 if f16 else TILED_ASM_BF16) if tiled else (BLOCK_ASM_F16 if f16 else BLOCK_ASM_BF16)
+    asm = asm or kernel_asm.value
     magic = 1024.0 if f16 else 128.0
     (m, k), n = x.shape, qweight.shape[0]
     words = qweight.to(torch.int64) & _MASK
+    flat = words.flatten()
     xs = torch.zeros(8, k, dtype=x.dtype)
     xs[:m] = x
     x_bits = xs.view(torch.int16).to(torch.int64) & 0xFFFF
@@ -145,8 +150,15 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                 for lane in range(32):
                     g, t = divmod(lane, 4)
                     w = blk * 16 + 4 * t + j  # the lane's word of the block's row
-                    lane_in = {"$4": int(words[rows[g], w]), "$5": int(words[rows[g + 8], w]),
-                               "$10": float(zeros[rows[g], grp]) + magic, "$11": float(zeros[rows[g + 8], grp]) + magic}
+                    if tiled:  # the kernel's offsets: the tile's block, rows g's 128 words then rows g + 8's
+                        at = tile * (k // 8 * ROWS) + blk * 256 + lane * 4 + j
+                        sz = scales[tile, grp, g].tolist()  # scale a, scale b, zero a, zero b
+                        lane_in = {"$4": int(flat[at]), "$5": int(flat[at + 128]), "$10": sz[2] + magic,
+                                   "$11": sz[3] + magic}
+                    else:
+                        lane_in = {"$4": int(words[rows[g], w]), "$5": int(words[rows[g + 8], w]),
+                                   "$10": float(zeros[rows[g], grp]) + magic,
+                                   "$11": float(zeros[rows[g + 8], grp]) + magic}
                     lane_in.update({f"${6 + i}": int(x_pairs[g, 4 * w + i]) for i in range(4)})
                     lane_in.update({f"${12 + i}": acc[lane][i] for i in range(4)})
                     lanes.append(lane_in)
@@ -156,6 +168,7 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                 for i in range(4):
                     row = tile * ROWS + g + 8 * (i // 2)
                     if row < n:
-                        out[2 * t + (i % 2), row] += float(scales[row, grp]) * acc[lane][i]
+                        scale = float(scales[tile, grp, g, i // 2]) if tiled else float(scales[row, grp])
+                        out[2 * t + (i % 2), row] += scale * acc[lane][i]
     out = out[:m]
     return (out if bias is None else out + bias.double()).float()

@@ -21,42 +21,71 @@ RESHAPE_UNPACK = True  # the default way (module docstring); Int4GemmConfig.resh
 
 
 @triton.jit
+def row_starts(n64, K, stride_qn, stride_sn, GROUP: tl.constexpr, TILED: tl.constexpr):
+    """Offsets of output rows n64's first word, scale and zero point: int4_ref's row-major layout, or (TILED)
+    int4_mma_gemv.tile_words' and tile_scales' (scales and zeros then in one tensor, the zero 2 past the
+    scale); dequantize_tile adds the inputs' part (separable in both layouts)."""
+    if TILED:
+        sub = n64 % 16
+        s = (n64 // 16) * (K // GROUP) * 32 + (sub % 8) * 4 + sub // 8
+        return (n64 // 16) * (K // 8 * 16) + (sub // 8) * 128 + (sub % 8) * 16, s, s + 2
+    return n64 * stride_qn, n64 * stride_sn, n64 * stride_sn
+
+
+@triton.jit
+def _word_offsets(words, TILED: tl.constexpr):
+    # word w of a row sits at (w // 16) * 256 + w % 16 past the row's start in tile_words' layout
+    if TILED:
+        return (words // 16) * 256 + words % 16
+    return words
+
+
+@triton.jit
+def _field_shifts(fields, BITS: tl.constexpr, TILED: tl.constexpr):
+    # tile_words' nibble p holds code (0, 2, 4, 6, 1, 3, 5, 7)[p]: code f is at nibble (f % 2) * 4 + f // 2
+    if TILED:
+        return ((fields % 2) * 4 + fields // 2) * 4
+    return fields * BITS
+
+
+@triton.jit
 def dequantize_tile(q_cols, s_cols, z_cols, g_ptr, offs_k, k_start, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    RESHAPE: tl.constexpr):
+                    RESHAPE: tl.constexpr, TILED: tl.constexpr = False):
     """w^T [BLOCK_K, BLOCK_N] in fp32 for inputs offs_k (= k_start + arange(BLOCK_K)) of the BLOCK_N output
-    rows whose packed codes start at q_cols and whose scales / zero points (one per group, contiguous) start
-    at s_cols / z_cols (all [BLOCK_N] pointers); g_ptr: g_idx [K] under act order. Inputs past K read
-    code 0: their activations are 0."""
+    rows whose packed codes start at q_cols and whose scales / zero points (one per group) start at s_cols /
+    z_cols (all [BLOCK_N] pointers: row_starts); g_ptr: g_idx [K] under act order. Inputs past K read
+    code 0: their activations are 0. TILED: the weight is in tile_words' / tile_scales' layout (4-bit)."""
+    G_STRIDE: tl.constexpr = 32 if TILED else 1  # from a row's group to its next
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if RESHAPE:
         words = k_start // PACK + tl.arange(0, BLOCK_K // PACK)  # [BLOCK_K / PACK]
-        w_ptrs = q_cols[None, :] + words[:, None]
+        w_ptrs = q_cols[None, :] + _word_offsets(words, TILED)[:, None]
         if EVEN_K:
             packed = tl.load(w_ptrs)
         else:  # K is a multiple of PACK: a word is in or out whole
             packed = tl.load(w_ptrs, mask=(words * PACK < K)[:, None], other=0)
-        shifts = tl.arange(0, PACK) * BITS
+        shifts = _field_shifts(tl.arange(0, PACK), BITS, TILED)
         codes = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K / PACK, PACK, BLOCK_N]
         codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # k = word * PACK + field: the packing order
     else:
-        q_ptrs = q_cols[None, :] + (offs_k // PACK)[:, None]  # each int32 read PACK times (L1)
+        q_ptrs = q_cols[None, :] + _word_offsets(offs_k // PACK, TILED)[:, None]  # each int32 read PACK times (L1)
         if EVEN_K:
             packed = tl.load(q_ptrs)
         else:
             packed = tl.load(q_ptrs, mask=(offs_k < K)[:, None], other=0)
-        codes = (packed >> ((offs_k % PACK) * BITS)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
+        codes = (packed >> _field_shifts(offs_k % PACK, BITS, TILED)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
     ONE_GROUP_PER_TILE: tl.constexpr = (not HAS_G_IDX) and GROUP % BLOCK_K == 0
     if ONE_GROUP_PER_TILE:  # the tile's inputs share a group: one scale and zero per output row
         g0 = k_start // GROUP
-        s = tl.load(s_cols + g0).to(tl.float32)[None, :]
-        z = tl.load(z_cols + g0).to(tl.float32)[None, :]
+        s = tl.load(s_cols + g0 * G_STRIDE).to(tl.float32)[None, :]
+        z = tl.load(z_cols + g0 * G_STRIDE).to(tl.float32)[None, :]
     else:
         k_in = offs_k % K  # in bounds for the masked tail
         g = tl.load(g_ptr + k_in) if HAS_G_IDX else k_in // GROUP
-        s = tl.load(s_cols[None, :] + g[:, None]).to(tl.float32)
-        z = tl.load(z_cols[None, :] + g[:, None]).to(tl.float32)
+        s = tl.load(s_cols[None, :] + g[:, None] * G_STRIDE).to(tl.float32)
+        z = tl.load(z_cols[None, :] + g[:, None] * G_STRIDE).to(tl.float32)
     return codes.to(tl.float32) * s - z * s
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepserve import envs
 from deepserve.kernels import int4_ref
 from deepserve.layers.quantization import Int4Config
 
@@ -42,13 +43,29 @@ def int4_parameters(cfg: Int4Config, lead: tuple[int, ...], out_features: int, i
     return params
 
 
-def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                bits: int, group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                bits: int, group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                tiled: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N]: the Triton W4A16 kernel on CUDA, the reference elsewhere. `group`: inputs
-    per group (input k reads group k // group of this rank's scales), unused with g_idx."""
+    per group (input k reads group k // group of this rank's scales), unused with g_idx. tiled: the weight
+    is in tiled_for_mma_gemv's layout (CUDA only)."""
     if x.is_cuda:
         from deepserve.kernels.int4 import w4a16_linear
 
-        return w4a16_linear(x, qweight, scales, zeros, bits, group, g_idx, bias)
+        return w4a16_linear(x, qweight, scales, zeros, bits, group, g_idx, bias, tiled)
     return int4_ref.w4a16_linear_ref(x, qweight, scales, zeros, bits, group, g_idx, bias)
+
+
+def tiled_for_mma_gemv(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+                       g_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(qweight, scales) in the tensor-core GEMV's tiled layout (kernels/int4_mma_gemv.tile_words /
+    tile_scales, the zero points inside the scales tensor), or None where the row layout stays: not on a
+    Hopper GPU, DEEPSERVE_INT4_TILED or DEEPSERVE_INT4_MMA_GEMV_MAX_M off, or a shape the GEMV does not take."""
+    if not qweight.is_cuda or not envs.DEEPSERVE_INT4_TILED or int(envs.DEEPSERVE_INT4_MMA_GEMV_MAX_M) <= 0:
+        return None
+    from deepserve.kernels import int4_mma_gemv
+
+    n, k = qweight.shape[0], qweight.shape[1] * int4_ref.pack_factor(bits)
+    if not int4_mma_gemv.tiles_apply(bits, group, g_idx, n, k) or not int4_mma_gemv._is_hopper(qweight.device):
+        return None
+    return int4_mma_gemv.tile_words(qweight), int4_mma_gemv.tile_scales(scales, zeros)

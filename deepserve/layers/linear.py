@@ -27,7 +27,7 @@ from torch import nn
 
 from deepserve.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 from deepserve.kernels import fp8_ref, int4_ref
-from deepserve.layers.int4 import int4_linear, int4_parameters, keeps_all_groups
+from deepserve.layers.int4 import int4_linear, int4_parameters, keeps_all_groups, tiled_for_mma_gemv
 from deepserve.layers.quantization import Fp8Config, Int4Config, QuantConfig
 
 
@@ -97,6 +97,7 @@ class LinearBase(nn.Module):
         # Output rows per member of a merged projection (one member otherwise), for the scale layout.
         self.member_rows = member_rows or [out_features]
         self.weight = self.qweight = self.scales = self.qzeros = self.g_idx = None
+        self.int4_tiled = False  # qweight / scales in the mma GEMV's tiled layout (tile_int4_weights), qzeros None
         if self.int4 is not None:
             self._make_int4(in_features, out_features, in_shards)
         else:
@@ -169,7 +170,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None:
             return int4_linear(x, self.qweight, self.scales, self.qzeros, self.int4.bits, self.int4_group,
-                               self.g_idx, bias)
+                               self.g_idx, bias, self.int4_tiled)
         if self.weight_scale_inv is not None:
             if not self.split_members:
                 return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
@@ -189,7 +190,16 @@ class LinearBase(nn.Module):
         return torch.cat(outs, dim=-1)
 
     def quantize_loaded_weights(self) -> None:
-        """Per-channel FP8 after loading (quantize_after_loading); nothing for other configs."""
+        """After loading (quantize_after_loading): per-channel FP8, or int4 weights into the tiled layout of the
+        tensor-core GEMV where it applies (layers/int4.tiled_for_mma_gemv); nothing for other configs."""
+        if self.int4 is not None and not self.int4_tiled:
+            tiled = tiled_for_mma_gemv(self.qweight.data, self.scales.data, self.qzeros.data, self.int4.bits,
+                                       self.int4_group, self.g_idx)
+            if tiled is not None:
+                self.qweight = nn.Parameter(tiled[0], requires_grad=False)
+                self.scales = nn.Parameter(tiled[1], requires_grad=False)
+                self.qzeros, self.int4_tiled = None, True
+            return
         if not isinstance(self.quant, Fp8Config) or not self.quant.quantize_at_load or self.weight_scale is not None:
             return
         w_q, scale = fp8_ref.quantize_weight_per_channel(self.weight.data)

@@ -36,6 +36,21 @@ def test_the_kernels_asm_replayed_lane_by_lane_equals_the_dequantized_product(m,
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m, n, k, group, dtype", [(1, 16, 128, 128, torch.bfloat16),
+                                                   (3, 32, 256, 128, torch.float16),
+                                                   (8, 16, 512, 256, torch.bfloat16)])
+def test_the_tiled_asm_replayed_at_the_kernels_offsets_equals_the_dequantized_product(m, n, k, group, dtype):
+    # tile_words / tile_scales read at the kernel's TILED offsets, with its prmt-free asm
+    qweight, scales, zeros, _ = random_weights(n, k, 4, group, False, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    tiled = int4_mma_gemv.tile_words(qweight), int4_mma_gemv.tile_scales(scales, zeros)
+    got = mma_gemv_replay(x, *tiled, None, group, tiled=True)
+    torch.testing.assert_close(got, dequantized_product(x, qweight, scales, zeros, group), rtol=1e-4, atol=1e-4)
+    # the row-major words under the tiled asm and offsets: wrong
+    bad = mma_gemv_replay(x, qweight, tiled[1], None, group, tiled=True)
+    assert (bad - got).norm() > 1e-2 * got.norm()
+
+
 @pytest.mark.parametrize("wrong, right", [("0x5410", "0x4510"),  # the activations' re-pairing
                                           ("0x000F000F, 0x43004300", "0x000F000F, 0x43014300"),  # the magic
                                           ("shr.u32 tmp, $4, 8", "shr.u32 tmp, $4, 4"),  # which codes pair
@@ -123,14 +138,15 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm",
            "stride_qn", "stride_sn"]
 for f16 in (False, True):
-    for fused, prefetch, pair in ((True, True, False), (False, False, False), (True, True, True)):
-        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=8, PREFETCH=prefetch,
-                  PAIR=pair)
+    for fused, prefetch, tiled, warps in ((True, True, False, 2), (False, False, False, 2), (True, True, True, 1)):
+        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=warps, MAX_SPLITS=8,
+                  PREFETCH=prefetch, TILED=tiled)
         s = dict(sig, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16") if f16 else sig
         src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                              attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=2)).asm["ptx"]
-        print(f16, fused, prefetch, pair, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"))
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps)).asm["ptx"]
+        print(f16, fused, prefetch, tiled, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"),
+              ptx.count("prmt.b32"))
 """
 
 
@@ -141,10 +157,10 @@ def test_the_kernel_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
     assert len(lines) == 6
-    for f16, fused, prefetch, pair, mmas, vector_loads in lines:
-        # 8 mmas a round (4 word columns x 2) a block, two blocks a round with PAIR
-        least = 16 if pair == "True" else 8
-        assert int(mmas) >= least and int(vector_loads) >= least // 4, (f16, fused, prefetch, pair, mmas, vector_loads)
+    for f16, fused, prefetch, tiled, mmas, vector_loads, permutes in lines:
+        # 8 mmas a round (4 word columns x 2) a block; the tiled asm re-pairs no activations (no prmt in its loop)
+        assert int(mmas) >= 8 and int(vector_loads) >= 2, (f16, fused, prefetch, tiled, mmas, vector_loads)
+        assert (int(permutes) < 16) == (tiled == "True"), (f16, fused, prefetch, tiled, permutes)
 
 
 def test_an_explicit_config_where_it_does_not_apply_is_refused():
@@ -162,7 +178,7 @@ def test_int4_matmul_takes_it_up_to_its_token_limit(monkeypatch):
     taken = []
     monkeypatch.setattr(int4, "mma_gemv_supported", lambda x, bits, group, g_idx, k: True)
     monkeypatch.setattr(int4, "w4a16_mma_gemv",
-                        lambda x, *args: taken.append(x.shape[0]) or x.new_zeros(x.shape[0], 16))
+                        lambda x, *args, **kwargs: taken.append(x.shape[0]) or x.new_zeros(x.shape[0], 16))
     qweight, scales, zeros, _ = random_weights(16, 128, 4, 128, False, seed=0)
     for m in (1, 8, 9):
         int4.w4a16_matmul(torch.randn(m, 128), qweight, scales, zeros, 4, 128)
