@@ -75,7 +75,7 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                              "int4 linears that the tensor-core GEMV takes (above; N a multiple of 16) keep their "
                              "weights in its tiled layout after loading (kernels/int4_mma_gemv.tile_words: each "
                              "warp's round one contiguous 1 KB read, no activation re-pairing); the other int4 "
-                             "kernels read it too. On one H200 a DeepSeek-LLM-7B step's int4 GEMVs 1.70 ms "
+                             "kernels read it too. On one H200 a DeepSeek-LLM-7B step's int4 GEMVs 1.71 ms "
                              "against 1.91 in the row layout (bench/gemv_probe.py); 0: the row layout"),
     "DEEPSERVE_INT4_GEMV_FACTORED": (_flag("DEEPSERVE_INT4_GEMV_FACTORED", True),
                                      "the one-token int4 GEMV multiplies each packed word's codes by the inputs and "

@@ -33,7 +33,7 @@ kernels read it too (int4_tile.row_starts), so a layer keeps one copy.
 Measured on one H200 (bench/gemv_probe.py; bench/RESULTS.md, fourth and fifth sessions of 2026-12-03): a
 DeepSeek-LLM-7B step's int4 GEMVs at one token, row layout 1.89-1.91 ms, tiled 1.70-1.71 (one-warp
 programs, 16 an SM), the CUDA-core GEMV 2.48-2.52; LLM-7B AWQ W2 TPOT 2.77 ms (row) and 2.56 (tiled) in the
-int4 gate, on different machines. Still ~1.8 TB/s: Nsight Compute sees DRAM at 42-47 % and ~50 % of the
+int4 gate, on different machines. Still ~1.8 TB/s: Nsight Compute sees DRAM at 42-47 % and 35-54 % of the
 warps' cycles waiting on loads. Tried and slower (removed): cp.async staging 3-6 rounds ahead; two blocks a
 warp a round; the zero point subtracted once a block through an extra mma of the activations' sums (11 fewer
 instructions a round, a longer mma chain); a register cap of 128 (ptxas then keeps the next round's loads
@@ -349,9 +349,9 @@ def require_supported(x, bits: int, group: int, g_idx, k: int) -> None:
 class Int4MmaGemvConfig:
     """The defaults are the fastest of bench/gemv_probe.py's variants on the H200 (DeepSeek-LLM-7B's four
     shapes, one token, per-step sum; bench/RESULTS.md). Row layout: 2 warps, 8 programs an SM, prefetching
-    1,890-1,906 µs; 4 warps with 4 programs an SM 1,962; 8 warps 2,456; cp.async staging 2,036-2,546; two
-    blocks a warp a round 2,063; one-warp programs 2,020. tile_words' layout (TILED_CONFIG): one-warp
-    programs, 16 an SM 1,697 (2 warps, 8 an SM 1,723)."""
+    1,871-1,912 µs; 4 warps with 4 programs an SM 1,962-1,977; 8 warps 2,456; cp.async staging 2,036-2,546;
+    two blocks a warp a round 2,063; one-warp programs 2,020. tile_words' layout (TILED_CONFIG): one-warp
+    programs, 16 an SM 1,697-1,710 (2 warps, 8 an SM: 1,723-1,756)."""
     num_warps: int = 2
     programs_per_sm: int = 8  # the split count aims at this many programs an SM
     prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
