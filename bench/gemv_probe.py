@@ -8,6 +8,7 @@ against a torch reference on the same weights (exit 1 if one is wrong). The tabl
     python bench/gemv_probe.py [--json OUT.json]
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
         python bench/gemv_probe.py --ncu       # one call of each variant on the gate_up shape, profiled
+    python bench/gemv_probe.py --prefill       # the prefill kernels (M 32, 1,024), row vs tiled layout
 
 --ncu compiles and runs every variant first, then runs each once more between cudaProfilerStart / Stop
 and prints the launch order, so Nsight Compute's kernels can be matched to the variants.
@@ -206,14 +207,48 @@ def token_sweep() -> list[dict]:
     return rows
 
 
+def prefill_rows() -> list[dict]:
+    """The int4 prefill kernels on the row and the tiled layout (the tiled one must be no slower): at M = 32
+    (the tile kernel) and 1,024 (dequantize + cuBLAS), each of the four shapes, µs a call inside a CUDA graph;
+    each tiled result checked against the row layout's."""
+    rows = []
+    for m in (32, 1024):
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q4 = int4_weights(n, k, 2, 0)
+            tiled = [(tile_words(q), tile_scales(s, z)) for q, s, z in q4]
+            row_fns = [lambda w=w, x=x: int4.w4a16_matmul(x, *w, 4, GROUP) for w in q4]
+            tiled_fns = [lambda w=w, x=x: int4.w4a16_matmul(x, w[0], w[1], None, 4, GROUP, tiled=True)
+                         for w in tiled]
+            err = rel_err(tiled_fns[0](), row_fns[0]().float())
+            for label, fns in (("row", row_fns), ("tiled", tiled_fns)):
+                us = bench_env.graph_per_call_us(fns, min_calls=4, repeats=10)
+                rows.append(dict(prefill=label, m=m, shape=name, us=us, ok=err < 1e-3, rel_err=err))
+                print(json.dumps(rows[-1]), flush=True)
+            del q4, tiled, row_fns, tiled_fns
+            torch.cuda.empty_cache()
+    print("\n==== int4 prefill kernels, row vs tiled layout, step µs (30 layers x 4 shapes) ====")
+    for m in (32, 1024):
+        steps = [LAYERS * sum(r["us"] for r in rows if r["m"] == m and r["prefill"] == label)
+                 for label in ("row", "tiled")]
+        print(f"M={m}: row {steps[0]:8.0f}  tiled {steps[1]:8.0f}  ratio {steps[1] / steps[0]:5.2f}")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--sweep", action="store_true", help="also time 1-8 tokens: default dispatch vs mma")
     ap.add_argument("--ncu", action="store_true", help="the gate_up shape once per variant, for Nsight Compute")
+    ap.add_argument("--prefill", action="store_true", help="only the prefill kernels, row vs tiled layout")
     ns = ap.parse_args()
     env = bench_env.environment(torch.device("cuda"))
     print(json.dumps(env), flush=True)
+    if ns.prefill:
+        rows = prefill_rows()
+        bad = [r for r in rows if not r["ok"]]
+        print(f"prefill checks: {len(rows) - len(bad)} ok, {len(bad)} wrong")
+        return 1 if bad else 0
     rows = mma_checks()
     for name, (n, k) in SHAPES.items():
         if ns.ncu and name != "gate_up":

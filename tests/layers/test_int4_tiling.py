@@ -1,0 +1,76 @@
+"""When an int4 linear layer takes the tensor-core GEMV's tiled layout after loading (layers/int4.py), and
+what the layer then holds and passes to the kernels. The layout itself and the kernels reading it:
+tests/kernels/test_int4_tiled.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepserve.kernels import int4_mma_gemv
+from deepserve.layers import int4 as int4_layers
+from deepserve.layers import linear as linear_module
+from deepserve.layers.linear import ReplicatedLinear
+from deepserve.layers.quantization import Int4Config
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    monkeypatch.setattr(int4_mma_gemv, "_is_hopper", lambda device: True)
+    monkeypatch.delenv("DEEPSERVE_INT4_TILED", raising=False)
+    monkeypatch.delenv("DEEPSERVE_INT4_MMA_GEMV_MAX_M", raising=False)
+    return monkeypatch
+
+
+def test_tiling_needs_a_hopper_gpu_both_switches_and_a_shape_the_gemv_takes(on_hopper):
+    applies = int4_layers.tiles_for_mma_gemv
+    assert applies(CUDA, 4, 128, None, 4096, 4096)
+    assert not applies(torch.device("cpu"), 4, 128, None, 4096, 4096)
+    assert not applies(CUDA, 4, 128, None, 4104, 4096)  # a partial 16-row tile
+    assert not applies(CUDA, 4, 32, None, 4096, 4096)  # groups smaller than the GEMV's 128-input block
+    assert not applies(CUDA, 4, 128, torch.zeros(4096, dtype=torch.int32), 4096, 4096)  # act order
+    on_hopper.setenv("DEEPSERVE_INT4_TILED", "0")
+    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+    on_hopper.setenv("DEEPSERVE_INT4_TILED", "1")
+    on_hopper.setenv("DEEPSERVE_INT4_MMA_GEMV_MAX_M", "0")  # the GEMV off: nothing reads the layout faster
+    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+    on_hopper.setattr(int4_mma_gemv, "_is_hopper", lambda device: False)
+    on_hopper.setenv("DEEPSERVE_INT4_MMA_GEMV_MAX_M", "8")
+    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+
+
+def _awq_layer(out_features: int = 32, in_features: int = 256) -> ReplicatedLinear:
+    cfg = Int4Config(method="awq", bits=4, group_size=128, desc_act=False, zero_offset=False)
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant=cfg)
+    gen = torch.Generator().manual_seed(0)
+    layer.qweight.data = torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, generator=gen, dtype=torch.int64).int()
+    layer.scales.data = (torch.rand(layer.scales.shape, generator=gen) * 0.01).half()
+    layer.qzeros.data = torch.randint(0, 16, layer.qzeros.shape, generator=gen).half()
+    return layer
+
+
+def test_a_layer_on_the_cpu_keeps_the_row_layout():
+    layer = _awq_layer()
+    before = layer.qweight.data.clone()
+    layer.quantize_loaded_weights()
+    assert not layer.int4_tiled and torch.equal(layer.qweight.data, before) and layer.qzeros is not None
+
+
+def test_a_tiled_layer_holds_the_tiled_tensors_and_says_so_to_the_kernels(monkeypatch):
+    # the device check stubbed (no GPU here): the layer swaps in what tiled_for_mma_gemv made
+    layer = _awq_layer()
+    q, s, z = layer.qweight.data.clone(), layer.scales.data.clone(), layer.qzeros.data.clone()
+    monkeypatch.setattr(int4_layers, "tiles_for_mma_gemv", lambda *args: True)
+    layer.quantize_loaded_weights()
+    assert layer.int4_tiled and layer.qzeros is None
+    assert torch.equal(layer.qweight.data, int4_mma_gemv.tile_words(q))
+    assert torch.equal(layer.scales.data, int4_mma_gemv.tile_scales(s, z))
+    layer.quantize_loaded_weights()  # a second pass leaves it alone
+    assert torch.equal(layer.qweight.data, int4_mma_gemv.tile_words(q))
+    seen = {}
+    monkeypatch.setattr(linear_module, "int4_linear",
+                        lambda x, qw, sc, zs, bits, group, g_idx, bias, tiled: seen.update(zeros=zs, tiled=tiled) or x)
+    layer.matmul(torch.randn(1, 256), None)
+    assert seen == {"zeros": None, "tiled": True}
