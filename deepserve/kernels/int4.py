@@ -151,8 +151,10 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if isinstance(config, Int4MmaGemvConfig):  # asked for: checked here, once
         require_supported(x, bits, group, g_idx, k)
         return w4a16_mma_gemv(x, qweight, scales, zeros, group, bias, config, tiled)
+    _require(not (tiled and isinstance(config, Int4GemvConfig)), "the CUDA-core GEMV (Int4GemvConfig) does not read "
+             "the tiled layout; pass config=None or an Int4GemmConfig / Int4DequantConfig")
     cfg = config or choose_config(m, n, k, sm_count(x.device))
-    if isinstance(cfg, Int4GemvConfig) and tiled:
+    if isinstance(cfg, Int4GemvConfig) and tiled:  # the dispatch's own choice at one token: the tile kernel
         cfg = default_config(m, n, k, sm_count(x.device))
     if isinstance(cfg, Int4GemvConfig):
         return w4a16_gemv(x, qweight, scales, zeros, bits, group, g_idx, bias, cfg, sm_count(x.device))

@@ -402,9 +402,10 @@ NIBBLE_CODES = (0, 2, 4, 6, 1, 3, 5, 7)
 
 def tiles_apply(bits: int, group: int, g_idx, n: int, k: int) -> bool:
     """Whether a weight can take tile_words' layout: what the mma GEMV needs of it (4-bit, no act order,
-    groups and K multiples of 128) and whole 16-row tiles."""
+    groups and K multiples of 128), whole groups (the layout steps K / group groups a tile: a group wider than
+    this rank's K, e.g. group_size -1 on a row-parallel shard, does not fit) and whole 16-row tiles."""
     return bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and k % BLOCK_INPUTS == 0 and \
-        n % TILE_ROWS == 0
+        k % group == 0 and n % TILE_ROWS == 0
 
 
 def tile_words(qweight: torch.Tensor) -> torch.Tensor:

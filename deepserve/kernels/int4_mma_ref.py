@@ -134,7 +134,7 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     magic = 1024.0 if f16 else 128.0
     (m, k), n = x.shape, qweight.shape[0]
     words = qweight.to(torch.int64) & _MASK
-    flat = words.flatten()
+    flat, flat_sz = words.flatten(), scales.flatten()  # tiled: read at the kernel's flat offsets
     xs = torch.zeros(8, k, dtype=x.dtype)
     xs[:m] = x
     x_bits = xs.view(torch.int16).to(torch.int64) & 0xFFFF
@@ -152,7 +152,8 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     w = blk * 16 + 4 * t + j  # the lane's word of the block's row
                     if tiled:  # the kernel's offsets: the tile's block, rows g's 128 words then rows g + 8's
                         at = tile * (k // 8 * ROWS) + blk * 256 + lane * 4 + j
-                        sz = scales[tile, grp, g].tolist()  # scale a, scale b, zero a, zero b
+                        at_sz = (tile * (k // group) + grp) * 32 + g * 4  # scale a, scale b, zero a, zero b
+                        sz = flat_sz[at_sz: at_sz + 4].tolist()
                         lane_in = {"$4": int(flat[at]), "$5": int(flat[at + 128]), "$10": sz[2] + magic,
                                    "$11": sz[3] + magic}
                     else:
@@ -168,7 +169,8 @@ def mma_gemv_replay(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                 for i in range(4):
                     row = tile * ROWS + g + 8 * (i // 2)
                     if row < n:
-                        scale = float(scales[tile, grp, g, i // 2]) if tiled else float(scales[row, grp])
+                        at_s = (tile * (k // group) + grp) * 32 + g * 4 + i // 2
+                        scale = float(flat_sz[at_s]) if tiled else float(scales[row, grp])
                         out[2 * t + (i % 2), row] += scale * acc[lane][i]
     out = out[:m]
     return (out if bias is None else out + bias.double()).float()

@@ -56,11 +56,14 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     return int4_ref.w4a16_linear_ref(x, qweight, scales, zeros, bits, group, g_idx, bias)
 
 
-def tiles_for_mma_gemv(device: torch.device, bits: int, group: int, g_idx: torch.Tensor | None, n: int,
-                       k: int) -> bool:
-    """Whether a loaded int4 weight of n x k on `device` takes the tensor-core GEMV's tiled layout: a Hopper
-    GPU, DEEPSERVE_INT4_TILED and DEEPSERVE_INT4_MMA_GEMV_MAX_M on, and a shape the GEMV takes whole."""
-    if device.type != "cuda" or not envs.DEEPSERVE_INT4_TILED or int(envs.DEEPSERVE_INT4_MMA_GEMV_MAX_M) <= 0:
+def tiles_for_mma_gemv(device: torch.device, dtype: torch.dtype, bits: int, group: int, g_idx: torch.Tensor | None,
+                       n: int, k: int) -> bool:
+    """Whether a loaded int4 weight of n x k on `device`, for activations of `dtype`, takes the tensor-core
+    GEMV's tiled layout: a Hopper GPU, bf16 / fp16 activations (the GEMV's; fp32 ones would lose the CUDA-core
+    GEMV, which does not read the layout), DEEPSERVE_INT4_TILED and DEEPSERVE_INT4_MMA_GEMV_MAX_M on, and a
+    shape the GEMV takes whole."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not envs.DEEPSERVE_INT4_TILED \
+            or int(envs.DEEPSERVE_INT4_MMA_GEMV_MAX_M) <= 0:
         return False
     from deepserve.kernels import int4_mma_gemv
 
@@ -68,12 +71,12 @@ def tiles_for_mma_gemv(device: torch.device, bits: int, group: int, g_idx: torch
 
 
 def tiled_for_mma_gemv(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
-                       g_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       g_idx: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(qweight, scales) in the tensor-core GEMV's tiled layout (kernels/int4_mma_gemv.tile_words /
     tile_scales, the zero points inside the scales tensor), or None where the row layout stays
-    (tiles_for_mma_gemv)."""
+    (tiles_for_mma_gemv; dtype: the activations')."""
     n, k = qweight.shape[0], qweight.shape[1] * int4_ref.pack_factor(bits)
-    if not tiles_for_mma_gemv(qweight.device, bits, group, g_idx, n, k):
+    if not tiles_for_mma_gemv(qweight.device, dtype, bits, group, g_idx, n, k):
         return None
     from deepserve.kernels import int4_mma_gemv
 

@@ -80,6 +80,13 @@ def fp8_channel_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return fp8_ref.channel_fp8_linear_ref(x, weight, scale, bias)
 
 
+def _no_loading_after_tiling(param: nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
+    # a checkpoint tensor has the row layout: copied into a tiled parameter it would give wrong products
+    raise RuntimeError("this int4 layer took the tensor-core GEMV's tiled layout after loading "
+                       "(DEEPSERVE_INT4_TILED); its weights cannot be loaded again: build the model anew, or set "
+                       "DEEPSERVE_INT4_TILED=0")
+
+
 class LinearBase(nn.Module):
     """The weight (and its FP8 scales) of one linear layer and the matmul that reads them.
 
@@ -194,10 +201,11 @@ class LinearBase(nn.Module):
         tensor-core GEMV where it applies (layers/int4.tiled_for_mma_gemv); nothing for other configs."""
         if self.int4 is not None and not self.int4_tiled:
             tiled = tiled_for_mma_gemv(self.qweight.data, self.scales.data, self.qzeros.data, self.int4.bits,
-                                       self.int4_group, self.g_idx)
+                                       self.int4_group, self.g_idx, self.dtype)
             if tiled is not None:
                 self.qweight = nn.Parameter(tiled[0], requires_grad=False)
                 self.scales = nn.Parameter(tiled[1], requires_grad=False)
+                self.qweight.weight_loader = self.scales.weight_loader = _no_loading_after_tiling
                 self.qzeros, self.int4_tiled = None, True
             return
         if not isinstance(self.quant, Fp8Config) or not self.quant.quantize_at_load or self.weight_scale is not None:

@@ -25,20 +25,25 @@ def on_hopper(monkeypatch):
 
 
 def test_tiling_needs_a_hopper_gpu_both_switches_and_a_shape_the_gemv_takes(on_hopper):
-    applies = int4_layers.tiles_for_mma_gemv
-    assert applies(CUDA, 4, 128, None, 4096, 4096)
-    assert not applies(torch.device("cpu"), 4, 128, None, 4096, 4096)
-    assert not applies(CUDA, 4, 128, None, 4104, 4096)  # a partial 16-row tile
-    assert not applies(CUDA, 4, 32, None, 4096, 4096)  # groups smaller than the GEMV's 128-input block
-    assert not applies(CUDA, 4, 128, torch.zeros(4096, dtype=torch.int32), 4096, 4096)  # act order
+    def applies(device=CUDA, dtype=torch.bfloat16, bits=4, group=128, g_idx=None, n=4096, k=4096):
+        return int4_layers.tiles_for_mma_gemv(device, dtype, bits, group, g_idx, n, k)
+
+    assert applies() and applies(dtype=torch.float16)
+    assert not applies(device=torch.device("cpu"))
+    assert not applies(dtype=torch.float32)  # fp32 activations: the GEMV does not take them
+    assert not applies(n=4104)  # a partial 16-row tile
+    assert not applies(group=32)  # groups smaller than the GEMV's 128-input block
+    assert not applies(group=256, k=384)  # a partial group
+    assert not applies(group=4096, k=2048)  # group_size -1 on a row-parallel shard: one group wider than K
+    assert not applies(g_idx=torch.zeros(4096, dtype=torch.int32))  # act order
     on_hopper.setenv("DEEPSERVE_INT4_TILED", "0")
-    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+    assert not applies()
     on_hopper.setenv("DEEPSERVE_INT4_TILED", "1")
     on_hopper.setenv("DEEPSERVE_INT4_MMA_GEMV_MAX_M", "0")  # the GEMV off: nothing reads the layout faster
-    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+    assert not applies()
     on_hopper.setattr(int4_mma_gemv, "_is_hopper", lambda device: False)
     on_hopper.setenv("DEEPSERVE_INT4_MMA_GEMV_MAX_M", "8")
-    assert not applies(CUDA, 4, 128, None, 4096, 4096)
+    assert not applies()
 
 
 def _awq_layer(out_features: int = 32, in_features: int = 256) -> ReplicatedLinear:
@@ -69,6 +74,8 @@ def test_a_tiled_layer_holds_the_tiled_tensors_and_says_so_to_the_kernels(monkey
     assert torch.equal(layer.scales.data, int4_mma_gemv.tile_scales(s, z))
     layer.quantize_loaded_weights()  # a second pass leaves it alone
     assert torch.equal(layer.qweight.data, int4_mma_gemv.tile_words(q))
+    with pytest.raises(RuntimeError, match="cannot be loaded again"):  # a row-layout tensor into it: refused
+        layer.qweight.weight_loader(layer.qweight, q)
     seen = {}
     monkeypatch.setattr(linear_module, "int4_linear",
                         lambda x, qw, sc, zs, bits, group, g_idx, bias, tiled: seen.update(zeros=zs, tiled=tiled) or x)
