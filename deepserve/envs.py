@@ -72,11 +72,13 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                       "1 / 2 / 4 / 8 tokens against 2.56 / 5.16 / 5.14 / 5.16 without it "
                                       "(bench/gemv_probe.py --sweep)"),
     "DEEPSERVE_INT4_TILED": (_flag("DEEPSERVE_INT4_TILED", True),
-                             "int4 linears that the tensor-core GEMV takes (above; N a multiple of 16) keep their "
+                             "int4 linears that the tensor-core GEMV takes (above; bf16 / fp16 activations, N a "
+                             "multiple of 16, K whole groups) keep their "
                              "weights in its tiled layout after loading (kernels/int4_mma_gemv.tile_words: each "
                              "warp's round one contiguous 1 KB read, no activation re-pairing); the other int4 "
-                             "kernels read it too. On one H200 a DeepSeek-LLM-7B step's int4 GEMVs 1.71 ms "
-                             "against 1.91 in the row layout (bench/gemv_probe.py); 0: the row layout"),
+                             "kernels read it too. On one H200 a DeepSeek-LLM-7B step's int4 GEMVs 1.68 / 1.77 / "
+                             "1.79 / 1.99 ms at 1 / 2 / 4 / 8 tokens against 1.90 / 2.00 / 2.03 / 2.36 in the row "
+                             "layout (bench/gemv_probe.py --sweep); 0: the row layout"),
     "DEEPSERVE_INT4_GEMV_FACTORED": (_flag("DEEPSERVE_INT4_GEMV_FACTORED", True),
                                      "the one-token int4 GEMV multiplies each packed word's codes by the inputs and "
                                      "scales once per word (s * (sum x q - z sum x), kernels/int4_gemv.py), the "
