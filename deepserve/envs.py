@@ -69,8 +69,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                       "tensor-core GEMV (kernels/int4_mma_gemv.py: 4-bit, no act order, groups and K "
                                       "multiples of 128; other checkpoints keep the kernels below); 0: off. On one "
                                       "H200 a DeepSeek-LLM-7B step's int4 GEMVs took 1.92 / 1.95 / 2.02 / 2.35 ms at "
-                                      "1 / 2 / 4 / 8 tokens against 2.56 / 5.16 / 5.14 / 5.16 without it "
-                                      "(bench/gemv_probe.py --sweep)"),
+                                      "1 / 2 / 4 / 8 tokens (row layout; tiled: DEEPSERVE_INT4_TILED) against 2.56 "
+                                      "/ 5.16 / 5.14 / 5.16 without it (bench/gemv_probe.py --sweep)"),
     "DEEPSERVE_INT4_TILED": (_flag("DEEPSERVE_INT4_TILED", True),
                              "int4 linears that the tensor-core GEMV takes (above; bf16 / fp16 activations, N a "
                              "multiple of 16, K whole groups) keep their "

@@ -16,9 +16,6 @@ Four variants, chosen by the config's type (choose_config picks one per M among 
 bench/check_int4.py --variants checks and times those three, bench/gemv_probe.py the first):
   Int4MmaGemvConfig  int4_mma_gemv.py: the tensor-core GEMV for 1-8 tokens on Hopper (4-bit, no act order,
                      groups and K multiples of 128), taken first up to DEEPSERVE_INT4_MMA_GEMV_MAX_M (8)
-A weight in int4_mma_gemv's tiled layout (tiled=True; layers keep it so on Hopper) is read by the tile kernel
-and the dequantize pass through int4_tile.row_starts; the CUDA-core GEMV does not read it (the tile kernel
-stands in where the tensor-core GEMV does not apply to a call, e.g. unaligned activations).
   Int4GemmConfig     the tile kernel below (tl.dot); the default below DEEPSERVE_INT4_CUBLAS_MIN_M
   Int4GemvConfig     int4_gemv.py: split-K GEMV without tensor cores, for decode; taken for
                      M <= DEEPSERVE_INT4_GEMV_MAX_M (1 by default: with its one-token tiles, W2 TPOT of
@@ -27,6 +24,10 @@ stands in where the tensor-core GEMV does not apply to a call, e.g. unaligned ac
   Int4DequantConfig  int4_dequant.py: dequantize to a scratch weight, then cuBLAS, for prefill; taken for
                      M >= DEEPSERVE_INT4_CUBLAS_MIN_M (64 by default: W1 DeepSeek-LLM-7B AWQ 5,041 out
                      tok/s against 4,067 with the tile kernel, same H200)
+
+A weight in int4_mma_gemv's tiled layout (tiled=True; layers keep it so on Hopper) is read by the tile kernel
+and the dequantize pass through int4_tile.row_starts; the CUDA-core GEMV does not read it (the tile kernel
+stands in where the tensor-core GEMV does not apply to a call, e.g. unaligned activations).
 
 No wrapper reads a device value on the host, so every call can be captured in a CUDA graph.
 Shapes: M tokens, N output features, K input features, G groups.
@@ -121,7 +122,8 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
              and k % pack == 0, f"qweight must be contiguous int32 [N, K/{pack}], got {tuple(qweight.shape)} for K {k}")
     if tiled:  # int4_mma_gemv.tile_words / tile_scales: zeros are in scales
         _require(tiles_apply(bits, group, g_idx, n, k), f"tiled weights need 4-bit codes, no g_idx, N a multiple of "
-                 f"{TILE_ROWS} and K and the group a multiple of 128; got {bits} bits, N {n}, K {k}, group {group}")
+                 f"{TILE_ROWS}, K and the group multiples of 128, K whole groups; got {bits} bits, N {n}, K {k}, "
+                 f"group {group}")
         _require(scales.dtype == torch.float16 and scales.is_contiguous()
                  and tuple(scales.shape) == (n // TILE_ROWS, k // group, 8, 4),
                  f"tiled scales must be contiguous fp16 [N / 16, G, 8, 4] (tile_scales), got {tuple(scales.shape)}")

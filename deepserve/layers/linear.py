@@ -104,7 +104,7 @@ class LinearBase(nn.Module):
         # Output rows per member of a merged projection (one member otherwise), for the scale layout.
         self.member_rows = member_rows or [out_features]
         self.weight = self.qweight = self.scales = self.qzeros = self.g_idx = None
-        self.int4_tiled = False  # qweight / scales in the mma GEMV's tiled layout (tile_int4_weights), qzeros None
+        self.int4_tiled = False  # qweight / scales in the mma GEMV's tiled layout, qzeros None: quantize_loaded_weights
         if self.int4 is not None:
             self._make_int4(in_features, out_features, in_shards)
         else:

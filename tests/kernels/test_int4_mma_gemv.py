@@ -23,13 +23,18 @@ def dequantized_product(x, qweight, scales, zeros, group, bias=None):
     return (out if bias is None else out + bias.double()).float()
 
 
+def _case(m, n, k, group, dtype):
+    """Random row-layout weights (qweight, scales, zeros) and activations x [m, k] for a replay."""
+    qweight, scales, zeros, _ = random_weights(n, k, 4, group, False, seed=m + n)
+    return qweight, scales, zeros, torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+
+
 @pytest.mark.parametrize("m, n, k, group, dtype", [(1, 16, 128, 128, torch.bfloat16),
                                                    (3, 40, 256, 128, torch.float16),
                                                    (8, 16, 256, 256, torch.bfloat16)])
 def test_the_kernels_asm_replayed_lane_by_lane_equals_the_dequantized_product(m, n, k, group, dtype):
     # N 40: a partial last tile (rows wrap in the loads, are dropped at the store); fp16 runs BLOCK_ASM_F16
-    qweight, scales, zeros, _ = random_weights(n, k, 4, group, False, seed=m + n)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    qweight, scales, zeros, x = _case(m, n, k, group, dtype)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     got = mma_gemv_replay(x, qweight, scales, zeros, group, bias)
     want = dequantized_product(x, qweight, scales, zeros, group, bias)
@@ -41,8 +46,7 @@ def test_the_kernels_asm_replayed_lane_by_lane_equals_the_dequantized_product(m,
                                                    (8, 16, 512, 256, torch.bfloat16)])
 def test_the_tiled_asm_replayed_at_the_kernels_offsets_equals_the_dequantized_product(m, n, k, group, dtype):
     # tile_words / tile_scales read at the kernel's TILED offsets, with its prmt-free asm
-    qweight, scales, zeros, _ = random_weights(n, k, 4, group, False, seed=m + n)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    qweight, scales, zeros, x = _case(m, n, k, group, dtype)
     tiled = int4_mma_gemv.tile_words(qweight), int4_mma_gemv.tile_scales(scales, zeros)
     got = mma_gemv_replay(x, *tiled, None, group, tiled=True)
     torch.testing.assert_close(got, dequantized_product(x, qweight, scales, zeros, group), rtol=1e-4, atol=1e-4)
