@@ -163,6 +163,7 @@ FP8_CHECKS = [
      120),
     ("FP8 fused MoE = torch reference", [sys.executable, "bench/check_fp8_moe.py", "--json", "{out}/fp8-moe.json"],
      90),
+    ("FP8 tensor-core GEMV = dequantized product", [sys.executable, "bench/fp8_gemv_probe.py", "--checks"], 120),
     ("FP8 engine on GPU = CPU reference", [sys.executable, "bench/check_fp8_engine.py"], 240),
 ]
 # Dummy int4 weights in the real shapes (--load-format dummy --quantization awq: groups of 128): every

@@ -58,6 +58,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                  "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8). Default 1: "
                                  "per GEMM on the H200 faster than the W8A8 path on every shape at 1 token, on some "
                                  "at 2, mostly slower above; W2 TPOT DeepSeek-LLM-7B -q fp8 3.39 ms with it"),
+    "DEEPSERVE_FP8_MMA_GEMV_MAX_M": (_float("DEEPSERVE_FP8_MMA_GEMV_MAX_M", 0),
+                                     "FP8 linears with at most this many tokens (up to 8) on a Hopper GPU run the "
+                                     "tensor-core GEMV (kernels/fp8_mma_gemv.py: bf16 / fp16 activations, K a "
+                                     "multiple of 128, scale blocks of whole 16 x 128 tiles) before the CUDA-core "
+                                     "one; 0 (the default until it is timed in the engine): off"),
     "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 1),
                                   "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
                                   "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never. Default 1: "

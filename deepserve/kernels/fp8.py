@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels.fp8_mma_gemv import fp8_mma_gemv, mma_gemv_supported
 from deepserve.kernels.fp8_ref import AMAX_FLOOR, FP8, FP8_MAX, channel_fp8_linear_ref
 from deepserve.kernels.fused_moe import _tile_ids  # the same grouped tile order as the MoE GEMMs
 from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
@@ -300,6 +301,15 @@ CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
 # faster than W8A8 at one token on every shape, W2 TPOT LLM-7B -q fp8 3.39 ms with it), 0: off.
 GEMV_MAX_M = min(16, int(envs.DEEPSERVE_FP8_GEMV_MAX_M))
 GEMV_BLOCK_K = 128  # fp8_gemv's K tile, which must divide a block-scaled weight's K block
+# Up to this many tokens the tensor-core GEMV (fp8_mma_gemv.py) goes first where it applies; 0 (off) until
+# it is timed in the engine.
+MMA_GEMV_MAX_M = min(8, int(envs.DEEPSERVE_FP8_MMA_GEMV_MAX_M))
+
+
+def _mma_gemv(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether x2 [M, K] takes fp8_mma_gemv: M within MMA_GEMV_MAX_M and what the kernel needs
+    (mma_gemv_supported: a Hopper GPU, bf16 / fp16, aligned rows, K a multiple of 128, fitting blocks)."""
+    return 0 < x2.shape[0] <= MMA_GEMV_MAX_M and mma_gemv_supported(x2, w_q, block)
 
 
 def _gemv(x2: torch.Tensor, block_k: int | None = None) -> bool:
@@ -313,9 +323,11 @@ def _gemv(x2: torch.Tensor, block_k: int | None = None) -> bool:
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
-    per token and bk-group by quantize_per_token_group; up to GEMV_MAX_M tokens (_gemv) fp8_gemv's,
-    activations not quantized."""
+    per token and bk-group by quantize_per_token_group; up to MMA_GEMV_MAX_M tokens fp8_mma_gemv's where it
+    applies (_mma_gemv), up to GEMV_MAX_M (_gemv) fp8_gemv's, activations not quantized on both."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if _mma_gemv(x2, w_q, block):
+        return fp8_mma_gemv(x2, w_q, w_scale_inv, block, bias).view(*x.shape[:-1], w_q.shape[0])
     if _gemv(x2, block[1]):
         from deepserve.kernels.fp8_gemv import fp8_gemv
 
@@ -376,6 +388,8 @@ def channel_fp8_cuda(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """channel_fp8_linear's GPU choice (also what the interpreter tests run)."""
     (n, k), x2 = w_q.shape, x.reshape(-1, x.shape[-1])  # x2 [M, K]
+    if _mma_gemv(x2, w_q, None):
+        return fp8_mma_gemv(x2, w_q, w_scale.float(), None, bias).view(*x.shape[:-1], n)
     if _gemv(x2):
         from deepserve.kernels.fp8_gemv import fp8_gemv
 

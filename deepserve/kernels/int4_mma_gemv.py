@@ -47,7 +47,6 @@ split_k.store_split, written here for Gluon), so results do not depend on schedu
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +55,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
+from deepserve.kernels.mma_gemv_common import TILE_ROWS, is_hopper, split4, split16, store_tile_split
 from deepserve.kernels.split_k import MAX_SPLIT_K, fused_sum, sm_count, sum_splits
 
-TILE_ROWS, BLOCK_INPUTS = 16, 128  # output rows a program (one mma tile); inputs a block (16 words of 8 codes)
-ROWS = gl.constexpr(TILE_ROWS)  # the same, for the kernels
+BLOCK_INPUTS = 128  # inputs a block (16 words of 8 codes); a program's output rows: one mma tile (TILE_ROWS)
+ROWS = gl.constexpr(TILE_ROWS)  # TILE_ROWS, for the kernels
 KB = gl.constexpr(BLOCK_INPUTS)
 MAX_TOKENS = 8  # mma.m16n8k16's N
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
 INTERPRET = envs.TRITON_INTERPRET  # read once, at import
 
 
@@ -115,16 +114,6 @@ BLOCK_ASM_BF16 = gl.constexpr(_block_asm("bf16"))
 BLOCK_ASM_F16 = gl.constexpr(_block_asm("f16"))
 TILED_ASM_BF16 = gl.constexpr(_block_asm_interleaved("bf16"))
 TILED_ASM_F16 = gl.constexpr(_block_asm_interleaved("f16"))
-
-
-@gluon.jit
-def _split4(v, L: gl.constexpr):
-    """[W, 32, 4] (4 values a thread) -> its 4 [W, 32] slices, each pinned to L (no data moves)."""
-    a, b = gl.split(gl.reshape(v, [v.shape[0], 32, 2, 2]))  # a: items 0, 2; b: items 1, 3
-    v0, v2 = gl.split(a)
-    v1, v3 = gl.split(b)
-    return (gl.convert_layout(v0, L, assert_trivial=True), gl.convert_layout(v1, L, assert_trivial=True),
-            gl.convert_layout(v2, L, assert_trivial=True), gl.convert_layout(v3, L, assert_trivial=True))
 
 
 @gluon.jit
@@ -201,7 +190,7 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
             y0, y1, y2, y3 = _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, b + warp < last, L, F16,
                                         TILED)
     # y0, y1: row g, tokens 2t, 2t + 1; y2, y3: row g + 8, the same tokens. Sum the warps' blocks.
-    _store_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
+    store_tile_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
                  out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N, HAS_BIAS, FUSED_SUM,
                  MAX_SPLITS, L)
 
@@ -221,7 +210,7 @@ def _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, 
     if TILED:  # one 8-byte load a lane
         W: gl.constexpr = warp4.shape[0]
         L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])  # the kernel's [warp, lane]
-        sa, sb, za, zb = _split4(gl.load(s_ptr + sz4 + (kb4 * KB) // GROUP * 32).to(gl.float32), L)
+        sa, sb, za, zb = split4(gl.load(s_ptr + sz4 + (kb4 * KB) // GROUP * 32).to(gl.float32), L)
         za, zb = za + magic, zb + magic
     else:
         grp = (gl.minimum(b + warp, last - 1) * KB) // GROUP
@@ -236,7 +225,7 @@ def _load_block(b, last, warp, warp4, warp16, q_ptr, words_a, words_b, x_words, 
 def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constexpr, F16: gl.constexpr,
                TILED: gl.constexpr):
     """y + one round's 128-input block per warp: four mma pairs into fresh fp32 accumulators, then scaled."""
-    wa, wb, x = _split4(wa4, L), _split4(wb4, L), _split16(xv, L)
+    wa, wb, x = split4(wa4, L), split4(wb4, L), split16(xv, L)
     zero = gl.zeros(sa.shape, gl.float32, L)
     acc = (zero, zero, zero, zero)
     acc = _block(acc, wa[0], wb[0], x, za, zb, 0, F16, TILED)
@@ -248,80 +237,7 @@ def _mma_block(y0, y1, y2, y3, wa4, wb4, xv, sa, sb, za, zb, live, L: gl.constex
             y2 + gl.where(live, sb * acc[2], 0.0), y3 + gl.where(live, sb * acc[3], 0.0))
 
 
-@gluon.jit
-def _split16(v, L: gl.constexpr):
-    """[W, 32, 16] (a lane's 16 activation pairs: word j's pairs at 4j .. 4j + 3) -> the 16 [W, 32] slices."""
-    w: gl.constexpr = v.shape[0]
-    a, b = gl.split(gl.reshape(v, [w, 32, 8, 2]))  # items 2i / 2i + 1
-    a0, a1 = gl.split(gl.reshape(a, [w, 32, 4, 2]))  # items 4i / 4i + 2
-    b0, b1 = gl.split(gl.reshape(b, [w, 32, 4, 2]))  # items 4i + 1 / 4i + 3
-    return _interleave16(_split4(a0, L), _split4(b0, L), _split4(a1, L), _split4(b1, L))
-
-
-@gluon.jit
-def _interleave16(e0, e1, e2, e3):
-    # e_r[i] is item 4i + r: the 16 items in order
-    return (e0[0], e1[0], e2[0], e3[0], e0[1], e1[1], e2[1], e3[1], e0[2], e1[2], e2[2], e3[2],
-            e0[3], e1[3], e2[3], e3[3])
-
-
-@gluon.jit
-def _store_split(y0, y1, y2, y3, ws_ptr, out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N,
-                 HAS_BIAS: gl.constexpr, FUSED: gl.constexpr, MAX_SPLITS: gl.constexpr, L: gl.constexpr):
-    """Lane (g, t)'s four sums (rows g / g + 8 of the tile, tokens 2t / 2t + 1) into split `split` of the
-    [split_k, M, N] fp32 workspace; FUSED: the tile's last program adds the splits in order (+ bias) into
-    out (split_k.store_split's protocol)."""
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
-    g, t = lane // 4, lane % 4
-    rows = tile * ROWS + g
-    slice_size = M.to(gl.int64) * N
-    base = ws_ptr + split * slice_size
-    offs = (
-        (2 * t).to(gl.int64) * N + rows, (2 * t + 1).to(gl.int64) * N + rows,
-        (2 * t).to(gl.int64) * N + rows + 8, (2 * t + 1).to(gl.int64) * N + rows + 8)
-    oks = ((2 * t < M) & (rows < N), (2 * t + 1 < M) & (rows < N), (2 * t < M) & (rows + 8 < N),
-           (2 * t + 1 < M) & (rows + 8 < N))
-    gl.store(base + offs[0], y0, mask=oks[0])
-    gl.store(base + offs[1], y1, mask=oks[1])
-    gl.store(base + offs[2], y2, mask=oks[2])
-    gl.store(base + offs[3], y3, mask=oks[3])
-    if FUSED:
-        _fence_gpu(split)  # each thread's stores before the count (the producer's fence)
-        _cta_barrier()  # every thread's partial stored before the one counting atomic
-        arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:  # the other split_k - 1 partials are in memory
-            _fence_gpu(split)
-            bias_a = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
-            bias_b = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
-            if HAS_BIAS:
-                bias_a = gl.load(bias_ptr + rows % N).to(gl.float32)
-                bias_b = gl.load(bias_ptr + (rows + 8) % N).to(gl.float32)
-            _sum_into(ws_ptr, out_ptr, offs[0], oks[0], bias_a, slice_size, split_k, MAX_SPLITS)
-            _sum_into(ws_ptr, out_ptr, offs[1], oks[1], bias_a, slice_size, split_k, MAX_SPLITS)
-            _sum_into(ws_ptr, out_ptr, offs[2], oks[2], bias_b, slice_size, split_k, MAX_SPLITS)
-            _sum_into(ws_ptr, out_ptr, offs[3], oks[3], bias_b, slice_size, split_k, MAX_SPLITS)
-            gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (or graph replay)
-
-
-@gluon.jit
-def _sum_into(ws_ptr, out_ptr, offs, ok, bias, slice_size, split_k, MAX_SPLITS: gl.constexpr):
-    # out[offs] = the splits' partials added in split order (+ bias); L2 reads (.cg), unrolled
-    total = bias * 0.0
-    for s in gl.static_range(MAX_SPLITS):
-        total += gl.load(ws_ptr + s * slice_size + offs, mask=ok & (s < split_k), other=0.0, cache_modifier=".cg")
-    gl.store(out_ptr + offs, (total + bias).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@gluon.jit
-def _fence_gpu(anchor):
-    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@functools.cache
-def _is_hopper(device: torch.device) -> bool:
-    # sub.bf16x2 needs sm_90; measured on the H200 only, so newer GPUs keep the other kernels for now
-    return torch.cuda.get_device_capability(device)[0] == 9
+_is_hopper = is_hopper  # a module global, so tests can stand in for a Hopper GPU
 
 
 def mma_gemv_supported(x, bits: int, group: int, g_idx, k: int) -> bool:

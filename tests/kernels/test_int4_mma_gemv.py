@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepserve.kernels import int4_mma_gemv, int4_ref
-from deepserve.kernels.int4_mma_ref import _lop3, _prmt, mma_gemv_replay, mma_m16n8k16
+from deepserve.kernels.int4_mma_ref import mma_gemv_replay
+from deepserve.kernels.ptx_replay import _lop3, _prmt, mma_m16n8k16
 from tests.kernels.test_int4_gemm import random_weights
 
 

@@ -1,0 +1,111 @@
+"""Pieces the tensor-core decode GEMVs (int4_mma_gemv.py, fp8_mma_gemv.py) share, in Gluon: a lane's loaded
+vector split into the single registers inline asm takes, the fused split-K store of one 16-row mma tile, and
+the GPU check. Both kernels give lane (g, t) = (lane / 4, lane % 4) of a warp rows g and g + 8 of a 16-row
+tile and tokens 2t, 2t + 1 of the mma's accumulator (mma.m16n8k16's C fragment).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+TILE_ROWS = 16  # output rows of one mma tile
+ROWS = gl.constexpr(TILE_ROWS)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
+
+
+@gluon.jit
+def split4(v, L: gl.constexpr):
+    """[W, 32, 4] (4 values a thread) -> its 4 [W, 32] slices, each pinned to L (no data moves)."""
+    a, b = gl.split(gl.reshape(v, [v.shape[0], 32, 2, 2]))  # a: items 0, 2; b: items 1, 3
+    v0, v2 = gl.split(a)
+    v1, v3 = gl.split(b)
+    return (gl.convert_layout(v0, L, assert_trivial=True), gl.convert_layout(v1, L, assert_trivial=True),
+            gl.convert_layout(v2, L, assert_trivial=True), gl.convert_layout(v3, L, assert_trivial=True))
+
+
+@gluon.jit
+def split8(v, L: gl.constexpr):
+    """[W, 32, 8] (8 values a thread) -> its 8 [W, 32] slices in order, each pinned to L (no data moves)."""
+    a, b = gl.split(gl.reshape(v, [v.shape[0], 32, 4, 2]))  # items 2i / 2i + 1
+    e0, e1 = split4(a, L), split4(b, L)
+    return (e0[0], e1[0], e0[1], e1[1], e0[2], e1[2], e0[3], e1[3])
+
+
+@gluon.jit
+def split16(v, L: gl.constexpr):
+    """[W, 32, 16] (a lane's 16 activation pairs: word j's pairs at 4j .. 4j + 3) -> the 16 [W, 32] slices."""
+    w: gl.constexpr = v.shape[0]
+    a, b = gl.split(gl.reshape(v, [w, 32, 8, 2]))  # items 2i / 2i + 1
+    a0, a1 = gl.split(gl.reshape(a, [w, 32, 4, 2]))  # items 4i / 4i + 2
+    b0, b1 = gl.split(gl.reshape(b, [w, 32, 4, 2]))  # items 4i + 1 / 4i + 3
+    return _interleave16(split4(a0, L), split4(b0, L), split4(a1, L), split4(b1, L))
+
+
+@gluon.jit
+def _interleave16(e0, e1, e2, e3):
+    # e_r[i] is item 4i + r: the 16 items in order
+    return (e0[0], e1[0], e2[0], e3[0], e0[1], e1[1], e2[1], e3[1], e0[2], e1[2], e2[2], e3[2],
+            e0[3], e1[3], e2[3], e3[3])
+
+
+@gluon.jit
+def store_tile_split(y0, y1, y2, y3, ws_ptr, out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N,
+                 HAS_BIAS: gl.constexpr, FUSED: gl.constexpr, MAX_SPLITS: gl.constexpr, L: gl.constexpr):
+    """Lane (g, t)'s four sums (rows g / g + 8 of the tile, tokens 2t / 2t + 1) into split `split` of the
+    [split_k, M, N] fp32 workspace; FUSED: the tile's last program adds the splits in order (+ bias) into
+    out (split_k.store_split's protocol)."""
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+    g, t = lane // 4, lane % 4
+    rows = tile * ROWS + g
+    slice_size = M.to(gl.int64) * N
+    base = ws_ptr + split * slice_size
+    offs = (
+        (2 * t).to(gl.int64) * N + rows, (2 * t + 1).to(gl.int64) * N + rows,
+        (2 * t).to(gl.int64) * N + rows + 8, (2 * t + 1).to(gl.int64) * N + rows + 8)
+    oks = ((2 * t < M) & (rows < N), (2 * t + 1 < M) & (rows < N), (2 * t < M) & (rows + 8 < N),
+           (2 * t + 1 < M) & (rows + 8 < N))
+    gl.store(base + offs[0], y0, mask=oks[0])
+    gl.store(base + offs[1], y1, mask=oks[1])
+    gl.store(base + offs[2], y2, mask=oks[2])
+    gl.store(base + offs[3], y3, mask=oks[3])
+    if FUSED:
+        _fence_gpu(split)  # each thread's stores before the count (the producer's fence)
+        _cta_barrier()  # every thread's partial stored before the one counting atomic
+        arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the other split_k - 1 partials are in memory
+            _fence_gpu(split)
+            bias_a = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
+            bias_b = gl.zeros([32], gl.float32, gl.SliceLayout(0, L))
+            if HAS_BIAS:
+                bias_a = gl.load(bias_ptr + rows % N).to(gl.float32)
+                bias_b = gl.load(bias_ptr + (rows + 8) % N).to(gl.float32)
+            _sum_into(ws_ptr, out_ptr, offs[0], oks[0], bias_a, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[1], oks[1], bias_a, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[2], oks[2], bias_b, slice_size, split_k, MAX_SPLITS)
+            _sum_into(ws_ptr, out_ptr, offs[3], oks[3], bias_b, slice_size, split_k, MAX_SPLITS)
+            gl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch (or graph replay)
+
+
+@gluon.jit
+def _sum_into(ws_ptr, out_ptr, offs, ok, bias, slice_size, split_k, MAX_SPLITS: gl.constexpr):
+    # out[offs] = the splits' partials added in split order (+ bias); L2 reads (.cg), unrolled
+    total = bias * 0.0
+    for s in gl.static_range(MAX_SPLITS):
+        total += gl.load(ws_ptr + s * slice_size + offs, mask=ok & (s < split_k), other=0.0, cache_modifier=".cg")
+    gl.store(out_ptr + offs, (total + bias).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def _fence_gpu(anchor):
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@functools.cache
+def is_hopper(device: torch.device) -> bool:
+    # sub.bf16x2 needs sm_90; measured on the H200 only, so newer GPUs keep the other kernels for now
+    return torch.cuda.get_device_capability(device)[0] == 9
