@@ -4,8 +4,9 @@
    whose activation groups and weight blocks differ in magnitude): quantize_per_token_group bit for bit
    against quantize_per_token_group_ref (mismatched fp8 bytes and scales are counted), block_fp8_linear
    and channel_fp8_linear against an fp32 product of the reference-quantized operands (max relative
-   error = max |out - ref| / max |ref|, and the Frobenius ratio); at M <= fp8.GEMV_MAX_M (1 by default)
-   the linears stream the weight with the activations unquantized, judged against that product.
+   error = max |out - ref| / max |ref|, and the Frobenius ratio); where the linears stream the weight with
+   the activations unquantized (fp8.activations_unquantized: M <= fp8.GEMV_MAX_M, 1 by default, or the
+   tensor-core GEMV's M <= fp8.MMA_GEMV_MAX_M), judged against that product.
 2. Speed at M = 1, 16, 64, 256, 1024, 8192: block_fp8_linear (quantization included), channel_fp8_linear
    and bf16 F.linear, median of triton.testing.do_bench (L2 flushed before each run, so weights come
    from HBM as in a decode step). A CUDA graph captures both fp8 linears once (no host sync).
@@ -110,9 +111,9 @@ def check_quant(x: torch.Tensor) -> dict:
 
 
 def check_block(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_deq: torch.Tensor) -> dict:
-    """w_deq: ref.dequantize_weight_block(w_q, w_s, BLOCK), fp32 [N, K]. Up to fp8.GEMV_MAX_M tokens the linear
-    streams the weight with the activations unquantized (kernels/fp8_gemv.py), and is judged on that product."""
-    if x.shape[0] <= fp8.GEMV_MAX_M:
+    """w_deq: ref.dequantize_weight_block(w_q, w_s, BLOCK), fp32 [N, K]. Where the linear streams the weight
+    with the activations unquantized (a GEMV), it is judged on that product."""
+    if fp8.activations_unquantized(x, w_q, BLOCK):
         return errors(fp8.block_fp8_linear(x, w_q, w_s, BLOCK), x.float() @ w_deq.T)
     x_q, x_s = ref.quantize_per_token_group_ref(x, BLOCK[1])
     expected = ref.dequantize_per_token_group(x_q, x_s, BLOCK[1]) @ w_deq.T
@@ -122,7 +123,7 @@ def check_block(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_deq: to
 def check_channel(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, w_float: torch.Tensor) -> dict:
     """w_float: w_q.float(), [N, K]; the GEMV's tokens as in check_block (on CUDA: on a CPU channel_fp8_linear
     is the quantizing reference at every M)."""
-    if x.is_cuda and x.shape[0] <= fp8.GEMV_MAX_M:
+    if x.is_cuda and fp8.activations_unquantized(x, w_q, None):
         return errors(fp8.channel_fp8_linear(x, w_q, w_s), (x.float() @ w_float.T) * w_s[None, :])
     x_q, x_s = ref.quantize_per_token_group_ref(x, x.shape[1])
     expected = (x_q.float() @ w_float.T) * x_s * w_s[None, :]

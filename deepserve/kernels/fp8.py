@@ -320,6 +320,12 @@ def _gemv(x2: torch.Tensor, block_k: int | None = None) -> bool:
     return 0 < x2.shape[0] <= GEMV_MAX_M and x2.stride(1) == 1 and fits
 
 
+def activations_unquantized(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether a linear call on x2 [M, K] takes one of the GEMVs, which do not round the activations to e4m3
+    (what a check compares it with; block None: per-channel weights, on CUDA)."""
+    return _mma_gemv(x2, w_q, block) or _gemv(x2, None if block is None else block[1])
+
+
 def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: block_fp8_linear_ref's contract, activations quantized
