@@ -58,11 +58,14 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                  "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8). Default 1: "
                                  "per GEMM on the H200 faster than the W8A8 path on every shape at 1 token, on some "
                                  "at 2, mostly slower above; W2 TPOT DeepSeek-LLM-7B -q fp8 3.39 ms with it"),
-    "DEEPSERVE_FP8_MMA_GEMV_MAX_M": (_float("DEEPSERVE_FP8_MMA_GEMV_MAX_M", 0),
+    "DEEPSERVE_FP8_MMA_GEMV_MAX_M": (_float("DEEPSERVE_FP8_MMA_GEMV_MAX_M", 8),
                                      "FP8 linears with at most this many tokens (up to 8) on a Hopper GPU run the "
                                      "tensor-core GEMV (kernels/fp8_mma_gemv.py: bf16 / fp16 activations, K a "
                                      "multiple of 128, scale blocks of whole 16 x 128 tiles) before the CUDA-core "
-                                     "one; 0 (the default until it is timed in the engine): off"),
+                                     "one; 0: off. On one H200 a DeepSeek-LLM-7B step's FP8 GEMVs took 2.18 / 2.23 / "
+                                     "2.23 / 2.26 ms at 1 / 2 / 4 / 8 tokens against 2.22 / 3.18 / 2.80 / 2.76 "
+                                     "without it, V3's dense shapes 13 % less time at one token; V3 8-layer slice "
+                                     "W2 TPOT 2.55 against 2.60 ms (bench/fp8_gemv_probe.py, bench/ab.py)"),
     "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 1),
                                   "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "
                                   "kernel (kernels/int4_gemv.py) instead of the tile kernel; 0: never. Default 1: "

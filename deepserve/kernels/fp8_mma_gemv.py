@@ -26,6 +26,15 @@ Like fp8_gemv.py, more exact than the W8A8 path (activations not rounded to e4m3
 weight times x is the reference. fp8_mma_ref.py replays the kernel's asm and offsets in torch for the CPU
 tests; bench/gemv_probe.py checks the kernel on the GPU.
 
+Measured on one H200 (bench/fp8_gemv_probe.py; bench/RESULTS.md, sixth session of 2026-12-03): a
+DeepSeek-LLM-7B step's FP8 GEMVs (per-channel) 2.18-2.20 ms at one token against fp8_gemv's 2.22-2.23, and
+2.23 / 2.23 / 2.26 at 2 / 4 / 8 tokens against the W8A8 path's 3.18 / 2.80 / 2.76; DeepSeek-V3's dense shapes
+(128 x 128 blocks) 3.06 TB/s against fp8_gemv's 2.71. A line through its times for LLM-7B's o and gate_up
+shapes reads ~4.0 TB/s plus ~6 µs a call (cuBLAS's bf16 GEMV the same way: ~4.0 TB/s plus ~4.5 µs): the fixed
+cost a call, not the streaming, keeps the small layers far from the bandwidth, and is the next thing to cut.
+As in the int4 kernel, ptxas sinks the prefetched round's loads to the end of the loop (SASS), so a warp has
+about one round in flight; more warps an SM or L2 prefetches ahead did not help (bench/RESULTS.md).
+
 Work split (int4_mma_gemv.py's): a program is NUM_WARPS warps on one 16-row tile; its warps take the rounds
 of its K split in turn; split-K partials are summed in split order by the tile's last program
 (mma_gemv_common.store_tile_split), so results do not depend on scheduling.
