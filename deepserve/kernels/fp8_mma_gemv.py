@@ -33,7 +33,9 @@ DeepSeek-LLM-7B step's FP8 GEMVs (per-channel) 2.18-2.20 ms at one token against
 shapes reads ~4.0 TB/s plus ~6 µs a call (cuBLAS's bf16 GEMV the same way: ~4.0 TB/s plus ~4.5 µs): the fixed
 cost a call, not the streaming, keeps the small layers far from the bandwidth, and is the next thing to cut.
 As in the int4 kernel, ptxas sinks the prefetched round's loads to the end of the loop (SASS), so a warp has
-about one round in flight; more warps an SM or L2 prefetches ahead did not help (bench/RESULTS.md).
+about one round in flight; more warps an SM or L2 prefetches ahead did not help, nor did programmatic
+dependent launch (the first weights loaded before griddepcontrol.wait): V3's small projections 4-15 % faster,
+its dense gate_up 40 % slower, LLM-7B's step 3 % slower (bench/RESULTS.md).
 
 Work split (int4_mma_gemv.py's): a program is NUM_WARPS warps on one 16-row tile; its warps take the rounds
 of its K split in turn; split-K partials are summed in split order by the tile's last program
