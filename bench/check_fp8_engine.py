@@ -69,8 +69,8 @@ def check(name: str, path: str, fp8: dict, plain: dict) -> bool:
     ok = got <= 8 * yardstick + 0.01
     print(f"{name:14s} {'OK' if ok else 'MISMATCH'} mean prompt logprob error, GPU FP8 vs CPU FP8 {got:.4f} "
           f"(unquantized, GPU vs CPU: {yardstick:.4f})")
-    # Decode one sequence at a time (the one-token FP8 GEMV, DEEPSERVE_FP8_GEMV_MAX_M): reported, not judged,
-    # as that GEMV keeps the activations in bf16 while the CPU reference quantizes them (W8A8).
+    # Decode one sequence at a time (the FP8 GEMVs, DEEPSERVE_FP8_MMA_GEMV_MAX_M / DEEPSERVE_FP8_GEMV_MAX_M):
+    # reported, not judged, as those GEMVs keep the activations in bf16 while the CPU reference quantizes them (W8A8).
     print(f"{name:14s} mean decode logprob error (one token a step), GPU FP8 vs CPU FP8 "
           f"{decode_error(path, fp8):.4f} (unquantized: {decode_error(path, plain):.4f}; reported, not judged)")
     for label, engine in (("FP8", fp8), ("unquantized bf16 control", plain)):

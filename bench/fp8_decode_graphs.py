@@ -190,9 +190,11 @@ def main() -> int:
                     help="which weights the GEMV configs are timed on (both are checked): DeepSeek's 128 x 128 block "
                          "scales or --quantization fp8's per-channel scales")
     ns = ap.parse_args()
-    # The "block triton" / "w8a8 triton" columns time the W8A8 path at every M; the GEMV, which the linears
-    # take at one token by default, is timed through its own configs (--gemv-s).
+    # The "block triton" / "w8a8 triton" columns time the W8A8 path at every M; the GEMVs, which the linears
+    # take first at 1-8 tokens by default, are timed through their own configs (--gemv-s; the tensor-core one:
+    # bench/fp8_gemv_probe.py).
     fp8.GEMV_MAX_M = 0
+    fp8.MMA_GEMV_MAX_M = 0
     torch.manual_seed(0)
     if ns.gemv_s > 0:
         return _gemv_main(ns)

@@ -72,8 +72,11 @@ def checks() -> list[dict]:
                                         (5, 576, 7168, BLOCK, torch.bfloat16, False),
                                         (1, 12288, 4096, None, torch.float16, True),
                                         (4, 32768, 512, BLOCK, torch.bfloat16, True),
-                                        (7, 7168, 18432, BLOCK, torch.bfloat16, False)):
+                                        (7, 7168, 18432, BLOCK, torch.bfloat16, False),
+                                        (5, 512, 384, (128, 256), torch.bfloat16, True)):  # a partial K block
         (w_q, scale), = weights(n, k, 1, m + n, block)
+        if m == 7:
+            scale = scale.t().contiguous().t()  # column-major block scales: the kernel honours their strides
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         want = x.float() @ dequantized(w_q, scale, block).T + (b.float() if bias else 0)
@@ -119,8 +122,19 @@ def _without_mma(x: torch.Tensor, ws: list[tuple], block: tuple[int, int] | None
     if x.shape[0] == 1:
         return [lambda w=w: fp8_gemv.fp8_gemv(x, w[0], w[1], block) for w in ws]
     if block:
-        return [lambda w=w: fp8.block_fp8_linear(x, w[0], w[1], block) for w in ws]
-    return [lambda w=w: fp8.channel_fp8_cuda(x, w[0], w[1]) for w in ws]
+        return [_mma_off(lambda w=w: fp8.block_fp8_linear(x, w[0], w[1], block)) for w in ws]
+    return [_mma_off(lambda w=w: fp8.channel_fp8_cuda(x, w[0], w[1])) for w in ws]
+
+
+def _mma_off(fn):
+    """fn run as the linears choose with the tensor-core GEMV switched off (fp8.MMA_GEMV_MAX_M 0)."""
+    def call():
+        saved, fp8.MMA_GEMV_MAX_M = fp8.MMA_GEMV_MAX_M, 0
+        try:
+            return fn()
+        finally:
+            fp8.MMA_GEMV_MAX_M = saved
+    return call
 
 
 def print_table(rows: list[dict], shapes: dict, title: str, layers: int | None) -> None:

@@ -55,7 +55,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "it refused M = 257 and gave wrong results for K = 11008)"),
     "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 1),
                                  "FP8 linears with at most this many tokens (up to 16) stream the weight through "
-                                 "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8). Default 1: "
+                                 "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8 unless the "
+                                 "tensor-core GEMV, DEEPSERVE_FP8_MMA_GEMV_MAX_M, takes it first). Default 1: "
                                  "per GEMM on the H200 faster than the W8A8 path on every shape at 1 token, on some "
                                  "at 2, mostly slower above; W2 TPOT DeepSeek-LLM-7B -q fp8 3.39 ms with it"),
     "DEEPSERVE_FP8_MMA_GEMV_MAX_M": (_float("DEEPSERVE_FP8_MMA_GEMV_MAX_M", 8),
@@ -64,7 +65,7 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                      "multiple of 128, scale blocks of whole 16 x 128 tiles) before the CUDA-core "
                                      "one; 0: off. On one H200 a DeepSeek-LLM-7B step's FP8 GEMVs took 2.18 / 2.23 / "
                                      "2.23 / 2.26 ms at 1 / 2 / 4 / 8 tokens against 2.22 / 3.18 / 2.80 / 2.76 "
-                                     "without it, V3's dense shapes 13 % less time at one token; V3 8-layer slice "
+                                     "without it, V3's dense shapes 12 % less time at one token; V3 8-layer slice "
                                      "W2 TPOT 2.55 against 2.60 ms (bench/fp8_gemv_probe.py, bench/ab.py)"),
     "DEEPSERVE_INT4_GEMV_MAX_M": (_float("DEEPSERVE_INT4_GEMV_MAX_M", 1),
                                   "int4 (AWQ / GPTQ) linears with at most this many tokens run the split-K GEMV "

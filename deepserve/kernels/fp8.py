@@ -303,7 +303,7 @@ GEMV_MAX_M = min(16, int(envs.DEEPSERVE_FP8_GEMV_MAX_M))
 GEMV_BLOCK_K = 128  # fp8_gemv's K tile, which must divide a block-scaled weight's K block
 # Up to this many tokens the tensor-core GEMV (fp8_mma_gemv.py) goes first where it applies (Hopper, bf16 /
 # fp16, K a multiple of 128); 8 by default (bench/RESULTS.md, sixth session of 2026-12-03: 18-30 % less
-# time than the W8A8 path at 2-8 tokens on LLM-7B's shapes, 13 % less than fp8_gemv at one token on V3's).
+# time than the W8A8 path at 2-8 tokens on LLM-7B's shapes, 12 % less than fp8_gemv at one token on V3's).
 MMA_GEMV_MAX_M = min(8, int(envs.DEEPSERVE_FP8_MMA_GEMV_MAX_M))
 
 

@@ -24,7 +24,8 @@ scale multiplies the sum once, at the end. Block scales (DeepSeek-V3: 128 x 128)
 accumulators and adds scale * them (a 16-row tile lies in one block row; BLOCK_K divides the block's K).
 Like fp8_gemv.py, more exact than the W8A8 path (activations not rounded to e4m3); fp8_ref's dequantized
 weight times x is the reference. fp8_mma_ref.py replays the kernel's asm and offsets in torch for the CPU
-tests; bench/gemv_probe.py checks the kernel on the GPU.
+tests; bench/fp8_gemv_probe.py (and tests/kernels/test_fp8_mma_gemv.py on a Hopper GPU) checks the kernel
+on the GPU.
 
 Measured on one H200 (bench/fp8_gemv_probe.py; bench/RESULTS.md, sixth session of 2026-12-03): a
 DeepSeek-LLM-7B step's FP8 GEMVs (per-channel) 2.18-2.20 ms at one token against fp8_gemv's 2.22-2.23, and
@@ -34,8 +35,8 @@ shapes reads ~4.0 TB/s plus ~6 µs a call (cuBLAS's bf16 GEMV the same way: ~4.0
 cost a call, not the streaming, keeps the small layers far from the bandwidth, and is the next thing to cut.
 As in the int4 kernel, ptxas sinks the prefetched round's loads to the end of the loop (SASS), so a warp has
 about one round in flight; more warps an SM or L2 prefetches ahead did not help, nor did programmatic
-dependent launch (the first weights loaded before griddepcontrol.wait): V3's small projections 4-15 % faster,
-its dense gate_up 40 % slower, LLM-7B's step 3 % slower (bench/RESULTS.md).
+dependent launch (the first weights loaded before griddepcontrol.wait): some of V3's small projections 4-15 %
+faster, its dense gate_up 40 % slower, LLM-7B's step 3 % slower (bench/RESULTS.md).
 
 Work split (int4_mma_gemv.py's): a program is NUM_WARPS warps on one 16-row tile; its warps take the rounds
 of its K split in turn; split-K partials are summed in split order by the tile's last program
@@ -114,6 +115,9 @@ class Fp8MmaGemvConfig:
     evict_first: bool = True  # weight loads marked evict-first in L2 (read once; x and the partials stay)
 
 
+DEFAULT_CONFIG = Fp8MmaGemvConfig()
+
+
 @gluon.jit
 def _word(acc, wa, wb, xl, xh, F16: gl.constexpr):
     """acc (4 [W, 32] fp32) + one word column's mma (_word_asm)."""
@@ -125,11 +129,11 @@ def _word(acc, wa, wb, xl, xh, F16: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["M", "rounds_per_split"])
 def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, rounds_per_split,
-                         stride_xm, stride_wn, stride_sn, GROUP_N: gl.constexpr, GROUP_K: gl.constexpr,
+                         stride_xm, stride_wn, stride_sn, stride_sk, GROUP_N: gl.constexpr, GROUP_K: gl.constexpr,
                          PER_CHANNEL: gl.constexpr, F16: gl.constexpr, HAS_BIAS: gl.constexpr,
                          FUSED_SUM: gl.constexpr, NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr,
                          PREFETCH: gl.constexpr, WORDS: gl.constexpr, EVICT: gl.constexpr):
-    # w_ptr: the weight as int32 words [N, K / 4] (stride_wn in words); x_ptr: x as int32 pairs.
+    # w_ptr / x_ptr read as int32: the weight's words [N, K / 4] (stride_wn in words), x's pairs.
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     LW: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
     LX: gl.constexpr = gl.BlockedLayout([1, 1, 2 * WORDS], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
@@ -150,6 +154,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
     tokx = lanex // 4
     x_off = tokx.to(gl.int64) * (stride_xm // 2) + (itemx // 8) * 32 + (lanex % 4) * 8 + itemx % 8
     x_words = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    w_words = w_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     scale_row = s_ptr + ((tile * ROWS) // GROUP_N).to(gl.int64) * stride_sn  # block scales: the tile's row
     lane0 = gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :] * 0  # [1, 32] zeros: a [W, 32] broadcast
     y0 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
@@ -160,18 +165,18 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
     first = split * rounds_per_split
     last = gl.minimum(first + rounds_per_split, rounds)
     if PREFETCH:  # the next round's loads issued before this round's mmas
-        wa, wb, xv, s = _load_round(first, last, warp, lane0, warpw, warpx, w_ptr, words_a, words_b, x_words,
-                                    x_off, tokx, M, scale_row, RI, GROUP_K, PER_CHANNEL, EVICT)
+        wa, wb, xv, s = _load_round(first, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words,
+                                    x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL, EVICT)
         for r in range(first, last, NUM_WARPS):
-            nwa, nwb, nxv, ns = _load_round(r + NUM_WARPS, last, warp, lane0, warpw, warpx, w_ptr, words_a,
-                                            words_b, x_words, x_off, tokx, M, scale_row, RI, GROUP_K, PER_CHANNEL,
-                                            EVICT)
+            nwa, nwb, nxv, ns = _load_round(r + NUM_WARPS, last, warp, lane0, warpw, warpx, w_words, words_a,
+                                            words_b, x_words, x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K,
+                                            PER_CHANNEL, EVICT)
             y0, y1, y2, y3 = _mma_round(y0, y1, y2, y3, wa, wb, xv, s, L, F16, PER_CHANNEL, WORDS)
             wa, wb, xv, s = nwa, nwb, nxv, ns
     else:
         for r in range(first, last, NUM_WARPS):
-            wa, wb, xv, s = _load_round(r, last, warp, lane0, warpw, warpx, w_ptr, words_a, words_b, x_words,
-                                        x_off, tokx, M, scale_row, RI, GROUP_K, PER_CHANNEL, EVICT)
+            wa, wb, xv, s = _load_round(r, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words,
+                                        x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL, EVICT)
             y0, y1, y2, y3 = _mma_round(y0, y1, y2, y3, wa, wb, xv, s, L, F16, PER_CHANNEL, WORDS)
     y0, y1, y2, y3 = gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0)
     if PER_CHANNEL:  # y0, y1: row g (tokens 2t, 2t + 1); y2, y3: row g + 8
@@ -184,20 +189,20 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
 
 
 @gluon.jit
-def _load_round(r, last, warp, lane0, warpw, warpx, w_ptr, words_a, words_b, x_words, x_off, tokx, M, scale_row,
-                RI: gl.constexpr, GROUP_K: gl.constexpr, PER_CHANNEL: gl.constexpr, EVICT: gl.constexpr):
+def _load_round(r, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words, x_off, tokx, M, scale_row,
+                stride_sk, RI: gl.constexpr, GROUP_K: gl.constexpr, PER_CHANNEL: gl.constexpr, EVICT: gl.constexpr):
     """Round r's loads for every warp (round r + warp; a warp past the split's last round reloads that round's
     weights with its activations read as zeros, so it adds nothing): the two rows' words [W, 32, WORDS], the
     activation pairs [W, 32, 2 WORDS] and the round's block scale [W, 32] (per channel: zeros, unused)."""
     rw = gl.minimum(r + warpw, last - 1)
-    wa = gl.load(w_ptr + words_a + rw * (RI // 4), eviction_policy=EVICT)
-    wb = gl.load(w_ptr + words_b + rw * (RI // 4), eviction_policy=EVICT)
+    wa = gl.load(w_words + words_a + rw * (RI // 4), eviction_policy=EVICT)
+    wb = gl.load(w_words + words_b + rw * (RI // 4), eviction_policy=EVICT)
     rx = r + warpx
     xv = gl.load(x_words + x_off + rx * (RI // 2), mask=(tokx < M) & (rx < last), other=0)
     if PER_CHANNEL:
         s = (warp + lane0).to(gl.float32) * 0.0
     else:
-        s = gl.load(scale_row + (gl.minimum(r + warp, last - 1) * RI) // GROUP_K + lane0)
+        s = gl.load(scale_row + ((gl.minimum(r + warp, last - 1) * RI) // GROUP_K) * stride_sk + lane0)
     return wa, wb, xv, s
 
 
@@ -238,7 +243,7 @@ def mma_gemv_supported(x: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int
         return False
     if block is not None and (block[0] % TILE_ROWS or block[1] % BLOCK_K):
         return False
-    return k % BLOCK_K == 0 and n > 0 and _is_hopper(x.device)
+    return k % BLOCK_K == 0 and k > 0 and n > 0 and _is_hopper(x.device)
 
 
 def mma_split_count(n: int, k: int, cfg: Fp8MmaGemvConfig, num_sms: int) -> int:
@@ -252,15 +257,15 @@ def mma_split_count(n: int, k: int, cfg: Fp8MmaGemvConfig, num_sms: int) -> int:
 def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                  bias: torch.Tensor | None = None, cfg: Fp8MmaGemvConfig | None = None) -> torch.Tensor:
     """x [M <= 8, K] -> [M, N] in x's dtype; mma_gemv_supported must hold. block (bn, bk): scale is the weight's
-    scale_inv [ceil(N / bn), K / bk] float32; block None: scale is per output channel [N] float32."""
-    cfg = cfg or Fp8MmaGemvConfig()
+    scale_inv [ceil(N / bn), ceil(K / bk)] float32; block None: scale is per output channel [N] float32."""
+    cfg = cfg or DEFAULT_CONFIG
     (m, k), n = x.shape, w_q.shape[0]
     if cfg.words not in (4, 8):
         raise ValueError(f"fp8 mma gemv: words must be 4 or 8, got {cfg.words}")
-    if k % BLOCK_K or (block is not None and (block[0] % TILE_ROWS or block[1] % BLOCK_K)):
+    if k % BLOCK_K or k == 0 or (block is not None and (block[0] % TILE_ROWS or block[1] % BLOCK_K)):
         raise ValueError(f"fp8 mma gemv: K must be a multiple of {BLOCK_K} and scale blocks whole 16-row tiles and "
                          f"{BLOCK_K}-input rounds, got K {k}, block {block}")
-    want = (n,) if block is None else (triton.cdiv(n, block[0]), k // block[1])
+    want = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
     if tuple(scale.shape) != want or scale.dtype != torch.float32:
         raise ValueError(f"fp8 mma gemv: the scale must be float32 {want}, got {scale.dtype} {tuple(scale.shape)}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -271,8 +276,8 @@ def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block:
     locks, fused = fused_sum(x.device, tiles, ws)
     group_n, group_k = block if block is not None else (TILE_ROWS, BLOCK_K)  # unread per channel
     _fp8_mma_gemv_kernel[(tiles, splits)](
-        x, w_q.view(torch.int32), scale, ws, out, out if bias is None else bias, locks, m, n, k, rounds_per_split,
-        x.stride(0), w_q.stride(0) // 4, scale.stride(0), GROUP_N=group_n, GROUP_K=group_k,
+        x, w_q, scale, ws, out, out if bias is None else bias, locks, m, n, k, rounds_per_split,
+        x.stride(0), w_q.stride(0) // 4, scale.stride(0), scale.stride(-1), GROUP_N=group_n, GROUP_K=group_k,
         PER_CHANNEL=block is None, F16=x.dtype == torch.float16, HAS_BIAS=bias is not None,
         FUSED_SUM=fused["FUSED_SUM"], NUM_WARPS=cfg.num_warps, MAX_SPLITS=fused["MAX_SPLITS"],
         PREFETCH=cfg.prefetch, WORDS=cfg.words, EVICT="evict_first" if cfg.evict_first else "",

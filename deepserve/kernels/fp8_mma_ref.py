@@ -2,7 +2,7 @@
 movement and its inline PTX: which weight words and activation pairs each lane of a warp holds (the kernel's
 offsets, written out again here), what the kernel's own asm text (WORD_ASM_BF16 / WORD_ASM_F16) computes from
 them, instruction by instruction (ptx_replay.run_block_asm), and how the sums are scaled. No GPU; slow, for
-tiny shapes. The Gluon code's offsets run only on a GPU, where bench/gemv_probe.py checks the kernel against
+tiny shapes. The Gluon code's offsets run only on a GPU, where bench/fp8_gemv_probe.py checks the kernel against
 the dequantized product.
 """
 

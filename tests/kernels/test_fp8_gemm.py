@@ -237,7 +237,7 @@ def test_channel_fp8_linear_matches_reference(m, n, k, dtype, with_bias):
     bias = bias if with_bias else None
     out = fp8.channel_fp8_linear(x.view(1, m, k), w_q, w_scale, bias)
     assert out.shape == (1, m, n) and out.dtype == dtype
-    if m <= fp8.GEMV_MAX_M:  # the weight-stream GEMV: activations not quantized (kernels/fp8_gemv.py)
+    if fp8.activations_unquantized(x, w_q, None):  # a GEMV: activations not quantized (fp8_gemv / fp8_mma_gemv)
         want = x.float() @ (w_q.float() * w_scale.float()[:, None]).t() + (0 if bias is None else bias.float())
     else:
         want = ref.channel_fp8_linear_ref(x, w_q, w_scale, bias)

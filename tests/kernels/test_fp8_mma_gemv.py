@@ -1,7 +1,8 @@
 """The tensor-core FP8 GEMV (kernels/fp8_mma_gemv.py): its lane-by-lane data movement and inline PTX replayed in
 torch (kernels/fp8_mma_ref.py) against x times the dequantized weight (fp8_ref), the widening against torch's
 own e4m3 conversion for every code, when the kernel is taken, and its sm_90 compile. The kernel itself runs
-only on a GPU (Gluon has no CPU interpreter): bench/gemv_probe.py checks it there against the same product."""
+only on a GPU (Gluon has no CPU interpreter): bench/fp8_gemv_probe.py checks it there against the same product,
+as does the Hopper-only test at the end of this file."""
 
 from __future__ import annotations
 
@@ -101,11 +102,13 @@ class _OnHopper:
     """Stands for a CUDA tensor on a Hopper GPU (no GPU here): what mma_gemv_supported reads of x."""
     is_cuda, device = True, torch.device("cuda", 0)
 
-    def __init__(self, m: int, k: int, dtype: torch.dtype = torch.bfloat16, stride: int = 1, offset: int = 0):
+    def __init__(self, m: int, k: int, dtype: torch.dtype = torch.bfloat16, stride: int = 1, offset: int = 0,
+                 row_stride: int | None = None):
         self.shape, self.dtype, self._stride, self._offset = (m, k), dtype, stride, offset
+        self._row_stride = k if row_stride is None else row_stride
 
     def stride(self, dim: int) -> int:
-        return self._stride if dim == 1 else self.shape[1]
+        return self._stride if dim == 1 else self._row_stride
 
     def data_ptr(self) -> int:
         return (1 << 20) + self._offset * 2
@@ -124,6 +127,15 @@ def test_it_is_taken_only_where_it_applies(monkeypatch):
     assert not supported(_OnHopper(1, 4096, torch.float32), w, None)
     assert not supported(_OnHopper(1, 4096, stride=2), w, None)
     assert not supported(_OnHopper(1, 4096, offset=1), w, None)  # x read as int32 pairs: aligned only
+    assert not supported(_OnHopper(2, 4096, row_stride=4100), w, None)  # rows 16-byte aligned only
+    assert supported(_OnHopper(2, 4096, row_stride=4104), w, None)
+    wide = torch.zeros(64, 4104, dtype=FP8)
+    assert not supported(_OnHopper(1, 4096), wide[:, :4096], None)  # weight rows 16-byte aligned only
+    flat = torch.zeros(64 * 4096 + 16, dtype=FP8)
+    assert supported(_OnHopper(1, 4096), flat[16:].view(64, 4096), None)
+    assert not supported(_OnHopper(1, 4096), flat[8: 8 + 64 * 4096].view(64, 4096), None)  # 8-byte aligned
+    assert not supported(_OnHopper(1, 4096), torch.zeros(0, 4096, dtype=FP8), None)  # no rows
+    assert not supported(_OnHopper(1, 0), torch.zeros(64, 0, dtype=FP8), None)  # no inputs
     assert not supported(_OnHopper(1, 4096), w, (8, 128))  # a scale block smaller than a 16-row tile
     assert not supported(_OnHopper(1, 4096), w, (128, 64))  # a scale block narrower than a round
     odd = torch.zeros(64, 4160, dtype=FP8)
@@ -178,9 +190,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from deepserve.kernels.fp8_mma_gemv import _fp8_mma_gemv_kernel as K
-sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16",
-       "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "rounds_per_split": "i32", "stride_xm": "i32",
-       "stride_wn": "i32", "stride_sn": "i32"}
+sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+       "bias_ptr": "*bf16", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "rounds_per_split": "i32",
+       "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sk": "i32"}
 aligned = ["x_ptr", "w_ptr", "s_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn"]
 for f16, per_channel, fused, prefetch, words, evict in ((False, True, True, True, 8, "evict_first"),
                                                         (True, False, False, False, 4, ""),
@@ -208,3 +220,28 @@ def test_the_kernel_compiles_for_hopper():
         # a round: `words` mmas, each widening 2 words of 4 bytes (2 cvt each); 16-byte loads of weights and x
         assert int(mmas) >= int(words) and int(widens) >= 4 * int(words), (f16, words, mmas, widens)
         assert int(vector_loads) >= 2, (f16, words, vector_loads)
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.is_available() and not fp8_mma_gemv.INTERPRET and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on a Hopper GPU only")
+@pytest.mark.parametrize("m, n, k, block, dtype, bias", [
+    (1, 1000, 4096, None, torch.bfloat16, True),  # rows wrap in the last tile; several K splits
+    (3, 576, 7168, (128, 128), torch.bfloat16, False),
+    (8, 4096, 11008, None, torch.float16, False),
+    (5, 512, 384, (128, 256), torch.bfloat16, True),  # K 1.5 scale blocks: the last block partial
+])
+def test_the_kernel_on_the_gpu_equals_the_dequantized_product(m, n, k, block, dtype, bias):
+    w_q, scale = block_weight(n, k, block, seed=n) if block else channel_weight(n, k, seed=n)
+    w_q, scale = w_q.cuda(), scale.cuda()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype).cuda() if bias else None
+    assert fp8_mma_gemv.mma_gemv_supported(x, w_q, block)
+    want = dequantized_product(x.cpu(), w_q.cpu(), scale.cpu(), block, None if b is None else b.cpu().float())
+    got = fp8_mma_gemv.fp8_mma_gemv(x, w_q, scale, block, b).float().cpu()
+    assert rel_err(got, want) < 4e-3  # the output rounded to 16 bits
+    if block is not None:  # a column-major scale tensor: its strides are honoured
+        got_t = fp8_mma_gemv.fp8_mma_gemv(x, w_q, scale.t().contiguous().t(), block, b).float().cpu()
+        assert torch.equal(got_t, got)
