@@ -3,12 +3,13 @@
 loaded into the 16-bit type of x and feeds `mma.sync` straight from those registers (no shared memory, no
 shuffles). Written in Gluon, like int4_mma_gemv.py, whose scheme it follows.
 
-Why: fp8_gemv.py multiplies on the CUDA cores, ~2.7 TB/s of weight on DeepSeek-LLM-7B's shapes at one
-token, instruction-bound like the int4 CUDA-core GEMV was (bench/RESULTS.md). Here a warp's mma multiplies 16
-rows by 8 token columns over 16 inputs in one instruction; what remains is the widening, 2 instructions a
-weight: cvt.rn.f16x2.e4m3x2 (two weights to f16, exact: every e4m3 value is an f16), and for bf16 models two
-cvt.f32.f16 and one cvt.rn.bf16x2.f32 a pair (exact: 3 mantissa bits fit bf16's 7, the exponents its range).
-fp16 models multiply the f16 pair as it is.
+Why: fp8_gemv.py multiplies on the CUDA cores (~2.7 TB/s of weight on DeepSeek-LLM-7B's shapes at one token)
+and is taken for one token only, as above that the W8A8 path was faster; W8A8 itself quantizes the activations
+and streams slowly at 2-8 tokens (bench/RESULTS.md). Here a warp's mma multiplies 16 rows by 8 token columns
+over 16 inputs in one instruction, so 1-8 tokens cost about the same; what remains is the widening, 2
+instructions a weight: cvt.rn.f16x2.e4m3x2 (two weights to f16, exact: every e4m3 value is an f16), and for
+bf16 models two cvt.f32.f16 and one cvt.rn.bf16x2.f32 a pair (exact: 3 mantissa bits fit bf16's 7, the
+exponents its range). fp16 models multiply the f16 pair as it is.
 
 Layout (no permutation needed): lane (g, t) = (lane / 4, lane % 4) holds, of each row g and g + 8 and each
 round of 16 * WORDS inputs, the 4-byte words 4t .. 4t + 3 of every 16-word chunk (WORDS / 4 chunks: one
