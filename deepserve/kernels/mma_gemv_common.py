@@ -37,7 +37,7 @@ def split8(v, L: gl.constexpr):
 
 @gluon.jit
 def split16(v, L: gl.constexpr):
-    """[W, 32, 16] (a lane's 16 activation pairs: word j's pairs at 4j .. 4j + 3) -> the 16 [W, 32] slices."""
+    """[W, 32, 16] (16 values a thread) -> its 16 [W, 32] slices in order, each pinned to L (no data moves)."""
     w: gl.constexpr = v.shape[0]
     a, b = gl.split(gl.reshape(v, [w, 32, 8, 2]))  # items 2i / 2i + 1
     a0, a1 = gl.split(gl.reshape(a, [w, 32, 4, 2]))  # items 4i / 4i + 2
@@ -54,7 +54,7 @@ def _interleave16(e0, e1, e2, e3):
 
 @gluon.jit
 def store_tile_split(y0, y1, y2, y3, ws_ptr, out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N,
-                 HAS_BIAS: gl.constexpr, FUSED: gl.constexpr, MAX_SPLITS: gl.constexpr, L: gl.constexpr):
+                     HAS_BIAS: gl.constexpr, FUSED: gl.constexpr, MAX_SPLITS: gl.constexpr, L: gl.constexpr):
     """Lane (g, t)'s four sums (rows g / g + 8 of the tile, tokens 2t / 2t + 1) into split `split` of the
     [split_k, M, N] fp32 workspace; FUSED: the tile's last program adds the splits in order (+ bias) into
     out (split_k.store_split's protocol)."""
