@@ -54,12 +54,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
-from deepserve.kernels.mma_gemv_common import TILE_ROWS, is_hopper, split4, split8, split16, store_tile_split
-from deepserve.kernels.split_k import MAX_SPLIT_K, fused_sum, sm_count, sum_splits
+from deepserve.kernels.mma_gemv_common import (
+    TILE_ROWS,
+    activations_fit,
+    is_hopper,
+    split4,
+    split8,
+    split16,
+    split_count,
+    store_tile_split,
+)
+from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
 
 ROWS = gl.constexpr(TILE_ROWS)
 BLOCK_K = 128  # K must be a multiple of this (every round whole; DeepSeek's scale blocks are 128 wide)
-MAX_TOKENS = 8  # mma.m16n8k16's N
 INTERPRET = envs.TRITON_INTERPRET  # read once, at import
 
 
@@ -235,24 +243,22 @@ def mma_gemv_supported(x: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int
     """Whether fp8_mma_gemv takes this product: 1-8 tokens of bf16 / fp16 with 16-byte aligned rows on a Hopper
     GPU (not under Triton's interpreter), a contiguous e4m3 weight with K a multiple of 128, and block scales
     (if any) whose blocks hold whole 16-row tiles and whole 128-input rounds."""
-    if INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    if INTERPRET or not activations_fit(x):
         return False
-    if not 1 <= x.shape[0] <= MAX_TOKENS or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        return False
-    (n, k) = w_q.shape
     if w_q.dtype != torch.float8_e4m3fn or w_q.stride(1) != 1 or w_q.stride(0) % 16 or w_q.data_ptr() % 16:
         return False
-    if block is not None and (block[0] % TILE_ROWS or block[1] % BLOCK_K):
-        return False
-    return k % BLOCK_K == 0 and k > 0 and n > 0 and _is_hopper(x.device)
+    return w_q.shape[0] > 0 and _shape_fits(w_q.shape[1], block) and _is_hopper(x.device)
+
+
+def _shape_fits(k: int, block: tuple[int, int] | None) -> bool:
+    # whole 128-input rounds; a block scale constant over a 16-row tile and a round
+    return k > 0 and k % BLOCK_K == 0 and (block is None or (block[0] % TILE_ROWS == 0 and block[1] % BLOCK_K == 0))
 
 
 def mma_split_count(n: int, k: int, cfg: Fp8MmaGemvConfig, num_sms: int) -> int:
     """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least one
     round a warp, at most split_k.MAX_SPLIT_K; rounded so no split is empty."""
-    rounds, tiles = k // (16 * cfg.words), triton.cdiv(n, TILE_ROWS)
-    want = max(1, min(triton.cdiv(cfg.programs_per_sm * num_sms, tiles), rounds // cfg.num_warps or 1, MAX_SPLIT_K))
-    return triton.cdiv(rounds, triton.cdiv(rounds, want))
+    return split_count(k // (16 * cfg.words), n, cfg.num_warps, cfg.programs_per_sm, num_sms)
 
 
 def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -263,7 +269,7 @@ def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block:
     (m, k), n = x.shape, w_q.shape[0]
     if cfg.words not in (4, 8):
         raise ValueError(f"fp8 mma gemv: words must be 4 or 8, got {cfg.words}")
-    if k % BLOCK_K or k == 0 or (block is not None and (block[0] % TILE_ROWS or block[1] % BLOCK_K)):
+    if not _shape_fits(k, block):
         raise ValueError(f"fp8 mma gemv: K must be a multiple of {BLOCK_K} and scale blocks whole 16-row tiles and "
                          f"{BLOCK_K}-input rounds, got K {k}, block {block}")
     want = (n,) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))

@@ -55,13 +55,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
-from deepserve.kernels.mma_gemv_common import TILE_ROWS, is_hopper, split4, split16, store_tile_split
-from deepserve.kernels.split_k import MAX_SPLIT_K, fused_sum, sm_count, sum_splits
+from deepserve.kernels.mma_gemv_common import (
+    TILE_ROWS,
+    activations_fit,
+    is_hopper,
+    split4,
+    split16,
+    split_count,
+    store_tile_split,
+)
+from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
 
 BLOCK_INPUTS = 128  # inputs a block (16 words of 8 codes); a program's output rows: one mma tile (TILE_ROWS)
 ROWS = gl.constexpr(TILE_ROWS)  # TILE_ROWS, for the kernels
 KB = gl.constexpr(BLOCK_INPUTS)
-MAX_TOKENS = 8  # mma.m16n8k16's N
 INTERPRET = envs.TRITON_INTERPRET  # read once, at import
 
 
@@ -244,9 +251,7 @@ def mma_gemv_supported(x, bits: int, group: int, g_idx, k: int) -> bool:
     """Whether w4a16_mma_gemv takes this product: 1-8 tokens of bf16 / fp16 on a Hopper GPU (not under
     Triton's interpreter), 4-bit codes, no act order, groups and K multiples of 128, x's rows 16-byte aligned
     (it is read as int32 pairs, 16 bytes a load)."""
-    if INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if not 1 <= x.shape[0] <= MAX_TOKENS or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if INTERPRET or not activations_fit(x):
         return False
     return _is_hopper(x.device) and bits == 4 and g_idx is None and group % BLOCK_INPUTS == 0 and \
         k % BLOCK_INPUTS == 0
@@ -280,9 +285,7 @@ def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int
     """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least
     one 128-input block a warp, at most split_k.MAX_SPLIT_K (the fused sum unrolls over them); rounded so no
     split is empty."""
-    blocks, tiles = k // BLOCK_INPUTS, triton.cdiv(n, TILE_ROWS)
-    want = max(1, min(triton.cdiv(cfg.programs_per_sm * num_sms, tiles), blocks // cfg.num_warps or 1, MAX_SPLIT_K))
-    return triton.cdiv(blocks, triton.cdiv(blocks, want))
+    return split_count(k // BLOCK_INPUTS, n, cfg.num_warps, cfg.programs_per_sm, num_sms)
 
 
 def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

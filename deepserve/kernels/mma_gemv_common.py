@@ -9,10 +9,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from deepserve.kernels.split_k import MAX_SPLIT_K
+
 TILE_ROWS = 16  # output rows of one mma tile
+MAX_TOKENS = 8  # mma.m16n8k16's N: token columns a launch
 ROWS = gl.constexpr(TILE_ROWS)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
 
@@ -109,3 +113,19 @@ def _fence_gpu(anchor):
 def is_hopper(device: torch.device) -> bool:
     # sub.bf16x2 needs sm_90; measured on the H200 only, so newer GPUs keep the other kernels for now
     return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def activations_fit(x: torch.Tensor) -> bool:
+    """What both GEMVs need of x [M, K]: 1-8 tokens of bf16 / fp16 on CUDA, rows contiguous and 16-byte aligned
+    (read as int32 pairs, 16 bytes a load)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 1 <= x.shape[0] <= MAX_TOKENS and \
+        x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+def split_count(rounds: int, n: int, num_warps: int, programs_per_sm: int, num_sms: int) -> int:
+    """Splits of a weight's `rounds` K steps so the programs (one a 16-row tile and split) come to about
+    programs_per_sm an SM, each split keeping at least one round a warp, at most split_k.MAX_SPLIT_K (the fused
+    sum unrolls over them); rounded so no split is empty."""
+    tiles = triton.cdiv(n, TILE_ROWS)
+    want = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), rounds // num_warps or 1, MAX_SPLIT_K))
+    return triton.cdiv(rounds, triton.cdiv(rounds, want))
