@@ -91,6 +91,11 @@ class LaunchConfig:
     # (the FP8 defaults): e4m3 -> fp16 is one conversion instruction per two values on sm_90 (bf16 is
     # not), with the queries (saturated to fp16's range) and the probabilities cast to fp16 too.
     fp8_widen: str = "query"
+    # MLA only: load the value tile (the latent rows the key tile holds already) a second time, from L2.
+    # Over an FP8 cache Triton 3.6 pipelines a tile through cp.async only when its one use is a dot; the
+    # shared tile feeds two dots, so it is loaded synchronously each iteration (sm_90 SASS: 2 LDGSTS in
+    # the kernel against 50 with the reload). A bf16 cache's tile pipelines either way.
+    reload_values: bool = False
 
 
 def default_gqa_config(group: int, dtype: torch.dtype, kv_fp8: bool = False) -> LaunchConfig:
@@ -111,14 +116,15 @@ def default_gqa_config(group: int, dtype: torch.dtype, kv_fp8: bool = False) -> 
 def default_mla_config(num_heads: int, kv_fp8: bool = False) -> LaunchConfig:
     # The [block_h, R] fp32 accumulator is what limits the head tile: 32 x 512 needs 8 warps.
     # FP8 caches widen their codes to fp16 (H200, every case of check_kernels --kv-dtype fp8 faster than
-    # widening to bf16: V2-Lite B=256 L=1,024 146 against 162 us; V3 B=64 L=1,024 248 with 32-key
-    # tiles against 479 with the bf16 cache's 16-key tiles widened to bf16, and 324 for a bf16 cache).
+    # widening to bf16: V2-Lite B=256 L=1,024 146 against 162 us) and load the value tile on its own
+    # (reload_values; H200, 2026-12-03: V2-Lite B=256 L=1,024 123 against 147 us, V3 B=256 L=2,048 1,780
+    # against 1,880 with 16-head tiles, the best of the tiles timed at every V3 shape of 64 and 256 sequences).
+    if kv_fp8:
+        return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16", reload_values=True)
     if num_heads <= 16:
         # 32-token tiles: measured faster than 16 in every V2-Lite case of bench/check_kernels.py on the
         # H200 (batch 1 to 256, 1k and 2k tokens; e.g. 114 vs 147 us at batch 256 x 1,024).
-        return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16" if kv_fp8 else "query")
-    if kv_fp8:
-        return LaunchConfig(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16")
+        return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2)
     return LaunchConfig(block_n=16, block_h=32, num_warps=8, num_stages=2)  # 128 registers, 55 KiB
 
 
@@ -311,6 +317,7 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
+    RELOAD_VALUES: tl.constexpr,
 ):
     # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
     # sharing a sequence run side by side and the latent rows they all read come from L2.
@@ -346,9 +353,15 @@ def _mla_decode_kernel(
                        mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]: key and value
         k_pe = tl.load(cache_ptr + row[:, None] + RANK + offs_p[None, :],
                        mask=valid[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
-        if KV_FP8:  # exact widening to the queries' dtype
+        v_kv = c_kv  # the values are the keys' first RANK columns
+        if RELOAD_VALUES:  # a second load of the same rows (from L2), feeding only the value dot; the
+            # cache modifier keeps it a load of its own (identical loads are merged into one)
+            v_kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :],
+                           mask=valid[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
+        if KV_FP8:  # exact widening to the queries' dtype (fp16 when WIDEN_F16)
             c_kv = c_kv.to(q_lat.dtype)
             k_pe = k_pe.to(q_lat.dtype)
+            v_kv = v_kv.to(q_lat.dtype)
         scores = _mma(q_lat, tl.trans(c_kv), None, DOT_PRECISION, DOT_UPCAST)
         scores = _mma(q_pe, tl.trans(k_pe), scores, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_H, BLOCK_N]
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
@@ -356,7 +369,7 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _mma(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        acc = _mma(p.to(v_kv.dtype), v_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     if KV_FP8:  # the values (c_kv) carry the same scale
@@ -582,7 +595,8 @@ def paged_mla_decode_attention(
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
         **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8,
-        WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), RELOAD_VALUES=cfg.reload_values,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

@@ -7,6 +7,8 @@ wrongly, so there the store rounds first (kernels/fp8.py's helper); the bytes mu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -107,14 +109,20 @@ def test_decode_fp8_matches_reference(heads, kv_heads, dtype, num_splits):
     assert rel_err(ref, tpa.paged_decode_attention_ref(query.float(), deq, table, seq_lens, sm_scale)) < 1e-2
 
 
-@pytest.mark.parametrize("heads,dtype,num_splits", [(16, torch.float32, None), (20, torch.bfloat16, 3)])
-def test_mla_decode_fp8_matches_reference(heads, dtype, num_splits):
+MLA_FP8_TILES = {"values reloaded": {}, "one load": {"reload_values": False}}
+
+
+@pytest.mark.parametrize("heads,dtype,num_splits", [(16, torch.float32, None), (16, torch.bfloat16, 2),
+                                                     (20, torch.bfloat16, 3)])
+@pytest.mark.parametrize("tiles", MLA_FP8_TILES)
+def test_mla_decode_fp8_matches_reference(heads, dtype, num_splits, tiles):
     q_latent, q_rope, cache, table, seq_lens, lens = make_mla(5, heads, 64, 32, 16, 60, dtype, seed=heads)
     cache8 = to_fp8(cache.float(), LATENT_SCALE)
     sm_scale = (128 + 32) ** -0.5
     out = torch.full_like(q_latent, float("nan"))
     tpa.paged_mla_decode_attention(q_latent, q_rope, cache8, table, seq_lens, sm_scale, max(lens), out=out,
-                                   num_splits=num_splits, kv_scale=scale(LATENT_SCALE))
+                                   num_splits=num_splits, kv_scale=scale(LATENT_SCALE),
+                                   config=replace(tpa.default_mla_config(heads, kv_fp8=True), **MLA_FP8_TILES[tiles]))
     ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache8, table, seq_lens, sm_scale, LATENT_SCALE)
     assert rel_err(out, ref) < TOLERANCE[dtype]
     assert (out[[b for b, n in enumerate(lens) if n == 0]] == 0).all()
@@ -129,13 +137,13 @@ def test_engine_references_read_fp8_as_the_dequantized_cache():
     deq = torch.stack([dequantize_kv(kv8[0], K_SCALE, torch.float32), dequantize_kv(kv8[1], V_SCALE, torch.float32)])
     num_new = [2, 3, 5]
     layout = PagedLayout(table, 16, [0, 2, 5, 10], [40, 21, 5])
-    q = torch.randn(sum(num_new), 4, 64)
-    k, v = torch.randn(sum(num_new), 2, 64), torch.randn(sum(num_new), 2, 64)
+    q = torch.randn(sum(num_new), 4, 64, device=DEVICE)  # make_decode's tensors are on DEVICE
+    k, v = torch.randn(sum(num_new), 2, 64, device=DEVICE), torch.randn(sum(num_new), 2, 64, device=DEVICE)
     got = paged_attention_ref(q, k, v, kv8, layout, 0.125, k_scale=scale(K_SCALE), v_scale=scale(V_SCALE))
     torch.testing.assert_close(got, paged_attention_ref(q, k, v, deq, layout, 0.125), rtol=0, atol=0)
-    latent = torch.randn(8, 16, 48)
+    latent = torch.randn(8, 16, 48, device=DEVICE)
     latent8 = to_fp8(latent, LATENT_SCALE)
-    q_lat, q_pe = torch.randn(10, 4, 32), torch.randn(10, 4, 16)
+    q_lat, q_pe = torch.randn(10, 4, 32, device=DEVICE), torch.randn(10, 4, 16, device=DEVICE)
     got = mla_attention_ref(q_lat, q_pe, latent8, layout, 0.2, scale(LATENT_SCALE))
     want = mla_attention_ref(q_lat, q_pe, dequantize_kv(latent8, LATENT_SCALE, torch.float32), layout, 0.2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

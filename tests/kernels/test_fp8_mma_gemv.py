@@ -17,6 +17,7 @@ from deepserve.kernels import fp8_mma_gemv
 from deepserve.kernels import fp8_ref as ref
 from deepserve.kernels.fp8_mma_ref import fp8_mma_gemv_replay
 from deepserve.kernels.ptx_replay import run_block_asm
+from tests.kernels.triton_setup import DEVICE
 
 FP8 = torch.float8_e4m3fn
 
@@ -174,14 +175,15 @@ def test_fp8_linears_take_it_up_to_its_token_limit(monkeypatch):
     monkeypatch.setattr(fp8, "fp8_mma_gemv", lambda x2, w_q, s, block, bias: taken.append((x2.shape[0], block))
                         or x2.new_zeros(x2.shape[0], w_q.shape[0]))
     monkeypatch.setattr(fp8, "MMA_GEMV_MAX_M", 8)
-    w_q, scale = channel_weight(16, 128, seed=0)
-    wb, sb = block_weight(16, 128, (128, 128), seed=0)
+    # On the test device: 9 tokens run the other kernels for real (compiled on a GPU, interpreted on a CPU).
+    w_q, scale = (t.to(DEVICE) for t in channel_weight(16, 128, seed=0))
+    wb, sb = (t.to(DEVICE) for t in block_weight(16, 128, (128, 128), seed=0))
     for m in (1, 8, 9):
-        fp8.channel_fp8_cuda(torch.randn(m, 128), w_q, scale)
-        fp8.block_fp8_linear(torch.randn(m, 128), wb, sb, (128, 128))
+        fp8.channel_fp8_cuda(torch.randn(m, 128, device=DEVICE), w_q, scale)
+        fp8.block_fp8_linear(torch.randn(m, 128, device=DEVICE), wb, sb, (128, 128))
     assert taken == [(1, None), (1, (128, 128)), (8, None), (8, (128, 128))]  # 9 tokens: the other kernels
     monkeypatch.setattr(fp8, "MMA_GEMV_MAX_M", 0)
-    fp8.channel_fp8_cuda(torch.randn(1, 128), w_q, scale)
+    fp8.channel_fp8_cuda(torch.randn(1, 128, device=DEVICE), w_q, scale)
     assert len(taken) == 4
 
 
