@@ -84,8 +84,9 @@ FP8_GQA_VARIANTS = {
             "f16-n128-w8": LC(block_n=128, block_h=16, num_warps=8, num_stages=3, fp8_widen="fp16")}
     for group in (1, 7)
 }
-FP8_MLA_VARIANTS = {  # the default: 16-head tiles of 32 keys, 4 warps, the value tile loaded on its own
+FP8_MLA_VARIANTS = {  # the defaults: tpa.default_mla_config (the reload; 64-key tiles, one load, at 1-4 sequences)
     16: {"one-load": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16"),
+         "rv": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16", reload_values=True),
          "n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16"),
          "rv-s3": LC(block_n=32, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16", reload_values=True),
          "rv-n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16", reload_values=True)},
@@ -256,7 +257,7 @@ def mla_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache, tables[0], seq_lens, scale, **fp8)
     nbytes = kv_bytes + 2 * (q_latent.numel() + q_rope.numel() + q_latent.numel())
     out = torch.empty_like(q_latent)
-    default_cfg = tpa.default_mla_config(heads, bool(scales))
+    default_cfg = tpa.default_mla_config(heads, bool(scales), batch)
     tiles = -(-heads // default_cfg.block_h)
     default_splits = tpa._num_splits(batch * tiles, bound, default_cfg.block_n, None, tpa.MLA_TARGET_PROGRAMS)
     rows = []

@@ -74,6 +74,7 @@ MERGE_TILE = 2048
 # programs; at B=16 (256 pairs) one 512-wide program per pair, as more programs there only add waves
 # (H200, V3 B=16: 4 x 2048 programs of 128 features took 24 us, 2048 of 512 features 4 us).
 MERGE_TARGET_PROGRAMS = 2 * NUM_SMS
+FP8_MLA_SMALL_BATCH = 4  # default_mla_config: up to this many sequences, other tiles over an FP8 cache
 MERGE_MIN_BLOCK_D = 128
 
 
@@ -113,12 +114,16 @@ def default_gqa_config(group: int, dtype: torch.dtype, kv_fp8: bool = False) -> 
     return LaunchConfig(block_n=64, block_h=block_h, num_warps=4, num_stages=2)
 
 
-def default_mla_config(num_heads: int, kv_fp8: bool = False) -> LaunchConfig:
+def default_mla_config(num_heads: int, kv_fp8: bool = False, batch: int | None = None) -> LaunchConfig:
     # The [block_h, R] fp32 accumulator is what limits the head tile: 32 x 512 needs 8 warps.
     # FP8 caches widen their codes to fp16 (H200, every case of check_kernels --kv-dtype fp8 faster than
     # widening to bf16: V2-Lite B=256 L=1,024 146 against 162 us) and load the value tile on its own
     # (reload_values; H200, 2026-12-03: V2-Lite B=256 L=1,024 123 against 147 us, V3 B=256 L=2,048 1,780
     # against 1,880 with 16-head tiles, the best of the tiles timed at every V3 shape of 64 and 256 sequences).
+    # At 1-4 sequences of <= 16 heads (split-K programs of few tiles each) 64-key tiles of 8 warps with one
+    # load were faster: V2-Lite 1 x 1,024 8.9 against 10.1 us, 1 x 4,096 11.3 against 14.9 (bf16 cache 8.1 / 12.0).
+    if kv_fp8 and num_heads <= 16 and batch is not None and batch <= FP8_MLA_SMALL_BATCH:
+        return LaunchConfig(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16")
     if kv_fp8:
         return LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16", reload_values=True)
     if num_heads <= 16:
@@ -580,7 +585,7 @@ def paged_mla_decode_attention(
              "the feature axis must be contiguous")
     _check_paged(block_tables, seq_lens, batch)
     out = _check_out(out, q_latent)
-    cfg = config or default_mla_config(heads, latent_cache.dtype == FP8)
+    cfg = config or default_mla_config(heads, latent_cache.dtype == FP8, batch)
     _require(cfg.block_h >= 16, "config.block_h must be >= 16 (tl.dot)")
     head_tiles = triton.cdiv(heads, cfg.block_h)
     splits = _num_splits(batch * head_tiles, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,

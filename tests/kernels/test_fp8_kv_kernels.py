@@ -109,7 +109,17 @@ def test_decode_fp8_matches_reference(heads, kv_heads, dtype, num_splits):
     assert rel_err(ref, tpa.paged_decode_attention_ref(query.float(), deq, table, seq_lens, sm_scale)) < 1e-2
 
 
-MLA_FP8_TILES = {"values reloaded": {}, "one load": {"reload_values": False}}
+MLA_FP8_TILES = {"values reloaded": {}, "one load": {"reload_values": False},
+                 "64-key tiles, one load": {"block_n": 64, "num_warps": 8, "reload_values": False}}
+
+
+def test_fp8_mla_tiles_by_batch():
+    # the reload from 5 sequences on, and for more than 16 heads; 64-key one-load tiles at 1-4 of <= 16 heads
+    assert tpa.default_mla_config(16, True).reload_values and tpa.default_mla_config(128, True, 1).reload_values
+    small = tpa.default_mla_config(16, True, tpa.FP8_MLA_SMALL_BATCH)
+    assert (small.block_n, small.num_warps, small.reload_values) == (64, 8, False)
+    assert tpa.default_mla_config(16, True, tpa.FP8_MLA_SMALL_BATCH + 1).reload_values
+    assert not tpa.default_mla_config(16, False, 1).reload_values  # a bf16 cache's tiles are unchanged
 
 
 @pytest.mark.parametrize("heads,dtype,num_splits", [(16, torch.float32, None), (16, torch.bfloat16, 2),
