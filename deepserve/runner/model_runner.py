@@ -22,6 +22,7 @@ from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
+from deepserve.layers.quantization import quantize_after_loading
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
 from deepserve.layers.sampling_metadata import PenaltyHistory, bitmask_tensor
@@ -164,6 +165,9 @@ class ModelRunner:
                     f"speculative_config.method {config.speculative.method!r}: the checkpoint {what} although "
                     f"its config says num_nextn_predict_layers={config.model.hf_config.num_nextn_predict_layers}"
                     "; use method 'ngram'")
+        # As load_model does for the main model: `--quantization fp8` turns the module's linears to FP8 now,
+        # int4 linears take the Hopper GEMV's tiled layout (without it the draft ran in the checkpoint's form).
+        quantize_after_loading(mtp)
         mtp.eval()
         return MtpDrafter(self.model, config.speculative.num_speculative_tokens, self.block_size,
                           config.model.max_model_len, self.device)

@@ -18,6 +18,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Mode
 from deepserve import LLM, SamplingParams
 from deepserve.config import EngineArgs
 from deepserve.engine.request import ScheduledRequest, SchedulerOutput
+from deepserve.layers.linear import LinearBase
+from deepserve.layers.moe import RoutedExperts
 from deepserve.runner.model_runner import ModelRunner
 from tests.conftest import save_checkpoint
 from tests.models.test_deepseek import COMMON, PROMPTS, VARIANTS, make_hf_model, with_blocks
@@ -124,6 +126,26 @@ def test_drafts_equal_a_reference_from_transformers_parts(random_mtp):
                                                                                              strict=True)]))
     for prompt, tokens, drafts in zip(PROMPTS, result.sampled, result.draft_token_ids, strict=True):
         assert drafts == reference_drafts(hf_model, tensors, prompt, tokens[0])
+
+
+def test_the_draft_is_quantized_with_the_model(random_mtp):
+    # `--quantization fp8` on an unquantized checkpoint: the MTP module's linears turn FP8 at load like the
+    # main model's (they stayed in the checkpoint's dtype before), and the draft still runs
+    path, _, _ = random_mtp
+    runner = ModelRunner(EngineArgs(model=path, dtype="float32", device="cpu", quantization="fp8",
+                                    speculative_config=mtp(2)).create_engine_config())
+    quantizable = [m for m in runner.model.mtp.modules()
+                   if getattr(getattr(m, "quant", None), "quantize_at_load", False)]
+    linears = [m for m in quantizable if isinstance(m, LinearBase)]
+    experts = [m for m in quantizable if isinstance(m, RoutedExperts)]
+    assert linears and experts
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale is not None for m in linears)
+    assert all(m.w13.dtype == m.w2.dtype == torch.float8_e4m3fn for m in experts)
+    runner.allocate_kv_cache(64)
+    requests = with_blocks(runner, PROMPTS)
+    result = runner.execute(SchedulerOutput([ScheduledRequest(r, len(p), 0) for r, p in zip(requests, PROMPTS,
+                                                                                             strict=True)]))
+    assert [len(d) for d in result.draft_token_ids] == [2] * len(PROMPTS)
 
 
 SETTINGS = {
