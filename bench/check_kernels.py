@@ -208,10 +208,7 @@ def gqa_case(model: str, batch: int, seq_len: int, bound: int, device: torch.dev
     default_splits = tpa._num_splits(batch * kv_heads, bound, default_cfg.block_n, None, tpa.GQA_TARGET_PROGRAMS)
     rows = []
     configs = (FP8_GQA_VARIANTS if scales else GQA_VARIANTS).get(group, {})
-    options = variant_options(configs, batch, default_splits, variants)
-    if default_splits > 1:  # the default tiles with the split merge in the decode kernel (and without)
-        options |= {"fused-merge": {"fused_merge": True}, "merge-kernel": {"fused_merge": False}}
-    for name, kw in options.items():
+    for name, kw in variant_options(configs, batch, default_splits, variants).items():
         cfg = kw.get("config") or default_cfg
         splits = tpa._num_splits(batch * kv_heads, bound, cfg.block_n, kw.get("num_splits"), tpa.GQA_TARGET_PROGRAMS)
         row = Row("decode", model, batch, seq_len, name, bound, timing_name(device), f"{cfg} splits={splits}")

@@ -106,11 +106,6 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                     "kernel; the same sum, bit for bit; 0: the second kernel. On one H200 a "
                                     "one-token step of DeepSeek-LLM-7B -q fp8 took 2.95 ms of graph replay with "
                                     "it, 3.14 without"),
-    "DEEPSERVE_DECODE_FUSED_MERGE": (_flag("DEEPSERVE_DECODE_FUSED_MERGE", False),
-                                     "the MHA/GQA decode kernel merges its split-K partials in the program that "
-                                     "finishes each (sequence, kv head) (kernels/triton_paged_attention.py) "
-                                     "instead of a second kernel. Off by default: not yet timed on a GPU; 1 turns "
-                                     "it on"),
     "DEEPSERVE_FUSED_ROPE_KV_STORE": (_flag("DEEPSERVE_FUSED_ROPE_KV_STORE", True),
                                       "MHA/GQA layers (Llama, Qwen2, DeepSeek-LLM) rotate q and k and store k and v "
                                       "in the KV cache in one launch on GPUs (kernels/rope_kv_store.py) instead of "

@@ -89,14 +89,12 @@ def _sum_splits_kernel(ws_ptr, out_ptr, bias_ptr, numel, N, split_k, HAS_BIAS: t
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def tile_locks(device: torch.device, tiles: int, enabled: bool = FUSED_SUM) -> torch.Tensor | None:
+def tile_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's int32 tile counters (all 0 between launches) for a fused split sum over `tiles` output
-    tiles, or None: the fused sum is off (`enabled`: the GEMVs' switch unless the caller has its own), the
-    tiles exceed LOCK_SLOTS, or the counters would first be made inside a CUDA-graph capture (the warm-up
-    forward before each capture makes them; a capture that came first falls back to sum_splits rather than
-    allocate from the graph's pool). Also the decode attention's fused merge (kernels/triton_paged_attention):
-    every user leaves its counters at 0, and all run on one stream."""
-    if not enabled or tiles > LOCK_SLOTS:
+    tiles, or None: the fused sum is off, the tiles exceed LOCK_SLOTS, or the counters would first be made
+    inside a CUDA-graph capture (the warm-up forward before each capture makes them; a capture that came
+    first falls back to sum_splits rather than allocate from the graph's pool)."""
+    if not FUSED_SUM or tiles > LOCK_SLOTS:
         return None
     if device.type == "cuda" and device.index is None:  # one key per GPU, however the device was named
         device = torch.device("cuda", torch.cuda.current_device())
@@ -134,11 +132,11 @@ def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, spli
     slice_size = M.to(tl.int64) * N
     tl.store(ws_ptr + split * slice_size + offsets, acc, mask=mask)
     if FUSED:
-        fence_gpu(split, INTERPRETED)  # each thread's stores before the count (the producer's fence)
+        _fence_gpu(split, INTERPRETED)  # each thread's stores before the count (the producer's fence)
         tl.debug_barrier()  # every thread's partial stored before the one counting atomic
         arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:  # the other split_k - 1 partials are in memory
-            fence_gpu(split, INTERPRETED)
+            _fence_gpu(split, INTERPRETED)
             total = tl.zeros_like(acc)
             for s in tl.static_range(MAX_SPLITS):  # L2 reads (.cg): this SM's L1 may hold an older launch's lines
                 live = mask & ((offsets * 0 + s) < split_k)  # as a tensor: a mask must be one
@@ -151,7 +149,7 @@ def store_split(ws_ptr, out_ptr, bias_ptr, lock_ptr, acc, tile, rows, cols, spli
 
 
 @triton.jit
-def fence_gpu(anchor, INTERPRETED: tl.constexpr):
+def _fence_gpu(anchor, INTERPRETED: tl.constexpr):
     # fence.acq_rel.gpu in every thread (a scalar op runs in each); `anchor` only gives the asm an operand.
     if not INTERPRETED:
         tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=tl.int32,

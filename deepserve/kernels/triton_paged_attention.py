@@ -19,8 +19,7 @@ Every program writes its log2-sum-exp; a split that got no key (past seq_len_b, 
 writes lse -inf and no partial output. `_merge_splits_kernel` weighs the partial outputs by
 2^(lse - max lse), stops after the last split with keys and drops (selects away, never multiplies) the
 unwritten output of any split with lse -inf, so torch.empty partials are safe and a row whose splits
-are all empty merges to zeros, never NaN. With DEEPSERVE_DECODE_FUSED_MERGE (MHA/GQA only) the last
-program of each sequence's kv head to finish does that merge instead (`_merge_if_last`).
+are all empty merges to zeros, never NaN.
 
 FP8 caches (float8_e4m3fn, --kv-cache-dtype fp8): the stores write value / scale saturated to ±448; the
 decode kernels widen each loaded tile to the query's dtype (exact: every e4m3 value is a bf16 value),
@@ -43,15 +42,12 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels import split_k
 from deepserve.kernels.fp8 import _round_to_e4m3  # the interpreter's fp32 -> e4m3 rounding, corrected
 from deepserve.kernels.fp8_ref import FP8
 from deepserve.kernels.paged_attention import KVScale, dequantize_kv, quantize_kv
-from deepserve.kernels.split_k import fence_gpu
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
-FUSED_MERGE = envs.DEEPSERVE_DECODE_FUSED_MERGE  # _merge_if_last; read once, like INTERPRET
 
 LOG2E = 1.4426950408889634
 # Split-K heuristic for the H200 (132 SMs), tuned with CUDA-graph replays (bench/check_kernels.py).
@@ -162,13 +158,12 @@ if INTERPRET:
 @triton.jit
 def _gqa_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    lock_ptr, qk_scale, num_heads,
+    qk_scale, num_heads,
     stride_qb, stride_qh, stride_kv, stride_blk, stride_tok, stride_head, stride_bt,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MAX_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
@@ -225,46 +220,10 @@ def _gqa_decode_kernel(
 
     if KV_FP8:  # v = fp8 * v_scale: the output (and each split's partial) is linear in v
         acc = acc * tl.load(v_scale_ptr)
-    out_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
-    part_ptrs = part_out_ptr + b * stride_pb + head[:, None] * stride_ph + offs_d[None, :]  # split 0's
-    lse_ptrs = part_lse_ptr + (b * num_heads + head) * tl.num_programs(2)  # split 0's
-    mask = g_mask[:, None] & d_mask[None, :]
-    _store_result(acc, m_i, l_i, out_ptrs, part_ptrs + s * stride_ps, lse_ptrs + s, mask, g_mask, SPLIT)
-    if SPLIT and FUSED_MERGE:
-        _merge_if_last(out_ptrs, part_ptrs, lse_ptrs, lock_ptr + b * tl.num_programs(1) + kvh, s,
-                       tl.num_programs(2), stride_ps, mask, g_mask, BLOCK_G, MAX_SPLITS, INTERPRETED)
-
-
-@triton.jit
-def _merge_if_last(out_ptrs, part_ptrs, lse_ptrs, lock_ptr, s, num_splits, stride_ps, mask, row_mask,
-                   ROWS: tl.constexpr, MAX_SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
-    # The fused merge (DEEPSERVE_DECODE_FUSED_MERGE): after storing its partial, each split's program
-    # counts itself in its (sequence, kv head)'s counter; the one that brings it to num_splits (every
-    # other partial is in memory then: each program fences before it counts, as split_k.store_split's
-    # programs do) merges all of them as _merge_splits_kernel does and puts the counter back to 0 for the
-    # next launch or graph replay. MAX_SPLITS >= num_splits: the loop over splits is unrolled, so its loads
-    # are in flight together (L2 reads, .cg: this SM's L1 may hold an older launch's lines).
-    fence_gpu(s, INTERPRETED)
-    tl.debug_barrier()  # every thread's stores before the one counting atomic
-    arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        fence_gpu(s, INTERPRETED)
-        offs_s = tl.arange(0, MAX_SPLITS)
-        lse = tl.load(lse_ptrs[:, None] + offs_s[None, :], mask=row_mask[:, None] & (offs_s < num_splits)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")  # [ROWS, MAX_SPLITS]
-        m = tl.max(lse, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a row whose splits are all empty: weights 0, output 0
-        w = tl.exp2(lse - m[:, None])  # 0 for the empty splits (lse -inf)
-        total = tl.sum(w, axis=1)
-        acc = tl.zeros(mask.shape, tl.float32)
-        for i in tl.static_range(MAX_SPLITS):
-            w_i = tl.sum(tl.where(offs_s[None, :] == i, w, 0.0), axis=1)  # [ROWS]: split i's weight
-            live = mask & (w_i > 0)[:, None]  # an empty split's output was never written: not read
-            o = tl.load(part_ptrs + i * stride_ps, mask=live, other=0.0, cache_modifier=".cg")
-            acc += tl.where(live, w_i[:, None] * o, 0.0)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(lock_ptr, 0)
+    _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                  part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_d[None, :],
+                  part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
+                  g_mask[:, None] & d_mask[None, :], g_mask, SPLIT)
 
 
 @triton.jit
@@ -565,7 +524,6 @@ def paged_decode_attention(
     config: LaunchConfig | None = None,  # override of default_gqa_config
     k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one value each
     v_scale: torch.Tensor | None = None,
-    fused_merge: bool | None = None,  # override of DEEPSERVE_DECODE_FUSED_MERGE (benchmarks)
 ) -> torch.Tensor:  # [B, H, D]
     """Decode attention: each sequence's one query (at position seq_len - 1) over its seq_len cached
     keys. Writes every element of `out`; rows with seq_len 0 get zeros."""
@@ -584,21 +542,18 @@ def paged_decode_attention(
     splits = _num_splits(batch * kv_heads, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
                          GQA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, dim, out)
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
-    locks = split_k.tile_locks(out.device, batch * kv_heads, fused) if splits > 1 else None
     _gqa_decode_kernel[(batch, kv_heads, splits)](
-        query, kv_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale, locks,
+        query, kv_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, heads,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
-        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype),
-        FUSED_MERGE=locks is not None, MAX_SPLITS=triton.next_power_of_2(splits) if locks is not None else 1,
-        INTERPRETED=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if splits > 1 and locks is None:
+    if splits > 1:
         _merge(part_out, part_lse, out)
     return out
 

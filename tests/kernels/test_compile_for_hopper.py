@@ -201,11 +201,6 @@ def test_paged_attention_kernels_compile(monkeypatch):
         pa.store_kv_cache(torch.randn(3, 2, 64, dtype=torch.bfloat16), torch.randn(3, 2, 64, dtype=torch.bfloat16),
                           kv8, slots, k_scale, v_scale)
         pa.store_mla_cache(torch.randn(3, 96, dtype=torch.bfloat16), latent8, slots, k_scale)
-        # DEEPSERVE_DECODE_FUSED_MERGE: the decode kernel with the split merge in its last program
-        monkeypatch.setattr(pa, "FUSED_MERGE", True)
-        pa.paged_decode_attention(q, kv, tables, lens, 0.1, max_seq_len=64, num_splits=2)
-        pa.paged_decode_attention(q, kv8, tables, lens, 0.1, max_seq_len=64, num_splits=4, k_scale=k_scale,
-                                  v_scale=v_scale)
 
     kv8, latent8 = kv.to(torch.float8_e4m3fn), latent.to(torch.float8_e4m3fn)
     _compile_all(_record(monkeypatch, pa, run))

@@ -22,7 +22,6 @@ import torch
 from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
 tpa = import_kernels("deepserve.kernels.triton_paged_attention")
-split_k = import_kernels("deepserve.kernels.split_k")
 
 from deepserve.forward_context import AttentionMetadata  # noqa: E402
 from deepserve.kernels.mla_attention import mla_attention_ref  # noqa: E402
@@ -233,40 +232,23 @@ def graph_splits(monkeypatch: pytest.MonkeyPatch, target: str, programs_per_spli
     return splits
 
 
-def fused_merge(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    # DEEPSERVE_DECODE_FUSED_MERGE, as read at import: the last split's program merges instead of a second
-    # kernel (the counters it uses must be back at 0 afterwards: assert_counters_reset)
-    monkeypatch.setattr(tpa, "FUSED_MERGE", on)
-
-
-def assert_counters_reset() -> None:
-    for locks in split_k._tile_locks.values():
-        assert int(locks.count_nonzero()) == 0
-
-
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 7])
-def test_decode_graph_bound_mixed_lengths(group, fused, monkeypatch, nan_partials):
-    fused_merge(monkeypatch, fused)
+def test_decode_graph_bound_mixed_lengths(group, monkeypatch, nan_partials):
     query, kv_cache, table, seq_lens, lens = make_decode(0, group, 1, 64, 16, 0, torch.bfloat16, seed=group,
                                                          lens=GRAPH_LENS)
     graph_splits(monkeypatch, "GQA_TARGET_PROGRAMS", len(lens))
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND)
     assert_split_layout(nan_partials[0], lens, tpa.default_gqa_config(group, torch.bfloat16).block_n)
-    assert_counters_reset()
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("num_splits", [8, 32, 64] if ON_GPU else [8, 64])  # CPU: ~20 ms a program
-def test_decode_forced_splits_one_long_sequence(num_splits, fused, monkeypatch, nan_partials):
+def test_decode_forced_splits_one_long_sequence(num_splits, nan_partials):
     # Batch 1, 1024 keys: fp32 tiles of 32 keys give up to 32 live splits (64: half of them empty); with
     # D 128 the merge takes 16 splits per chunk, so 32 and 64 splits run its chunk loop twice.
-    fused_merge(monkeypatch, fused)
     query, kv_cache, table, seq_lens, lens = make_decode(0, 4, 1, 128, 16, 0, torch.float32, seed=num_splits,
                                                          lens=[1024])
     check_decode(query, kv_cache, table, seq_lens, lens, max_seq_len=GRAPH_BOUND, num_splits=num_splits)
     assert_split_layout(nan_partials[0], lens, tpa.default_gqa_config(4, torch.float32).block_n)
-    assert_counters_reset()
 
 
 def test_decode_strided_query():
