@@ -60,6 +60,9 @@ NUM_SMS = 132
 # the bytes) and do best at about 2 per SM (V2-Lite B=16 L=1024 21 us, 24 us at 4 per SM).
 GQA_TARGET_PROGRAMS = 4 * NUM_SMS
 MLA_TARGET_PROGRAMS = 2 * NUM_SMS
+# default_mla_config over an FP8 cache: up to this many sequences (of <= 16 heads) the 64-key one-load tiles,
+# whose splits hold few tiles each; from the next batch on the reload (H200 figures in default_mla_config).
+FP8_MLA_SMALL_BATCH = 4
 # Host cap on S: S <= max_seq_len / MIN_TOKENS_PER_SPLIT, so an eager step whose longest sequence is
 # short does not launch splits that could only be empty. It binds only when max_seq_len is small: in a
 # CUDA graph (max_seq_len = max_model_len) the occupancy target and MAX_SPLITS decide S.
@@ -74,7 +77,6 @@ MERGE_TILE = 2048
 # programs; at B=16 (256 pairs) one 512-wide program per pair, as more programs there only add waves
 # (H200, V3 B=16: 4 x 2048 programs of 128 features took 24 us, 2048 of 512 features 4 us).
 MERGE_TARGET_PROGRAMS = 2 * NUM_SMS
-FP8_MLA_SMALL_BATCH = 4  # default_mla_config: up to this many sequences, other tiles over an FP8 cache
 MERGE_MIN_BLOCK_D = 128
 
 
@@ -121,7 +123,8 @@ def default_mla_config(num_heads: int, kv_fp8: bool = False, batch: int | None =
     # (reload_values; H200, 2026-12-03: V2-Lite B=256 L=1,024 123 against 147 us, V3 B=256 L=2,048 1,780
     # against 1,880 with 16-head tiles, the best of the tiles timed at every V3 shape of 64 and 256 sequences).
     # At 1-4 sequences of <= 16 heads (split-K programs of few tiles each) 64-key tiles of 8 warps with one
-    # load were faster: V2-Lite 1 x 1,024 8.9 against 10.1 us, 1 x 4,096 11.3 against 14.9 (bf16 cache 8.1 / 12.0).
+    # load were faster: V2-Lite 1 x 1,024 8.9 against 10.1 us, 1 x 4,096 11.3 against 14.9 (bf16 cache 8.1 /
+    # 12.0), 4 x 1,024 10.5 against 11.8; not at 4 x 4,096 (19.2 against 18.8). Not timed for more heads.
     if kv_fp8 and num_heads <= 16 and batch is not None and batch <= FP8_MLA_SMALL_BATCH:
         return LaunchConfig(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16")
     if kv_fp8:
@@ -377,7 +380,7 @@ def _mla_decode_kernel(
         acc = _mma(p.to(v_kv.dtype), v_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
-    if KV_FP8:  # the values (c_kv) carry the same scale
+    if KV_FP8:  # the values (v_kv, the latent's first RANK columns) carry the same scale
         acc = acc * tl.load(kv_scale_ptr)
     _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_r[None, :],
                   part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_r[None, :],

@@ -194,10 +194,13 @@ def test_paged_attention_kernels_compile(monkeypatch):
         pa.paged_mla_decode_attention(torch.randn(2, 4, 64, dtype=torch.bfloat16),
                                       torch.randn(2, 4, 32, dtype=torch.bfloat16), latent8, tables, lens, 0.1,
                                       max_seq_len=64, num_splits=1, kv_scale=k_scale)
-        one_load = pa.LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16")
-        pa.paged_mla_decode_attention(torch.randn(2, 4, 64, dtype=torch.bfloat16),
-                                      torch.randn(2, 4, 32, dtype=torch.bfloat16), latent8, tables, lens, 0.1,
-                                      max_seq_len=64, num_splits=2, kv_scale=k_scale, config=one_load)
+        # the FP8 defaults from 5 sequences on (the value tile reloaded) and the 32-key one-load tiles
+        for reload in (True, False):
+            tiles = pa.LaunchConfig(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16",
+                                    reload_values=reload)
+            pa.paged_mla_decode_attention(torch.randn(2, 4, 64, dtype=torch.bfloat16),
+                                          torch.randn(2, 4, 32, dtype=torch.bfloat16), latent8, tables, lens, 0.1,
+                                          max_seq_len=64, num_splits=2, kv_scale=k_scale, config=tiles)
         pa.store_kv_cache(torch.randn(3, 2, 64, dtype=torch.bfloat16), torch.randn(3, 2, 64, dtype=torch.bfloat16),
                           kv8, slots, k_scale, v_scale)
         pa.store_mla_cache(torch.randn(3, 96, dtype=torch.bfloat16), latent8, slots, k_scale)

@@ -109,7 +109,7 @@ def test_decode_fp8_matches_reference(heads, kv_heads, dtype, num_splits):
     assert rel_err(ref, tpa.paged_decode_attention_ref(query.float(), deq, table, seq_lens, sm_scale)) < 1e-2
 
 
-MLA_FP8_TILES = {"values reloaded": {}, "one load": {"reload_values": False},
+MLA_FP8_TILES = {"values reloaded": {"reload_values": True}, "one load": {"reload_values": False},
                  "64-key tiles, one load": {"block_n": 64, "num_warps": 8, "reload_values": False}}
 
 
@@ -120,6 +120,22 @@ def test_fp8_mla_tiles_by_batch():
     assert (small.block_n, small.num_warps, small.reload_values) == (64, 8, False)
     assert tpa.default_mla_config(16, True, tpa.FP8_MLA_SMALL_BATCH + 1).reload_values
     assert not tpa.default_mla_config(16, False, 1).reload_values  # a bf16 cache's tiles are unchanged
+
+
+@pytest.mark.parametrize("batch", [tpa.FP8_MLA_SMALL_BATCH, tpa.FP8_MLA_SMALL_BATCH + 1])
+def test_the_decode_wrapper_picks_fp8_mla_tiles_by_its_batch(batch, monkeypatch):
+    # paged_mla_decode_attention asks default_mla_config with the batch it launches (a CUDA graph's padded
+    # batch), so eager steps and graph replays of one batch size take the same tiles
+    asked = []
+    original = tpa.default_mla_config
+    monkeypatch.setattr(tpa, "default_mla_config", lambda *args: asked.append(args) or original(*args))
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(batch, 16, 64, 32, 16, 40, torch.bfloat16, seed=9)
+    cache8 = to_fp8(cache.float(), LATENT_SCALE)
+    out = tpa.paged_mla_decode_attention(q_latent, q_rope, cache8, table, seq_lens, 0.1, max(lens),
+                                         kv_scale=scale(LATENT_SCALE))
+    assert asked == [(16, True, batch)]
+    ref = tpa.paged_mla_decode_attention_ref(q_latent, q_rope, cache8, table, seq_lens, 0.1, LATENT_SCALE)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("heads,dtype,num_splits", [(16, torch.float32, None), (16, torch.bfloat16, 2),

@@ -300,6 +300,14 @@ def test_mla_decode_matches_reference(batch, heads, rank, rope, block_size, max_
     assert (out[[b for b, n in enumerate(lens) if n == 0]] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_with_the_value_tile_reloaded_over_a_16_bit_or_fp32_cache(dtype):
+    # reload_values is tuned for FP8 caches; on a cache of the queries' dtype it must still be exact
+    q_latent, q_rope, cache, table, seq_lens, lens = make_mla(3, 16, 64, 32, 16, 50, dtype, seed=31)
+    tiles = dataclasses.replace(tpa.default_mla_config(16), reload_values=True)
+    check_mla(q_latent, q_rope, cache, table, seq_lens, lens, max_seq_len=max(lens), num_splits=2, config=tiles)
+
+
 def check_mla(q_latent, q_rope, cache, table, seq_lens, lens, **kwargs) -> None:
     scale = (128 + q_rope.shape[-1]) ** -0.5
     out = torch.full_like(q_latent, float("nan"))
