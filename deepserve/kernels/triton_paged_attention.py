@@ -361,15 +361,14 @@ def _mla_decode_kernel(
                        mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]: key and value
         k_pe = tl.load(cache_ptr + row[:, None] + RANK + offs_p[None, :],
                        mask=valid[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_P]
-        v_kv = c_kv  # the values are the keys' first RANK columns
-        if RELOAD_VALUES:  # a second load of the same rows (from L2), feeding only the value dot; the
-            # cache modifier keeps it a load of its own (identical loads are merged into one)
-            v_kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :],
-                           mask=valid[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
         if KV_FP8:  # exact widening to the queries' dtype (fp16 when WIDEN_F16)
             c_kv = c_kv.to(q_lat.dtype)
             k_pe = k_pe.to(q_lat.dtype)
-            v_kv = v_kv.to(q_lat.dtype)
+        v_kv = c_kv  # the values are the keys' first RANK columns
+        if RELOAD_VALUES:  # a second load of the same rows (from L2), feeding only the value dot; the
+            # cache modifier keeps it a load of its own (identical loads are merged into one)
+            v_kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
+                           other=0.0, cache_modifier=".cg").to(c_kv.dtype)
         scores = _mma(q_lat, tl.trans(c_kv), None, DOT_PRECISION, DOT_UPCAST)
         scores = _mma(q_pe, tl.trans(k_pe), scores, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_H, BLOCK_N]
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
