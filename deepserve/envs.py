@@ -49,10 +49,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_FP8_CUBLAS_MIN_M": (_float("DEEPSERVE_FP8_CUBLAS_MIN_M", 257),
                                    "FP8 linears with at least this many tokens run torch._scaled_mm (cuBLAS), "
                                    "fewer the Triton kernels; a huge value keeps every call on Triton"),
-    "DEEPSERVE_FP8_CUBLAS_BLOCKWISE": (_flag("DEEPSERVE_FP8_CUBLAS_BLOCKWISE", False),
-                                       "1: block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
-                                       "torch._scaled_mm's block-wise scaling instead of Triton (off: on the H200 "
-                                       "it refused M = 257 and gave wrong results for K = 11008)"),
+    "DEEPSERVE_FP8_CUBLAS_BLOCKWISE": (_flag("DEEPSERVE_FP8_CUBLAS_BLOCKWISE", True),
+                                       "block-scaled FP8 linears with >= DEEPSERVE_FP8_CUBLAS_MIN_M tokens run "
+                                       "torch._scaled_mm's block-wise scaling (cuBLAS) where it computes them "
+                                       "correctly (K a multiple of 512, N of 16; M padded to 4), Triton elsewhere. "
+                                       "Default on: 8192^3 1,309 TFLOP/s against Triton's 891 on the H200; "
+                                       "0 keeps every call on Triton"),
     "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 1),
                                  "FP8 linears with at most this many tokens (up to 16) stream the weight through "
                                  "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8 unless the "

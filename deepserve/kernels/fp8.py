@@ -7,7 +7,9 @@ accumulation. fp8_ref.py fixes the numerics (and is the CPU path); this file mus
                             scaled by its activation and weight factors before it joins the fp32 sum.
                             Hopper's fp8 tensor cores accumulate a dot in reduced precision; a slice of at
                             most 128 before each fp32 promotion keeps that error small (as DeepSeek does).
-  block_fp8_linear          x [..., K] bf16 -> quantize + block_fp8_matmul -> [..., N] in x's dtype.
+  block_fp8_linear          x [..., K] bf16 -> quantize + block_fp8_matmul -> [..., N] in x's dtype; 1-16
+                            tokens the GEMVs (fp8_mma_gemv, fp8_gemv), prefill sizes cuBLAS's block-wise
+                            scaling where it is correct (cublas_blockwise_shape).
   channel_fp8_linear        per-channel weights: torch._scaled_mm with row-wise scales on CUDA.
 
 No wrapper reads a device value on the host, so every call can be captured in a CUDA graph.
@@ -83,58 +85,82 @@ def _require(ok: bool, message: str) -> None:
 # --- activation quantization -------------------------------------------------------------------------
 
 
-def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_group(x: torch.Tensor, group: int,
+                             cublas_layout: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (fp32/fp16/bf16, last dim contiguous) -> (x_q [M, K] fp8, scale [M, ceil(K/group)] fp32),
     x ~= x_q * scale per group of `group` columns, the last group possibly partial; group == K gives
-    one scale per token. Equal to quantize_per_token_group_ref bit for bit."""
+    one scale per token. Equal to quantize_per_token_group_ref bit for bit.
+    cublas_layout: what cuBLAS's block-wise scaling takes (torch._scaled_mm refuses M % 4 != 0 and wants the
+    scales token-fastest): M rounded up to a multiple of 4, the added rows all zero codes (their scales
+    AMAX_FLOOR / FP8_MAX), scale [M4, G] with strides (1, M4)."""
     _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
     _require(x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {x.dtype}")
     _require(group > 0, f"group must be positive, got {group}")
     m, k = x.shape
+    rows = _round_up(m, 4) if cublas_layout else m
     groups = triton.cdiv(k, group)
-    x_q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-    if m == 0 or k == 0:
+    x_q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    if cublas_layout:
+        scale = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows == 0 or k == 0:
         return x_q, scale
     block_c = min(triton.next_power_of_2(group), QUANT_MAX_CHUNK)
     per_program = max(1, min(triton.next_power_of_2(groups), QUANT_ELEMENTS // block_c))
-    _quantize_group_kernel[(m, triton.cdiv(groups, per_program))](
-        x, x_q, scale, k, groups, x.stride(0),
+    _quantize_group_kernel[(rows, triton.cdiv(groups, per_program))](
+        x, x_q, scale, m, k, groups, x.stride(0), rows,
         GROUP=group, GROUPS_PER_PROGRAM=per_program, BLOCK_C=block_c, NUM_CHUNKS=triton.cdiv(group, block_c),
-        SCALE_BY_RECIPROCAL=x.is_cuda, ROUND_IN_FP32=INTERPRET, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX,
-        AMAX_FLOOR=AMAX_FLOOR, num_warps=4,
+        PAD_ROWS=rows != m, TOKEN_MAJOR=cublas_layout, SCALE_BY_RECIPROCAL=x.is_cuda, ROUND_IN_FP32=INTERPRET,
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, num_warps=4,
     )
     return x_q, scale
 
 
-@triton.jit
-def _quantize_group_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_xm,
+# M and the token-major scales' row count change with every prefill: one compile serves them all.
+@triton.jit(do_not_specialize=["M", "scale_rows"])
+def _quantize_group_kernel(x_ptr, q_ptr, scale_ptr, M, K, num_groups, stride_xm, scale_rows,
                            GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, BLOCK_C: tl.constexpr,
-                           NUM_CHUNKS: tl.constexpr, SCALE_BY_RECIPROCAL: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, PAD_ROWS: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+                           SCALE_BY_RECIPROCAL: tl.constexpr,
                            ROUND_IN_FP32: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                            AMAX_FLOOR: tl.constexpr):
     # One program: GROUPS_PER_PROGRAM groups of one row, each read in NUM_CHUNKS chunks of BLOCK_C columns
     # (one chunk for DeepSeek's 128-wide groups; one-scale-per-token groups take several, read twice).
+    # PAD_ROWS: rows from M on read as zeros (the padding of cublas_layout). TOKEN_MAJOR: scale [G, scale_rows]
+    # (cublas_layout), else [M, G].
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)  # [P]
     x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * K
     if NUM_CHUNKS == 1:
         cols, ok = _chunk(groups, 0, K, GROUP, BLOCK_C)
-        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)  # [P, C]
+        x = tl.load(x_row + cols, mask=_live(ok, cols, row, M, K, PAD_ROWS), other=0.0).to(tl.float32)  # [P, C]
         scale = _group_scale(tl.max(tl.abs(x), axis=1), SCALE_BY_RECIPROCAL, FP8_MAX, INV_FP8_MAX, AMAX_FLOOR)
         tl.store(q_row + cols, _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32), mask=ok)
     else:
         amax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
         for c in tl.static_range(NUM_CHUNKS):
             cols, ok = _chunk(groups, c, K, GROUP, BLOCK_C)
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=_live(ok, cols, row, M, K, PAD_ROWS), other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = _group_scale(amax, SCALE_BY_RECIPROCAL, FP8_MAX, INV_FP8_MAX, AMAX_FLOOR)
         for c in tl.static_range(NUM_CHUNKS):
             cols, ok = _chunk(groups, c, K, GROUP, BLOCK_C)
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=_live(ok, cols, row, M, K, PAD_ROWS), other=0.0).to(tl.float32)
             tl.store(q_row + cols, _to_fp8(x, scale, FP8_MAX, ROUND_IN_FP32), mask=ok)
-    tl.store(scale_ptr + row * num_groups + groups, scale, mask=groups < num_groups)
+    if TOKEN_MAJOR:
+        tl.store(scale_ptr + groups * scale_rows + row, scale, mask=groups < num_groups)
+    else:
+        tl.store(scale_ptr + row * num_groups + groups, scale, mask=groups < num_groups)
+
+
+@triton.jit
+def _live(ok, cols, row, M, K, PAD_ROWS: tl.constexpr):
+    # The load mask: ok, and with PAD_ROWS nothing in rows from M on (they quantize zeros).
+    mask = ok
+    if PAD_ROWS:
+        mask = ok & (cols < tl.where(row < M, K, 0))
+    return mask
 
 
 @triton.jit
@@ -291,10 +317,10 @@ def _block_fp8_gemm_kernel(
 # Triton kernels — torch._scaled_mm row-wise took 24.7 us for V3's kv_a at M = 1 in a graph where the
 # per-channel Triton path took 14.1 — and per-channel prefill-sized calls cuBLAS's row-wise
 # torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
-# Block-wise _scaled_mm is off by default: in gate FP8 run 2 it raised CUBLAS_STATUS_NOT_SUPPORTED at
-# M = 257 and returned wrong products (max relative error 21) for K = 11008 (86 scale groups) at M = 1024
-# and 8192, though it matched at 8192^3 and on V3's shapes. When switched on it takes only shapes like
-# those that matched (M and K/128 multiples of 4 and 16); unverified beyond them.
+# Block-scaled prefill-sized calls take cuBLAS's block-wise scaling (torch._scaled_mm) on the shapes it
+# computes correctly (cublas_blockwise_shape): on the H200, GEMM alone 1,309 TFLOP/s at 8192^3 against the
+# Triton kernel's 891, 1,085 with the activation quantization; V3 8-layer slice TTFT 35.4 -> 32.7 ms
+# (bench/RESULTS.md, 2026-12-04). DEEPSERVE_FP8_CUBLAS_BLOCKWISE=0 keeps them on Triton.
 CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
 CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
 # Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 1 by default (bench/RESULTS.md:
@@ -339,29 +365,43 @@ def block_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tens
         from deepserve.kernels.fp8_gemv import fp8_gemv
 
         return fp8_gemv(x2, w_q, w_scale_inv, block, bias).view(*x.shape[:-1], w_q.shape[0])
-    x_q, x_scale = quantize_per_token_group(x2, block[1])
-    if _cublas_blockwise(x2, w_q, block):
-        # cuBLAS wants the activation scales outer-dim-major ([M, G] with stride (1, M)) and the
-        # weight's as [K/128, N/128]
-        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w_scale_inv.t(),
-                               out_dtype=x.dtype)
+    if _cublas_blockwise(x2, w_q, w_scale_inv, block):
+        x_q, x_scale = quantize_per_token_group(x2, block[1], cublas_layout=True)
+        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale_inv.t(), out_dtype=x.dtype)
+        out = out[: x2.shape[0]]  # without quantize's padding rows
         out = out + bias.to(out.dtype) if bias is not None else out
     else:
+        x_q, x_scale = quantize_per_token_group(x2, block[1])
         out = block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, block, x.dtype, bias)
     return out.view(*x.shape[:-1], w_q.shape[0])
 
 
-def _cublas_blockwise(x2: torch.Tensor, w_q: torch.Tensor, block: tuple[int, int]) -> bool:
-    """torch._scaled_mm with DeepSeek's 1 x 128 / 128 x 128 scaling for this call: prefill-sized M, the
-    shapes cuBLAS takes, and a torch that has it (probed once, outside graph capture)."""
-    (n, k), m = w_q.shape, x2.shape[0]
-    if not CUBLAS_BLOCKWISE or m < CUBLAS_MIN_M or m % 16 or tuple(block) != (128, 128):
-        return False
-    if n % 128 or k % 512 or x2.dtype != torch.bfloat16:
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _cublas_blockwise(x2: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                      block: tuple[int, int]) -> bool:
+    """torch._scaled_mm with DeepSeek's 1 x 128 / 128 x 128 scaling for this call: switched on, a shape
+    cuBLAS computes correctly (cublas_blockwise_shape), on CUDA outside graph capture, and a torch that has
+    it (probed once)."""
+    if not CUBLAS_BLOCKWISE or not cublas_blockwise_shape(x2.shape[0], *w_q.shape, block, x2.dtype,
+                                                          w_scale_inv.is_contiguous()):
         return False
     if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return False
     return _blockwise_supported(x2.device)
+
+
+def cublas_blockwise_shape(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype,
+                           scales_contiguous: bool) -> bool:
+    """Whether block_fp8_linear hands x [M, K] @ w [N, K]^T to cuBLAS's block-wise scaling: prefill-sized M
+    (>= CUBLAS_MIN_M), 128 x 128 blocks, bf16, contiguous weight scales, N % 16 and K % 512. On the H200
+    (torch 2.11, CUDA 13.0; bench/cublas_blockwise_probe.py, bench/RESULTS.md) it refused M % 4 != 0
+    (quantize's cublas_layout pads M), refused scale tensors with padded strides, and returned wrong products
+    without an error whenever K / 128 was not a multiple of 4 (K = 384, 1,408, 1,664, 11,008)."""
+    return (m >= CUBLAS_MIN_M and tuple(block) == (128, 128) and dtype == torch.bfloat16 and scales_contiguous
+            and n % 16 == 0 and k % 512 == 0)
 
 
 @functools.cache

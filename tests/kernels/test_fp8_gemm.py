@@ -12,6 +12,8 @@ by how much); shapes leave partial tiles, partial groups and partial scale block
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -113,6 +115,50 @@ def test_quantize_wide_dynamic_range_and_strided_rows():
 def test_quantize_no_rows():
     q, scale = fp8.quantize_per_token_group(torch.zeros(0, 300, device=DEVICE, dtype=torch.bfloat16), 128)
     assert q.shape == (0, 300) and scale.shape == (0, 3)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 6] + ([257, 1023] if ON_GPU else []))
+def test_quantize_cublas_layout(m):
+    # cuBLAS's block-wise layout: M padded to a multiple of 4 with zero rows, scales token-fastest. The real
+    # rows equal the row-major quantization bit for bit; the padding rows equal what a zero row quantizes to.
+    x = grouped_activations(m, 300, 128, torch.bfloat16, seed=m)
+    q, scale = fp8.quantize_per_token_group(x, 128, cublas_layout=True)
+    rows = -(-m // 4) * 4
+    assert q.shape == (rows, 300) and scale.shape == (rows, 3) and scale.stride() == (1, rows)
+    q_ref, scale_ref = ref.quantize_per_token_group_ref(torch.cat([x, x.new_zeros(rows - m, 300)]), 128)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert not q[m:].view(torch.uint8).any()
+
+
+def test_cublas_blockwise_shapes(monkeypatch):
+    # The shapes block_fp8_linear hands to cuBLAS: those the H200 probe found correct (bench/RESULTS.md).
+    monkeypatch.setattr(fp8, "CUBLAS_MIN_M", 257)
+    bf16, block = torch.bfloat16, (128, 128)
+    takes = functools.partial(fp8.cublas_blockwise_shape, block=block, dtype=bf16, scales_contiguous=True)
+    assert takes(257, 576, 7168) and takes(8192, 36864, 7168) and takes(4097, 7168, 512)
+    assert not takes(256, 576, 7168)  # decode sizes stay on Triton (CUDA graphs)
+    for k in (384, 1408, 1664, 11008):  # K / 128 not a multiple of 4: cuBLAS returned wrong products
+        assert not takes(1024, 4096, k)
+    assert not takes(1024, 1000, 1024)  # torch refuses N % 16
+    assert not fp8.cublas_blockwise_shape(1024, 4096, 4096, (128, 64), bf16, True)
+    assert not fp8.cublas_blockwise_shape(1024, 4096, 4096, block, torch.float16, True)
+    assert not fp8.cublas_blockwise_shape(1024, 4096, 4096, block, bf16, False)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuBLAS's block-wise FP8 scaling runs on the GPU only")
+@pytest.mark.parametrize("m,n,k", [(257, 272, 1024), (260, 576, 2048), (300, 256, 1408)])
+def test_block_fp8_linear_on_cublas(monkeypatch, m, n, k):
+    # M not a multiple of 4 (padded), N not a multiple of 128, and K = 1,408 (11 groups: must stay on Triton)
+    monkeypatch.setattr(fp8, "CUBLAS_BLOCKWISE", True)
+    monkeypatch.setattr(fp8, "CUBLAS_MIN_M", 257)
+    block = (128, 128)
+    x = grouped_activations(m, k, 128, torch.bfloat16, seed=m)
+    w_q, w_scale = block_weight(n, k, block, seed=n)
+    bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    out = fp8.block_fp8_linear(x, w_q, w_scale, block, bias)
+    assert out.shape == (m, n)
+    assert rel_err(out, ref.block_fp8_linear_ref(x, w_q, w_scale, block, bias)) < TOLERANCE[torch.bfloat16]
 
 
 # --- block-scaled GEMM ----------------------------------------------------------------------------------
