@@ -72,6 +72,9 @@ def main() -> int:
             MLA, q_lora_rank=48, n_group=2, topk_group=1, moe_intermediate_size=128))), ("gptq", 4, 32, False, True)),
         "v2-lite-like-awq": (DeepseekV2ForCausalLM(DeepseekV2Config(**WIDE, **dict(
             MLA, q_lora_rank=None, topk_method="greedy", moe_intermediate_size=128))), ("awq", 4, 64, False, False)),
+        # groups of 128: at decode the routed experts take the tensor-core GEMV (kernels/int4_moe_mma.py)
+        "v2-lite-like-awq-g128": (DeepseekV2ForCausalLM(DeepseekV2Config(**WIDE, **dict(
+            MLA, q_lora_rank=None, topk_method="greedy", moe_intermediate_size=128))), ("awq", 4, 128, False, False)),
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, (model, fmt) in models.items():

@@ -29,12 +29,12 @@ INTERPRET = envs.TRITON_INTERPRET
 SILU_BLOCK = 1024  # output features per program: 2 KiB of bf16 per operand, 4 warps
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2 * I] (gate then up) -> silu(gate) * up [..., I]."""
+def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., 2 * I] (gate then up) -> silu(gate) * up [..., I], in fp32 and rounded to out_dtype (x's)."""
     _require(x.shape[-1] % 2 == 0 and x.stride(-1) == 1, "x must be [..., 2 * I] with a contiguous last axis")
     rows = x.reshape(-1, x.shape[-1])
     inner = x.shape[-1] // 2
-    out = torch.empty(rows.shape[0], inner, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape[0], inner, dtype=out_dtype or x.dtype, device=x.device)
     if rows.shape[0]:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, SILU_BLOCK))](
             rows, out, inner, rows.stride(0), out.stride(0), BLOCK=SILU_BLOCK, INTERPRET=INTERPRET, num_warps=4)

@@ -55,6 +55,7 @@ from deepserve import envs
 from deepserve.kernels import fp8_ref, int4_ref, int4_tile
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_moe_gemv_config
 from deepserve.kernels.int4_moe_gemv import int4_moe_gemv
+from deepserve.kernels.int4_moe_mma import int4_moe_mma, mma_moe_supported
 from deepserve.kernels.int4_tile import dequantize_tile
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
@@ -703,6 +704,9 @@ def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0:
         return x.new_empty(0, h)
+    if config is None and mma_moe_supported(x, int4.bits, int4.group13, int4.group2, int4.w13_g_idx, int4.w2_g_idx,
+                                            h, two_i // 2, t * k):
+        return int4_moe_mma(x, w13, w2, topk_weights, topk_ids, int4.operands("w13"), int4.operands("w2"))
     if config is None and t <= INT4_GEMV_MAX_TOKENS:
         config = default_moe_gemv_config()
     if isinstance(config, Int4GemvConfig):

@@ -142,10 +142,22 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
                           F16: gl.constexpr, HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr,
                           NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
                           TILED: gl.constexpr):
+    gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, blocks_per_split, stride_xm,
+              stride_qn, stride_sn, gl.program_id(0), gl.program_id(1), gl.num_programs(1), GROUP, F16, HAS_BIAS,
+              FUSED_SUM, NUM_WARPS, MAX_SPLITS, PREFETCH, TILED)
+
+
+@gluon.jit
+def gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, blocks_per_split, stride_xm,
+              stride_qn, stride_sn, tile, split, split_k, GROUP: gl.constexpr, F16: gl.constexpr,
+              HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr, NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr,
+              PREFETCH: gl.constexpr, TILED: gl.constexpr):
+    """One program's work: output rows [tile * 16, + 16) of x [M, K] @ the weight, over split `split`'s
+    128-input blocks (of split_k), into the workspace / out as store_tile_split says (int4_moe_mma.py runs it
+    on one expert's weight)."""
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 4 words a lane
     L16: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])  # 16 x pairs
-    tile, split = gl.program_id(0), gl.program_id(1)
     warp = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, L))[:, None]  # [W, 1]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))[None, :]  # [1, 32]
     g = lane // 4
@@ -198,8 +210,7 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
                                         TILED)
     # y0, y1: row g, tokens 2t, 2t + 1; y2, y3: row g + 8, the same tokens. Sum the warps' blocks.
     store_tile_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
-                 out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N, HAS_BIAS, FUSED_SUM,
-                 MAX_SPLITS, L)
+                     out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N, HAS_BIAS, FUSED_SUM, MAX_SPLITS, L)
 
 
 @gluon.jit

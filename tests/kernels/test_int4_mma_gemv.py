@@ -16,6 +16,7 @@ from deepserve.kernels import int4_mma_gemv, int4_ref
 from deepserve.kernels.int4_mma_ref import mma_gemv_replay
 from deepserve.kernels.ptx_replay import _lop3, _prmt, mma_m16n8k16
 from tests.kernels.test_int4_gemm import random_weights
+from tests.kernels.triton_setup import DEVICE
 
 
 def dequantized_product(x, qweight, scales, zeros, group, bias=None):
@@ -184,10 +185,10 @@ def test_int4_matmul_takes_it_up_to_its_token_limit(monkeypatch):
     monkeypatch.setattr(int4, "mma_gemv_supported", lambda x, bits, group, g_idx, k: True)
     monkeypatch.setattr(int4, "w4a16_mma_gemv",
                         lambda x, *args, **kwargs: taken.append(x.shape[0]) or x.new_zeros(x.shape[0], 16))
-    qweight, scales, zeros, _ = random_weights(16, 128, 4, 128, False, seed=0)
+    qweight, scales, zeros = (t.to(DEVICE) for t in random_weights(16, 128, 4, 128, False, seed=0)[:3])
     for m in (1, 8, 9):
-        int4.w4a16_matmul(torch.randn(m, 128), qweight, scales, zeros, 4, 128)
+        int4.w4a16_matmul(torch.randn(m, 128, device=DEVICE), qweight, scales, zeros, 4, 128)
     assert taken == [1, 8]  # 9 tokens: the other kernels
     monkeypatch.setattr(int4, "MMA_GEMV_MAX_M", 0)
-    int4.w4a16_matmul(torch.randn(1, 128), qweight, scales, zeros, 4, 128)
+    int4.w4a16_matmul(torch.randn(1, 128, device=DEVICE), qweight, scales, zeros, 4, 128)
     assert taken == [1, 8]

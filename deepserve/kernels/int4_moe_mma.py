@@ -1,0 +1,117 @@
+"""The int4 routed experts at decode on the tensor cores: int4_mma_gemv.py's GEMV run once per assignment.
+
+At a few tokens each assignment (token, expert slot) has its own expert, so fused_moe's tl.dot tiles (16
+sorted rows, one of them real) spend most of their work on padding (on the H200 V2-Lite's int4 experts took
+1,133 µs a one-token step against the bf16 experts' 812; bench/RESULTS.md). Here program (row tile,
+assignment a) is int4_mma_gemv.gemv_tile on expert topk_ids[a]'s weight with M = 1, no split-K (the
+assignments alone give the grid its programs), writing fp32:
+  gate-up  gu[a] = x[a // K_top] @ w13[e]^T          [A, 2I] fp32
+           act = silu(gate) * up, rounded to x's dtype (as fused_moe's workspace holds it)
+  down     y[a] = act[a] @ w2[e]^T                    [A, H] fp32
+  combine  out[t] = sum over slots k in order of topk_weights[t, k] * y[t * K_top + k], rounded once to x's
+           dtype (fused_moe rounds each y row, then their sum): deterministic, no atomics.
+Assignments to a skipped expert (id E under expert parallelism) compute expert 0 and are left out of the
+sum. The grid comes from shapes only: CUDA-graph safe. Numerics: int4_mma_gemv's (the zero point subtracted
+exactly, each 128-input block's sum scaled in fp32), not fused_moe_int4_ref's bf16-rounded weights; the
+tests hold both to the dequantized reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from deepserve import envs
+from deepserve.kernels import int4_mma_gemv
+from deepserve.kernels.elementwise import _cast, silu_and_mul
+from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
+
+# Up to this many assignments (tokens x experts a token) the routed int4 experts take this path where it
+# applies (mma_moe_supported); 0: off. Default 24 (bench/RESULTS.md, 2026-12-04, one H200): per call in a CUDA
+# graph 1.7-2.6x faster than the tiles on V2-Lite's experts at 1-16 tokens and on V3-sized ones up to 32
+# assignments (slower at 64: 490 against 405 µs, 16 experts shared by 8 tokens); V2-Lite AWQ W2 TPOT 3.46 ->
+# 2.92 ms with 24.
+MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
+NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
+COMBINE_BLOCK = 1024
+
+
+def mma_moe_supported(x: torch.Tensor, bits: int, group13: int, group2: int, g_idx13, g_idx2, hidden: int,
+                      inter: int, assignments: int) -> bool:
+    """Whether the experts of this call take int4_moe_mma: within MAX_ASSIGNMENTS, on a Hopper GPU (not under
+    Triton's interpreter), bf16 / fp16 x with contiguous 16-byte aligned rows, and what the tensor-core GEMV
+    needs of both products (int4_mma_gemv.mma_gemv_supported's rules, one token each): 4-bit codes, no act
+    order, groups and the inputs (H, I) multiples of 128."""
+    if not 0 < assignments <= MAX_ASSIGNMENTS or bits != 4 or g_idx13 is not None or g_idx2 is not None:
+        return False
+    if any(v % BLOCK_INPUTS for v in (group13, group2, hidden, inter)):
+        return False
+    if int4_mma_gemv.INTERPRET or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    aligned = x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+    return aligned and int4_mma_gemv._is_hopper(x.device)
+
+
+def int4_moe_mma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, operands13: tuple, operands2: tuple) -> torch.Tensor:
+    """fused_moe's int4 contract (inputs checked there; mma_moe_supported must hold): x [T, H], w13 int32
+    [E, 2I, H/8], w2 int32 [E, H, I/8], operands (scales, zeros, g_idx None, group) of each, topk_ids [T, K]
+    (E: an assignment to leave out) -> [T, H] in x's dtype."""
+    (t, h), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_ids.shape[1]
+    assignments = t * top_k
+    ids = topk_ids.reshape(-1)
+    gu = torch.empty(assignments, two_i, dtype=torch.float32, device=x.device)
+    _launch(x, w13, operands13, ids, gu, top_k, num_experts)
+    act = silu_and_mul(gu, out_dtype=x.dtype)  # [A, I]
+    y = torch.empty(assignments, h, dtype=torch.float32, device=x.device)
+    _launch(act, w2, operands2, ids, y, 1, num_experts)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _combine_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
+        y, topk_weights.reshape(-1), ids, out, h, num_experts, TOP_K=top_k, BLOCK=COMBINE_BLOCK,
+        INTERPRET=envs.TRITON_INTERPRET, num_warps=4)
+    return out
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, operands: tuple, ids: torch.Tensor, out: torch.Tensor,
+            rows_per_a: int, num_experts: int) -> None:
+    # out [A, N] fp32: row a = a's row a // rows_per_a @ expert ids[a]'s weight^T
+    scales, zeros, _, group = operands
+    n, k = w.shape[1], a.shape[1]
+    _int4_moe_mma_kernel[(triton.cdiv(n, TILE_ROWS), out.shape[0])](
+        a, w, scales, zeros, out, ids, num_experts, n, k, rows_per_a, a.stride(0), w.stride(0), w.stride(1),
+        scales.stride(0), scales.stride(1), GROUP=group, F16=a.dtype == torch.float16, NUM_WARPS=NUM_WARPS,
+        num_warps=NUM_WARPS)
+
+
+@gluon.jit
+def _int4_moe_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, E, N, K, rows_per_a, stride_xm, stride_qe,
+                         stride_qn, stride_se, stride_sn, GROUP: gl.constexpr, F16: gl.constexpr,
+                         NUM_WARPS: gl.constexpr):
+    # Program (row tile, assignment): out[assignment, tile rows] = x[assignment // rows_per_a] @ w[expert]^T
+    # in fp32 (gemv_tile with one split: its "workspace" is the output row; M = 1, as a runtime value).
+    tile, slot = gl.program_id(0), gl.program_id(1)
+    expert = gl.load(ids_ptr + slot)
+    e64 = gl.where(expert < E, expert, 0).to(gl.int64)  # a skipped assignment computes expert 0, unused
+    x_row = x_ptr + (slot // rows_per_a).to(gl.int64) * stride_xm
+    one = rows_per_a * 0 + 1
+    gemv_tile(x_row, q_ptr + e64 * stride_qe, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se,
+              out_ptr + slot.to(gl.int64) * N, out_ptr, out_ptr, ids_ptr, one, N, K, K // 128, stride_xm, stride_qn,
+              stride_sn, tile, 0, 1, GROUP, F16, False, False, NUM_WARPS, 1, True, False)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, H, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    # out[t, cols] = sum_k w[t, k] * y[t * TOP_K + k, cols] over real assignments (id < E), in slot order
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = t * TOP_K + k
+        part = tl.load(w_ptr + slot) * tl.load(y_ptr + slot * H + cols, mask=ok, other=0.0)
+        acc += tl.where(tl.load(ids_ptr + slot) < E, part, 0.0)  # selected away, never 0 * it
+    tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)

@@ -1,0 +1,162 @@
+"""The int4 routed experts on the tensor-core GEMV (kernels/int4_moe_mma.py). Its Gluon kernel runs only on a GPU
+(bench/int4_moe_mma_probe.py checks it there against fused_moe_int4_ref; its per-lane data movement is
+int4_mma_gemv's, replayed on the CPU in test_int4_mma_gemv.py); here: the combine kernel under Triton's
+interpreter, the host wiring around the GEMVs (which rows, which experts, SiLU, skipped assignments) with the
+GEMV emulated in torch, when the path is taken, and the sm_90 compile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepserve.kernels import fused_moe as fm
+from deepserve.kernels import int4_mma_gemv, int4_moe_mma, int4_ref
+from tests.kernels.test_int4_gemm import random_weights
+from tests.kernels.test_int4_mma_gemv import _OnHopper
+from tests.kernels.triton_setup import DEVICE, ON_GPU
+
+
+def experts(num: int, hidden: int, inter: int, group: int = 128) -> tuple:
+    """(w13, w2, Int4Experts) with random codes, scales and zero points in fused_moe's int4 layout."""
+    def stacked(n: int, k: int, seed: int) -> list[torch.Tensor]:
+        parts = [random_weights(n, k, 4, group, False, seed=seed + e)[:3] for e in range(num)]
+        return [torch.stack(t) for t in zip(*parts, strict=True)]
+
+    w13, s13, z13 = (t.to(DEVICE) for t in stacked(2 * inter, hidden, 0))
+    w2, s2, z2 = (t.to(DEVICE) for t in stacked(hidden, inter, 100))
+    return w13, w2, fm.Int4Experts(4, s13, z13, s2, z2, group, group)
+
+
+def emulated_launch(a, w, operands, ids, out, rows_per_a, num_experts):
+    """_launch's contract in torch: out[i] = a[i // rows_per_a] @ dequant(w[ids[i]])^T in fp32 (expert 0 for a
+    skipped id)."""
+    scales, zeros, _, group = operands
+    for i, e in enumerate(ids.tolist()):
+        e = e if e < num_experts else 0
+        weight = int4_ref.dequantize(w[e], scales[e], zeros[e], 4, group).float()
+        out[i] = a[i // rows_per_a].float() @ weight.T
+
+
+def test_the_host_wiring_matches_the_reference(monkeypatch):
+    w13, w2, ex = experts(num=5, hidden=256, inter=128)
+    monkeypatch.setattr(int4_moe_mma, "_launch", emulated_launch)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 256, generator=gen) * 0.01).to(DEVICE, torch.bfloat16)  # gate sums well inside exp's range
+    ids = torch.tensor([[4, 1], [0, 4], [2, 3]], device=DEVICE)
+    weights = torch.rand(3, 2, generator=gen).to(DEVICE)
+    got = int4_moe_mma.int4_moe_mma(x, w13, w2, weights, ids, ex.operands("w13"), ex.operands("w2"))
+    want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, ex)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 256)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    # an assignment left out (id E = 5, expert parallelism) contributes nothing, whatever its weight
+    skipped = ids.clone()
+    skipped[1, 0] = 5
+    kept = weights.clone()
+    kept[1, 0] = 0.0
+    got = int4_moe_mma.int4_moe_mma(x, w13, w2, weights, skipped, ex.operands("w13"), ex.operands("w2"))
+    want = fm.fused_moe_int4_ref(x, w13, w2, kept, ids, ex)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    # the rows: the gate-up GEMV reads token a // K_top, the down GEMV its own assignment's row
+    swapped = int4_moe_mma.int4_moe_mma(x.flip(0), w13, w2, weights.flip(0), ids.flip(0), ex.operands("w13"),
+                                        ex.operands("w2"))
+    assert torch.equal(swapped.flip(0), int4_moe_mma.int4_moe_mma(x, w13, w2, weights, ids, ex.operands("w13"),
+                                                                  ex.operands("w2")))
+
+
+def test_the_combine_sums_slots_in_order_and_drops_skipped_ones():
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randn(12, 1500, generator=gen)  # 4 tokens x 3 slots; H past one 1024-column block
+    y[4] = float("nan")  # slot (1, 1), a skipped assignment's row: selected away, never multiplied into the sum
+    ids = torch.tensor([[0, 1, 2], [3, 7, 4], [1, 1, 0], [6, 5, 2]])  # 7 = E: skipped
+    weights = torch.rand(4, 3, generator=gen)
+    out = torch.empty(4, 1500, dtype=torch.bfloat16, device=DEVICE)
+    int4_moe_mma._combine_kernel[(4, 2)](y.to(DEVICE), weights.reshape(-1).to(DEVICE), ids.reshape(-1).to(DEVICE),
+                                         out, 1500, 7, TOP_K=3, BLOCK=1024, INTERPRET=not ON_GPU)
+    want = torch.zeros(4, 1500)
+    for t in range(4):
+        for k in range(3):
+            if ids[t, k] < 7:
+                want[t] += weights[t, k] * y[3 * t + k]
+    if ON_GPU:  # the GPU may fuse a multiply-add: an ulp of the fp32 sum can move the bf16 rounding
+        torch.testing.assert_close(out.cpu().float(), want.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-6)
+    else:
+        assert torch.equal(out, want.to(torch.bfloat16))
+
+
+def test_it_is_taken_only_where_it_applies(monkeypatch):
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    supported = int4_moe_mma.mma_moe_supported
+    assert not supported(x, 4, 128, 128, None, None, 2048, 1408, 6)  # CPU
+    monkeypatch.setattr(int4_mma_gemv, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(int4_mma_gemv, "INTERPRET", False)
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 24)
+    hopper = _OnHopper(4, 2048)
+    assert supported(hopper, 4, 128, 128, None, None, 2048, 1408, 24)  # V2-Lite, 4 tokens x 6 experts
+    assert supported(hopper, 4, 128, 128, None, None, 7168, 2048, 24)
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 25)  # past MAX_ASSIGNMENTS
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1400, 6)  # I not a multiple of 128
+    assert not supported(hopper, 4, 64, 128, None, None, 2048, 1408, 6)  # groups below a 128-input block
+    assert not supported(hopper, 8, 128, 128, None, None, 2048, 1408, 6)  # 8-bit codes
+    act_order = torch.zeros(2048, dtype=torch.int32)
+    assert not supported(hopper, 4, 128, 128, act_order, None, 2048, 1408, 6)
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 0)
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 6)  # switched off
+
+
+def test_fused_moe_hands_int4_experts_to_it(monkeypatch):
+    w13, w2, ex = experts(num=3, hidden=256, inter=128)
+    x = (torch.randn(2, 256) * 0.01).to(DEVICE, torch.bfloat16)
+    ids, weights = torch.tensor([[0, 2], [1, 0]], device=DEVICE), torch.rand(2, 2, device=DEVICE)
+    seen = []
+    monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: True)
+    monkeypatch.setattr(fm, "int4_moe_mma", lambda *args: seen.append(args) or "mma")
+    assert fm.fused_moe(x, w13, w2, weights, ids, int4=ex) == "mma" and len(seen) == 1
+    monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: False)
+    assert fm.fused_moe(x, w13, w2, weights, ids, int4=ex).shape == (2, 256)  # the tiles
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from deepserve.kernels.int4_moe_mma import _int4_moe_mma_kernel as K
+sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "out_ptr": "*fp32", "ids_ptr": "*i64",
+       "E": "i32", "N": "i32", "K": "i32", "rows_per_a": "i32", "stride_xm": "i32", "stride_qe": "i32",
+       "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32"}
+aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "out_ptr", "ids_ptr", "N", "K", "stride_xm", "stride_qe", "stride_qn",
+           "stride_se", "stride_sn"]
+for f16 in (False, True):
+    ce = dict(GROUP=128, F16=f16, NUM_WARPS=1)
+    s = dict(sig, x_ptr="*fp16") if f16 else sig
+    src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
+                         attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=1)).asm["ptx"]
+    print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"), ptx.count("atom."))
+"""
+
+
+def test_the_kernel_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for mmas, vector_loads, atomics in (line.split() for line in done.stdout.splitlines()):
+        # 8 mmas a 128-input round; one split, so no split-K counter (no atomics)
+        assert int(mmas) >= 8 and int(vector_loads) >= 2 and int(atomics) == 0, (mmas, vector_loads, atomics)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on a GPU only")
+def test_on_the_gpu_against_the_reference(monkeypatch):
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 64)
+    w13, w2, ex = experts(num=8, hidden=256, inter=256)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16) * 0.01
+    ids = torch.tensor([[7, 1], [0, 7], [2, 3]], device="cuda")
+    weights = torch.rand(3, 2, device="cuda")
+    if not int4_moe_mma.mma_moe_supported(x, 4, 128, 128, None, None, 256, 256, 6):
+        pytest.skip("not a Hopper GPU")
+    got = fm.fused_moe(x, w13, w2, weights, ids, int4=ex)
+    want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, ex)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
