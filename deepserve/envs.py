@@ -43,7 +43,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                      "kernels/elementwise.py on GPUs (no dynamo at start-up); 0: "
                                      "torch.compile's versions, for comparison"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
-                                "0: MoE routing by torch ops instead of the Triton routing kernel"),
+                                "0: MoE routing by torch ops instead of the Triton routing kernel, and the "
+                                "router's logits by cuBLAS at decode sizes too (kernels/moe_routing.router_logits)"),
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),
                                  "0: sampling by torch ops instead of the fused Triton pass"),
     "DEEPSERVE_FP8_CUBLAS_MIN_M": (_float("DEEPSERVE_FP8_CUBLAS_MIN_M", 257),

@@ -14,7 +14,8 @@ then the I up (w3) rows; w2 [E, H, I]. Every expert's last dimension is contiguo
    act [T*K, I] at the assignment's row.
 3. Down GEMM, one program per (block, tile of H): act rows times w2[e], times the routing weight, written
    to y [T*K, H] at the assignment's row.
-4. out = y.view(T, K, H).sum(1): a fixed-order reduction, so the result is deterministic (no atomics).
+4. out = moe_sum.sum_slots(y, K), y.view(T, K, H).sum(1) in one launch: a fixed-order reduction, so the
+   result is deterministic (no atomics).
 
 Expert parallelism: an id equal to E (one past this rank's last expert) marks an assignment to an expert
 on another rank. `moe_align` leaves it out, so no GEMM touches it, and its y row stays zero (`skips=True`
@@ -57,6 +58,7 @@ from deepserve.kernels.int4_gemv import Int4GemvConfig, default_moe_gemv_config
 from deepserve.kernels.int4_moe_gemv import int4_moe_gemv
 from deepserve.kernels.int4_moe_mma import int4_moe_mma, mma_moe_supported
 from deepserve.kernels.int4_tile import dequantize_tile
+from deepserve.kernels.moe_sum import sum_slots
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -693,7 +695,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg)
         y = _output(t * k, h, x, skips)
         _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg)
-    return y.view(t, k, h).sum(dim=1) if k > 1 else y  # fixed-order sum over the K slots
+    return sum_slots(y, k) if k > 1 else y  # fixed-order sum over the K slots
 
 
 def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -720,7 +722,7 @@ def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     _launch(x, w13, act, topk_weights, align, rows_per_a=k, gated=True, cfg=cfg, int4=int4, which="w13")
     y = _output(t * k, h, x, skips)
     _launch(act, w2, y, topk_weights, align, rows_per_a=1, gated=False, cfg=cfg, int4=int4, which="w2")
-    return y.view(t, k, h).sum(dim=1) if k > 1 else y
+    return sum_slots(y, k) if k > 1 else y
 
 
 def _output(rows: int, cols: int, x: torch.Tensor, skips: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from deepserve.kernels.int4_gemv import Int4GemvConfig
 from deepserve.kernels.int4_tile import gemv_rows
+from deepserve.kernels.moe_sum import sum_slots
 
 
 def int4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -30,7 +31,7 @@ def int4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """fused_moe's int4 contract (inputs checked there): x [T, H], w13 int32 [E, 2I, H/pack], w2 int32
     [E, H, I/pack], operands (scales, zeros, g_idx or None, group) of each, workspaces act [T*K, I] and
     y [T*K, H] in x's dtype (y zeroed where assignments may be skipped) -> [T, H] in x's dtype."""
-    (t, h), e, top_k = x.shape, w13.shape[0], topk_ids.shape[1]
+    t, e, top_k = x.shape[0], w13.shape[0], topk_ids.shape[1]
     assignments = t * top_k
     if cfg.split_k > 1:
         raise ValueError(f"int4 MoE GEMV: split_k must be 0 or 1 (the epilogue needs whole sums), got {cfg.split_k}")
@@ -47,7 +48,7 @@ def int4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             FACTORED=cfg.factored, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    return y.view(t, top_k, h).sum(dim=1) if top_k > 1 else y
+    return sum_slots(y, top_k) if top_k > 1 else y
 
 
 # The assignment count changes every step: one compile serves all of them.

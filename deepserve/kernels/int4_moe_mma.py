@@ -9,7 +9,7 @@ assignments alone give the grid its programs), writing fp32:
            act = silu(gate) * up, rounded to x's dtype (as fused_moe's workspace holds it)
   down     y[a] = act[a] @ w2[e]^T                    [A, H] fp32
   combine  out[t] = sum over slots k in order of topk_weights[t, k] * y[t * K_top + k], rounded once to x's
-           dtype (fused_moe rounds each y row, then their sum): deterministic, no atomics.
+           dtype (fused_moe rounds each y row, then their sum): moe_sum.sum_slots, deterministic.
 Assignments to a skipped expert (id E under expert parallelism) compute expert 0 and are left out of the
 sum. The grid comes from shapes only: CUDA-graph safe. Numerics: int4_mma_gemv's (the zero point subtracted
 exactly, each 128-input block's sum scaled in fp32), not fused_moe_int4_ref's bf16-rounded weights; the
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
 from deepserve.kernels import int4_mma_gemv
-from deepserve.kernels.elementwise import _cast, silu_and_mul
+from deepserve.kernels.elementwise import silu_and_mul
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
+from deepserve.kernels.moe_sum import sum_slots
 
 # Up to this many assignments (tokens x experts a token) the routed int4 experts take this path where it
 # applies (mma_moe_supported); 0: off. Default 24 (bench/RESULTS.md, 2026-12-04, one H200): per call in a CUDA
@@ -36,7 +36,6 @@ from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
 # 2.92 ms with 24.
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
 NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
-COMBINE_BLOCK = 1024
 
 
 def mma_moe_supported(x: torch.Tensor, bits: int, group13: int, group2: int, g_idx13, g_idx2, hidden: int,
@@ -68,11 +67,7 @@ def int4_moe_mma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     act = silu_and_mul(gu, out_dtype=x.dtype)  # [A, I]
     y = torch.empty(assignments, h, dtype=torch.float32, device=x.device)
     _launch(act, w2, operands2, ids, y, 1, num_experts)
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _combine_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
-        y, topk_weights.reshape(-1), ids, out, h, num_experts, TOP_K=top_k, BLOCK=COMBINE_BLOCK,
-        INTERPRET=envs.TRITON_INTERPRET, num_warps=4)
-    return out
+    return sum_slots(y, top_k, topk_weights, topk_ids, num_experts, out_dtype=x.dtype)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, operands: tuple, ids: torch.Tensor, out: torch.Tensor,
@@ -100,18 +95,3 @@ def _int4_moe_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, E, N, K, 
     gemv_tile(x_row, q_ptr + e64 * stride_qe, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se,
               out_ptr + slot.to(gl.int64) * N, out_ptr, out_ptr, ids_ptr, one, N, K, K // 128, stride_xm, stride_qn,
               stride_sn, tile, 0, 1, GROUP, F16, False, False, NUM_WARPS, 1, True, False)
-
-
-@triton.jit
-def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, H, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    # out[t, cols] = sum_k w[t, k] * y[t * TOP_K + k, cols] over real assignments (id < E), in slot order
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        slot = t * TOP_K + k
-        part = tl.load(w_ptr + slot) * tl.load(y_ptr + slot * H + cols, mask=ok, other=0.0)
-        acc += tl.where(tl.load(ids_ptr + slot) < E, part, 0.0)  # selected away, never 0 * it
-    tl.store(out_ptr + t * H + cols, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)

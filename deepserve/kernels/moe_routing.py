@@ -209,3 +209,37 @@ def fused_route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | N
         num_warps=max(1, min(4, block_t * block_g * block_s // 256)),
     )
     return weights, ids
+
+
+# Decode batches up to this many tokens take router_logits; larger ones (prefill) cuBLAS's GEMM.
+ROUTER_GEMV_MAX_TOKENS = 16
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (fp32 / bf16 / fp16, contiguous rows) @ weight [X, H]^T (float32) -> logits [T, X] float32, x
+    widened to fp32 in the kernel: what `F.linear(x.float(), weight)` computes (sums in another order), in one
+    launch where that is a cast and cuBLAS's GEMV (two kernels; on the H200 ~6 µs a V2-Lite layer at one token,
+    bench/RESULTS.md, 2026-12-04 call 1). Program x computes expert x's logit for every token (T <= 16)."""
+    _require(x.dim() == 2 and x.stride(1) == 1 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+             and weight.dtype == torch.float32 and weight.is_contiguous(),
+             f"router_logits: x [T, H] and a contiguous float32 weight [X, H], got {tuple(x.shape)} and "
+             f"{tuple(weight.shape)} {weight.dtype}")
+    (t, h), experts = x.shape, weight.shape[0]
+    out = torch.empty(t, experts, dtype=torch.float32, device=x.device)
+    if t and experts:
+        _router_logits_kernel[(experts,)](x, weight, out, t, h, x.stride(0), experts,
+                                          BLOCK_H=min(2048, triton.next_power_of_2(h)), num_warps=4)
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, H, stride_x, X, BLOCK_H: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    for t in range(T):
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            ok = h0 + offs < H
+            w = tl.load(w_ptr + e * H + h0 + offs, mask=ok, other=0.0)
+            acc += w * tl.load(x_ptr + t * stride_x + h0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * X + e, tl.sum(acc, axis=0))

@@ -149,7 +149,11 @@ class MoEGate(nn.Module):
         """On CUDA the Triton routing kernel (kernels/moe_routing.py: one launch, CUDA-graph safe;
         DEEPSERVE_FUSED_ROUTING=0 turns it off), elsewhere `route`; both return (weights [T, K] float32,
         ids [T, K] int64). The logits stay fp32: bf16 logits change about 1-2% of the tokens' experts."""
-        logits = F.linear(x.float(), self.weight)  # [T, E] -> [T, X]
+        gemv = _router_gemv() if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 else None
+        if gemv is not None and x.shape[0] <= gemv[1]:
+            logits = gemv[0](x, self.weight)  # [T, E] -> [T, X]: one launch at decode sizes
+        else:
+            logits = F.linear(x.float(), self.weight)  # [T, E] -> [T, X]
         fused = _fused_router(self.cfg) if logits.is_cuda else None
         if fused is not None:
             return fused(logits, self.cfg, self.e_score_correction_bias)
@@ -510,6 +514,19 @@ def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
     except ImportError:
         return None
     return fused_moe
+
+
+@functools.cache
+def _router_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int] | None:
+    """(kernels.moe_routing.router_logits, the most tokens it takes), or None where Triton is not installed or
+    DEEPSERVE_FUSED_ROUTING=0 (looked up once)."""
+    if not envs.DEEPSERVE_FUSED_ROUTING:
+        return None
+    try:
+        from deepserve.kernels.moe_routing import ROUTER_GEMV_MAX_TOKENS, router_logits
+    except ImportError:
+        return None
+    return router_logits, ROUTER_GEMV_MAX_TOKENS
 
 
 @functools.cache

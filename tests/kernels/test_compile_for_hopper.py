@@ -168,6 +168,19 @@ def test_routing_kernel_compiles(monkeypatch):
     _compile_all(_record(monkeypatch, routing, lambda: routing.fused_route(logits, cfg, bias)))
 
 
+def test_router_logits_and_slot_sum_kernels_compile(monkeypatch):
+    routing = import_kernels("deepserve.kernels.moe_routing")
+    moe_sum = import_kernels("deepserve.kernels.moe_sum")
+
+    def run() -> None:
+        routing.router_logits(torch.randn(2, 300, dtype=torch.bfloat16), torch.randn(8, 300))
+        y = torch.randn(6, 40)
+        moe_sum.sum_slots(y.bfloat16(), 3)
+        moe_sum.sum_slots(y, 3, torch.rand(2, 3), torch.tensor([[0, 1, 8], [2, 3, 4]]), 8, out_dtype=torch.bfloat16)
+
+    _compile_all(_record(monkeypatch, (routing, moe_sum), run))
+
+
 def test_paged_attention_kernels_compile(monkeypatch):
     pa = import_kernels("deepserve.kernels.triton_paged_attention")
     block_size, blocks = 16, 8

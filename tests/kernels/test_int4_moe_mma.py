@@ -1,7 +1,7 @@
 """The int4 routed experts on the tensor-core GEMV (kernels/int4_moe_mma.py). Its Gluon kernel runs only on a GPU
 (bench/int4_moe_mma_probe.py checks it there against fused_moe_int4_ref; its per-lane data movement is
-int4_mma_gemv's, replayed on the CPU in test_int4_mma_gemv.py); here: the combine kernel under Triton's
-interpreter, the host wiring around the GEMVs (which rows, which experts, SiLU, skipped assignments) with the
+int4_mma_gemv's, replayed on the CPU in test_int4_mma_gemv.py; its final sum is test_moe_sum.py's); here: the
+host wiring around the GEMVs (which rows, which experts, SiLU, skipped assignments) with the
 GEMV emulated in torch, when the path is taken, and the sm_90 compile."""
 
 from __future__ import annotations
@@ -65,26 +65,6 @@ def test_the_host_wiring_matches_the_reference(monkeypatch):
                                         ex.operands("w2"))
     assert torch.equal(swapped.flip(0), int4_moe_mma.int4_moe_mma(x, w13, w2, weights, ids, ex.operands("w13"),
                                                                   ex.operands("w2")))
-
-
-def test_the_combine_sums_slots_in_order_and_drops_skipped_ones():
-    gen = torch.Generator().manual_seed(1)
-    y = torch.randn(12, 1500, generator=gen)  # 4 tokens x 3 slots; H past one 1024-column block
-    y[4] = float("nan")  # slot (1, 1), a skipped assignment's row: selected away, never multiplied into the sum
-    ids = torch.tensor([[0, 1, 2], [3, 7, 4], [1, 1, 0], [6, 5, 2]])  # 7 = E: skipped
-    weights = torch.rand(4, 3, generator=gen)
-    out = torch.empty(4, 1500, dtype=torch.bfloat16, device=DEVICE)
-    int4_moe_mma._combine_kernel[(4, 2)](y.to(DEVICE), weights.reshape(-1).to(DEVICE), ids.reshape(-1).to(DEVICE),
-                                         out, 1500, 7, TOP_K=3, BLOCK=1024, INTERPRET=not ON_GPU)
-    want = torch.zeros(4, 1500)
-    for t in range(4):
-        for k in range(3):
-            if ids[t, k] < 7:
-                want[t] += weights[t, k] * y[3 * t + k]
-    if ON_GPU:  # the GPU may fuse a multiply-add: an ulp of the fp32 sum can move the bf16 rounding
-        torch.testing.assert_close(out.cpu().float(), want.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-6)
-    else:
-        assert torch.equal(out, want.to(torch.bfloat16))
 
 
 def test_it_is_taken_only_where_it_applies(monkeypatch):

@@ -149,17 +149,34 @@ def test_no_tokens():
 
 
 def test_gate_takes_the_kernel_on_cuda_only():
-    # MoEGate's routing is, bit for bit, the kernel's on CUDA and `route`'s elsewhere.
+    # MoEGate's routing is, bit for bit, the kernels' on CUDA and `route`'s elsewhere.
     cfg = CONFIGS["v3"]
     torch.manual_seed(0)
     gate = MoEGate(32, cfg).to(DEVICE)
     gate.weight.data.normal_(0, 0.5)
     gate.e_score_correction_bias.data.normal_(0, 0.3)
     x = torch.randn(6, 32, device=DEVICE, dtype=torch.bfloat16)
-    logits = torch.nn.functional.linear(x.float(), gate.weight)
+    # on CUDA the logits of up to ROUTER_GEMV_MAX_TOKENS tokens come from router_logits too
+    logits = mr.router_logits(x, gate.weight) if ON_GPU else torch.nn.functional.linear(x.float(), gate.weight)
     want = (mr.fused_route if ON_GPU else route)(logits, cfg, gate.e_score_correction_bias)
     for got, expected in zip(gate(x), want, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("t, h, dtype, stride", [(1, 2048, torch.bfloat16, 2048), (3, 200, torch.float32, 256),
+                                                  (16, 2500, torch.float16, 2500), (5, 7168, torch.bfloat16, 7168)])
+def test_router_logits_match_the_float32_linear(t, h, dtype, stride):
+    gen = torch.Generator().manual_seed(h)
+    weight = torch.randn(24, h, generator=gen).to(DEVICE)
+    rows = torch.randn(t, stride, generator=gen).to(DEVICE, dtype)
+    x = rows[:, :h]  # rows of a wider buffer when stride > h
+    got = mr.router_logits(x, weight)
+    want = torch.nn.functional.linear(x.float(), weight)
+    assert got.dtype == torch.float32 and got.shape == (t, 24)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    assert mr.router_logits(x[:0], weight).shape == (0, 24)
+    with pytest.raises(ValueError, match="float32 weight"):
+        mr.router_logits(x, weight.half())
 
 
 def test_router_selection(monkeypatch):
