@@ -319,8 +319,8 @@ def _block_fp8_gemm_kernel(
 # torch._scaled_mm (1,360 TFLOP/s at 8192^3 against Triton's 893).
 # Block-scaled prefill-sized calls take cuBLAS's block-wise scaling (torch._scaled_mm) on the shapes it
 # computes correctly (cublas_blockwise_shape): on the H200, GEMM alone 1,309 TFLOP/s at 8192^3 against the
-# Triton kernel's 891, 1,085 with the activation quantization; V3 8-layer slice TTFT 35.4 -> 32.7 ms
-# (bench/RESULTS.md, 2026-12-04). DEEPSERVE_FP8_CUBLAS_BLOCKWISE=0 keeps them on Triton.
+# Triton kernel's 891, 1,085 with the activation quantization (bench/RESULTS.md, 2026-12-04); V3 8-layer
+# slice W1 and TPOT unchanged. DEEPSERVE_FP8_CUBLAS_BLOCKWISE=0 keeps them on Triton.
 CUBLAS_MIN_M = int(envs.DEEPSERVE_FP8_CUBLAS_MIN_M)
 CUBLAS_BLOCKWISE = envs.DEEPSERVE_FP8_CUBLAS_BLOCKWISE
 # Decode sizes as a weight stream, activations unquantized (fp8_gemv.py); 1 by default (bench/RESULTS.md:
@@ -406,18 +406,43 @@ def cublas_blockwise_shape(m: int, n: int, k: int, block: tuple[int, int], dtype
 
 @functools.cache
 def _blockwise_supported(device: torch.device) -> bool:
-    try:
-        a = torch.zeros(128, 128, device=device, dtype=FP8)
-        scale = torch.ones(128, 1, device=device)
-        torch._scaled_mm(a, a.t(), scale_a=scale.t().contiguous().t(), scale_b=torch.ones(1, 1, device=device),
-                         out_dtype=torch.bfloat16)
-        return True
-    except (RuntimeError, TypeError, ValueError) as exc:
-        import logging
+    """Whether this torch / cuBLAS computes block-wise scaled products correctly, checked once on the device:
+    the shape rule above was found on one build, and the failures it avoids raised no error."""
+    import logging
 
+    try:
+        error = _blockwise_self_check(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
         logging.getLogger(__name__).info("torch._scaled_mm has no block-wise FP8 scaling here (%s); "
                                          "FP8 prefill GEMMs stay on Triton", exc)
         return False
+    if not error <= 1e-2:  # NaN included
+        logging.getLogger(__name__).warning(
+            "torch._scaled_mm's block-wise FP8 scaling gave a wrong product in its self-check (max relative error "
+            "%.3g); FP8 prefill GEMMs stay on Triton", error)
+        return False
+    return True
+
+
+def _blockwise_self_check(device: torch.device) -> float:
+    """Max relative error of block_fp8_linear's cuBLAS call on an allowed shape (M 260, padded; N 272; K 512)
+    whose every activation group and weight block has its own magnitude, against the float32 product of the
+    dequantized operands."""
+    from deepserve.kernels import fp8_ref
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def blocks(rows: int, cols: int, block_rows: int) -> torch.Tensor:  # random values, magnitudes per block
+        scale = torch.rand(-(-rows // block_rows), cols // 128, generator=gen, device=device) * 10
+        scale = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(128, 1)
+        return torch.randn(rows, cols, generator=gen, device=device) * scale
+
+    w_q, w_s = fp8_ref.quantize_weight_block(blocks(272, 512, 128), (128, 128))
+    x_q, x_s = quantize_per_token_group(blocks(260, 512, 1).bfloat16(), 128, cublas_layout=True)
+    out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s, scale_b=w_s.t(), out_dtype=torch.bfloat16)[:260].float()
+    want = fp8_ref.dequantize_per_token_group(x_q[:260], x_s[:260].contiguous(), 128) @ \
+        fp8_ref.dequantize_weight_block(w_q, w_s, (128, 128)).t()
+    return ((out - want).abs().max() / want.abs().max()).item()
 
 
 def channel_fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

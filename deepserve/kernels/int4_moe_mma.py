@@ -31,9 +31,10 @@ from deepserve.kernels.moe_sum import sum_slots
 
 # Up to this many assignments (tokens x experts a token) the routed int4 experts take this path where it
 # applies (mma_moe_supported); 0: off. Default 24 (bench/RESULTS.md, 2026-12-04, one H200): per call in a CUDA
-# graph 1.7-2.6x faster than the tiles on V2-Lite's experts at 1-16 tokens and on V3-sized ones up to 32
-# assignments (slower at 64: 490 against 405 µs, 16 experts shared by 8 tokens); V2-Lite AWQ W2 TPOT 3.46 ->
-# 2.92 ms with 24.
+# graph 1.7-2.6x faster than the tiles on V2-Lite's experts at 1-16 tokens (6-96 assignments), 1.6-2.4x on
+# V3-sized ones up to 32 assignments and slower at 64 (490 against 405 µs) — but that case had 16 experts
+# shared by 8 tokens, which favours the tiles; V3's 256 would not. V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms with 24.
+# Under expert parallelism every assignment counts and a skipped one still runs (on expert 0): not measured.
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
 NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
 

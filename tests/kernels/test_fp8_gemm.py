@@ -146,6 +146,30 @@ def test_cublas_blockwise_shapes(monkeypatch):
     assert not fp8.cublas_blockwise_shape(1024, 4096, 4096, block, bf16, False)
 
 
+def _fake_blockwise_mm(misread_weight_scales: bool):
+    """torch._scaled_mm's block-wise contract in torch (the layout block_fp8_linear passes); optionally reading
+    the weight scales transposed within each row block's groups, as a wrong layout would."""
+    def mm(x_q, w_t, scale_a, scale_b, out_dtype):
+        assert scale_a.stride() == (1, x_q.shape[0]) and x_q.shape[0] % 4 == 0
+        w_scale = scale_b.t().contiguous()  # [N/128, G]
+        if misread_weight_scales:
+            w_scale = w_scale.flip(1)
+        w = ref.dequantize_weight_block(w_t.t(), w_scale, (128, 128))
+        return (ref.dequantize_per_token_group(x_q, scale_a.contiguous(), 128) @ w.t()).to(out_dtype)
+    return mm
+
+
+@pytest.mark.parametrize("misread", [False, True])
+def test_the_cublas_self_check_catches_wrong_products(monkeypatch, misread):
+    # block_fp8_linear takes cuBLAS only after one product of an allowed shape matched the reference
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_blockwise_mm(misread))
+    fp8._blockwise_supported.cache_clear()
+    try:
+        assert fp8._blockwise_supported(torch.device(DEVICE)) is (not misread)
+    finally:
+        fp8._blockwise_supported.cache_clear()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="cuBLAS's block-wise FP8 scaling runs on the GPU only")
 @pytest.mark.parametrize("m,n,k", [(257, 272, 1024), (260, 576, 2048), (300, 256, 1408)])
 def test_block_fp8_linear_on_cublas(monkeypatch, m, n, k):
@@ -156,9 +180,18 @@ def test_block_fp8_linear_on_cublas(monkeypatch, m, n, k):
     x = grouped_activations(m, k, 128, torch.bfloat16, seed=m)
     w_q, w_scale = block_weight(n, k, block, seed=n)
     bias = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    assert fp8._blockwise_supported(x.device)  # its self-check runs before the spy below
+    calls, real = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
     out = fp8.block_fp8_linear(x, w_q, w_scale, block, bias)
     assert out.shape == (m, n)
     assert rel_err(out, ref.block_fp8_linear_ref(x, w_q, w_scale, block, bias)) < TOLERANCE[torch.bfloat16]
+    assert calls == ([] if k % 512 else [(-(-m // 4) * 4, k)])  # cuBLAS took it (M padded), or Triton did
 
 
 # --- block-scaled GEMM ----------------------------------------------------------------------------------

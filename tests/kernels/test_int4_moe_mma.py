@@ -79,7 +79,13 @@ def test_it_is_taken_only_where_it_applies(monkeypatch):
     assert supported(hopper, 4, 128, 128, None, None, 7168, 2048, 24)
     assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 25)  # past MAX_ASSIGNMENTS
     assert not supported(hopper, 4, 128, 128, None, None, 2048, 1400, 6)  # I not a multiple of 128
+    assert not supported(hopper, 4, 128, 128, None, None, 2000, 1408, 6)  # H not a multiple of 128
     assert not supported(hopper, 4, 64, 128, None, None, 2048, 1408, 6)  # groups below a 128-input block
+    assert not supported(hopper, 4, 128, 64, None, None, 2048, 1408, 6)  # the down product's groups
+    assert not supported(hopper, 4, 128, 128, None, torch.zeros(1408, dtype=torch.int32), 2048, 1408, 6)
+    assert not supported(_OnHopper(4, 2048, torch.float32), 4, 128, 128, None, None, 2048, 1408, 6)
+    assert not supported(_OnHopper(4, 2048, stride=2), 4, 128, 128, None, None, 2048, 1408, 6)
+    assert not supported(_OnHopper(4, 2048, offset=1), 4, 128, 128, None, None, 2048, 1408, 6)  # 16-byte rows
     assert not supported(hopper, 8, 128, 128, None, None, 2048, 1408, 6)  # 8-bit codes
     act_order = torch.zeros(2048, dtype=torch.int32)
     assert not supported(hopper, 4, 128, 128, act_order, None, 2048, 1408, 6)
@@ -91,10 +97,14 @@ def test_fused_moe_hands_int4_experts_to_it(monkeypatch):
     w13, w2, ex = experts(num=3, hidden=256, inter=128)
     x = (torch.randn(2, 256) * 0.01).to(DEVICE, torch.bfloat16)
     ids, weights = torch.tensor([[0, 2], [1, 0]], device=DEVICE), torch.rand(2, 2, device=DEVICE)
-    seen = []
-    monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: True)
+    asked, seen = [], []
+    monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: asked.append(args) or True)
     monkeypatch.setattr(fm, "int4_moe_mma", lambda *args: seen.append(args) or "mma")
     assert fm.fused_moe(x, w13, w2, weights, ids, int4=ex) == "mma" and len(seen) == 1
+    # what it is asked: x, bits, both products' groups and act orders, H, I, the assignments (T x K)
+    assert asked[0][0] is x and asked[0][1:] == (4, 128, 128, None, None, 256, 128, 4)
+    assert seen[0][:5] == (x, w13, w2, weights, ids)
+    assert seen[0][5][0] is ex.w13_scales and seen[0][6][0] is ex.w2_scales
     monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: False)
     assert fm.fused_moe(x, w13, w2, weights, ids, int4=ex).shape == (2, 256)  # the tiles
 
@@ -109,8 +119,9 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "o
        "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32"}
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "out_ptr", "ids_ptr", "N", "K", "stride_xm", "stride_qe", "stride_qn",
            "stride_se", "stride_sn"]
-for f16 in (False, True):
-    ce = dict(GROUP=128, F16=f16, NUM_WARPS=1)
+# the down product's launch passes rows_per_a = 1, which Triton specializes into a constant
+for f16, rows_per_a in ((False, None), (True, None), (False, 1)):
+    ce = dict(GROUP=128, F16=f16, NUM_WARPS=1) | ({} if rows_per_a is None else dict(rows_per_a=rows_per_a))
     s = dict(sig, x_ptr="*fp16") if f16 else sig
     src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                          attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
@@ -123,7 +134,9 @@ def test_the_kernel_compiles_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for mmas, vector_loads, atomics in (line.split() for line in done.stdout.splitlines()):
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 3
+    for mmas, vector_loads, atomics in lines:
         # 8 mmas a 128-input round; one split, so no split-K counter (no atomics)
         assert int(mmas) >= 8 and int(vector_loads) >= 2 and int(atomics) == 0, (mmas, vector_loads, atomics)
 
