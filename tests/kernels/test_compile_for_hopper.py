@@ -456,7 +456,9 @@ def test_int4_moe_gemv_kernels_compile(monkeypatch):
             if not factored:  # the expert GEMVs' default tiles (taken under DEEPSERVE_INT4_MOE_GEMV_MAX_TOKENS)
                 fm.fused_moe(x, w13, w2, weights, ids, default_moe_gemv_config(), int4=int4)
 
-    _compile_all(_record(monkeypatch, int4_moe_gemv, run, execute=False))  # the routing kernels still run
+    # not executed: the GEMVs' outputs (and so the slot sum's inputs) stay uninitialized; the routing kernels run
+    moe_sum = import_kernels("deepserve.kernels.moe_sum")
+    _compile_all(_record(monkeypatch, (int4_moe_gemv, moe_sum), run, execute=False))
 
 
 def test_fused_rope_and_kv_store_kernel_compiles(monkeypatch):
