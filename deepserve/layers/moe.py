@@ -149,11 +149,7 @@ class MoEGate(nn.Module):
         """On CUDA the Triton routing kernel (kernels/moe_routing.py: one launch, CUDA-graph safe;
         DEEPSERVE_FUSED_ROUTING=0 turns it off), elsewhere `route`; both return (weights [T, K] float32,
         ids [T, K] int64). The logits stay fp32: bf16 logits change about 1-2% of the tokens' experts."""
-        gemv = _router_gemv() if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 else None
-        if gemv is not None and x.shape[0] <= gemv[1]:
-            logits = gemv[0](x, self.weight)  # [T, E] -> [T, X]: one launch at decode sizes
-        else:
-            logits = F.linear(x.float(), self.weight)  # [T, E] -> [T, X]
+        logits = _router_logits(x, self.weight)  # [T, E] -> [T, X]
         fused = _fused_router(self.cfg) if logits.is_cuda else None
         if fused is not None:
             return fused(logits, self.cfg, self.e_score_correction_bias)
@@ -514,6 +510,16 @@ def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
     except ImportError:
         return None
     return fused_moe
+
+
+def _router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), weight); on CUDA at decode sizes in one launch (kernels.moe_routing.router_logits)."""
+    gemv = _router_gemv() if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 else None
+    if gemv is not None:
+        kernel, max_tokens = gemv
+        if x.shape[0] <= max_tokens:
+            return kernel(x, weight)
+    return F.linear(x.float(), weight)
 
 
 @functools.cache
