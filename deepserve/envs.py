@@ -56,6 +56,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                        "correctly (K a multiple of 512, N of 16; M padded to 4), Triton elsewhere. "
                                        "Default on: 8192^3 1,309 TFLOP/s against Triton's 891 on the H200; "
                                        "0 keeps every call on Triton"),
+    "DEEPSERVE_MMA_GEMV_ONE_SPLIT": (_flag("DEEPSERVE_MMA_GEMV_ONE_SPLIT", True),
+                                     "the tensor-core decode GEMVs (int4 and FP8) give each 16-row tile one program "
+                                     "of up to 8 warps that splits K inside itself and stores the tile, where the "
+                                     "tiles are enough to keep the SMs busy (mma_gemv_common.one_split_warps), "
+                                     "instead of split-K programs summed through a workspace and a counter. "
+                                     "0: split-K everywhere (the launch before)"),
     "DEEPSERVE_FP8_GEMV_MAX_M": (_float("DEEPSERVE_FP8_GEMV_MAX_M", 1),
                                  "FP8 linears with at most this many tokens (up to 16) stream the weight through "
                                  "kernels/fp8_gemv.py, activations unquantized; 0: off (every call W8A8 unless the "

@@ -41,7 +41,10 @@ faster, its dense gate_up 40 % slower, LLM-7B's step 3 % slower (bench/RESULTS.m
 
 Work split (int4_mma_gemv.py's): a program is NUM_WARPS warps on one 16-row tile; its warps take the rounds
 of its K split in turn; split-K partials are summed in split order by the tile's last program
-(mma_gemv_common.store_tile_split), so results do not depend on scheduling.
+(mma_gemv_common.store_tile_split), so results do not depend on scheduling. Where the tiles alone keep the
+SMs busy (mma_gemv_common.one_split_warps), one split of up to 8-warp programs that store their tiles
+themselves (one H200, bench/gemv_split_probe.py: a 7B step's per-channel GEMVs ~1.94 ms against 2.15 at one
+token; LLM-7B `-q fp8` W2 TPOT 2.98 -> 2.82 ms, same-machine A/B; V3's slice unchanged, 2.52 / 2.51).
 """
 
 from __future__ import annotations
@@ -55,16 +58,19 @@ from triton.experimental.gluon import language as gl
 
 from deepserve import envs
 from deepserve.kernels.mma_gemv_common import (
+    ONE_SPLIT,
     TILE_ROWS,
     activations_fit,
+    finish_splits,
     is_hopper,
+    launch_shape,
     split4,
     split8,
     split16,
-    split_count,
+    split_buffers,
     store_tile_split,
 )
-from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
+from deepserve.kernels.split_k import sm_count
 
 ROWS = gl.constexpr(TILE_ROWS)
 BLOCK_K = 128  # K must be a multiple of this (every round whole; DeepSeek's scale blocks are 128 wide)
@@ -122,6 +128,8 @@ class Fp8MmaGemvConfig:
     words: int = 8
     prefetch: bool = True  # load the next round before this round's mmas (register double buffering)
     evict_first: bool = True  # weight loads marked evict-first in L2 (read once; x and the partials stay)
+    split_k: int = 0  # 0: launch_shape's choice; n > 0: n splits of num_warps (one: each program stores its tile)
+    one_split: bool = ONE_SPLIT  # with split_k 0: one split of one_split_warps' programs where it applies
 
 
 DEFAULT_CONFIG = Fp8MmaGemvConfig()
@@ -141,7 +149,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
                          stride_xm, stride_wn, stride_sn, stride_sk, GROUP_N: gl.constexpr, GROUP_K: gl.constexpr,
                          PER_CHANNEL: gl.constexpr, F16: gl.constexpr, HAS_BIAS: gl.constexpr,
                          FUSED_SUM: gl.constexpr, NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr,
-                         PREFETCH: gl.constexpr, WORDS: gl.constexpr, EVICT: gl.constexpr):
+                         PREFETCH: gl.constexpr, WORDS: gl.constexpr, EVICT: gl.constexpr, DIRECT: gl.constexpr):
     # w_ptr / x_ptr read as int32: the weight's words [N, K / 4] (stride_wn in words), x's pairs.
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     LW: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
@@ -194,7 +202,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
         s_b = gl.load(s_ptr + ((tile * ROWS + lane // 4 + 8) % N) * stride_sn)
         y0, y1, y2, y3 = y0 * s_a, y1 * s_a, y2 * s_b, y3 * s_b
     store_tile_split(y0, y1, y2, y3, ws_ptr, out_ptr, bias_ptr, lock_ptr, tile, split, gl.num_programs(1), M, N,
-                     HAS_BIAS, FUSED_SUM, MAX_SPLITS, L)
+                     HAS_BIAS, FUSED_SUM, MAX_SPLITS, L, DIRECT)
 
 
 @gluon.jit
@@ -255,10 +263,10 @@ def _shape_fits(k: int, block: tuple[int, int] | None) -> bool:
     return k > 0 and k % BLOCK_K == 0 and (block is None or (block[0] % TILE_ROWS == 0 and block[1] % BLOCK_K == 0))
 
 
-def mma_split_count(n: int, k: int, cfg: Fp8MmaGemvConfig, num_sms: int) -> int:
-    """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least one
-    round a warp, at most split_k.MAX_SPLIT_K; rounded so no split is empty."""
-    return split_count(k // (16 * cfg.words), n, cfg.num_warps, cfg.programs_per_sm, num_sms)
+def mma_launch_shape(n: int, k: int, cfg: Fp8MmaGemvConfig, num_sms: int) -> tuple[int, int]:
+    """(warps a program, K splits) for an [N, K] weight: mma_gemv_common.launch_shape over its rounds."""
+    rounds = k // (16 * cfg.words)
+    return launch_shape(n, rounds, cfg.num_warps, cfg.programs_per_sm, cfg.split_k, cfg.one_split, num_sms)
 
 
 def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -276,19 +284,16 @@ def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block:
     if tuple(scale.shape) != want or scale.dtype != torch.float32:
         raise ValueError(f"fp8 mma gemv: the scale must be float32 {want}, got {scale.dtype} {tuple(scale.shape)}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    splits = mma_split_count(n, k, cfg, sm_count(x.device))
+    warps, splits = mma_launch_shape(n, k, cfg, sm_count(x.device))
     rounds_per_split = triton.cdiv(k // (16 * cfg.words), splits)
     tiles = triton.cdiv(n, TILE_ROWS)
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    locks, fused = fused_sum(x.device, tiles, ws)
+    ws, locks, consts = split_buffers(out, splits, tiles)
     group_n, group_k = block if block is not None else (TILE_ROWS, BLOCK_K)  # unread per channel
     _fp8_mma_gemv_kernel[(tiles, splits)](
         x, w_q, scale, ws, out, out if bias is None else bias, locks, m, n, k, rounds_per_split,
         x.stride(0), w_q.stride(0) // 4, scale.stride(0), scale.stride(-1), GROUP_N=group_n, GROUP_K=group_k,
         PER_CHANNEL=block is None, F16=x.dtype == torch.float16, HAS_BIAS=bias is not None,
-        FUSED_SUM=fused["FUSED_SUM"], NUM_WARPS=cfg.num_warps, MAX_SPLITS=fused["MAX_SPLITS"],
-        PREFETCH=cfg.prefetch, WORDS=cfg.words, EVICT="evict_first" if cfg.evict_first else "",
-        num_warps=cfg.num_warps)
-    if not fused["FUSED_SUM"]:
-        sum_splits(ws, out, bias)
+        NUM_WARPS=warps, PREFETCH=cfg.prefetch, WORDS=cfg.words,
+        EVICT="evict_first" if cfg.evict_first else "", num_warps=warps, **consts)
+    finish_splits(ws, out, bias, consts)
     return out

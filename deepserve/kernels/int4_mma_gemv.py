@@ -42,7 +42,12 @@ ahead of the mmas, it sinks them at its own 64 registers, but the programs no lo
 Work split: a program is NUM_WARPS warps on 16 output rows; its warps take the 128-input blocks of its
 K split in turn (block first + warp, + NUM_WARPS, ...), their partials are added across warps at the end,
 and split-K partials are summed in split order by the last program of the row tile (the same protocol as
-split_k.store_split, written here for Gluon), so results do not depend on scheduling.
+split_k.store_split, written here for Gluon), so results do not depend on scheduling. Where the tiles alone
+keep the SMs busy (mma_gemv_common.one_split_warps) a launch has one split of up to 8-warp programs that
+store their tiles themselves: no workspace, fence or counter. Measured on one H200 (bench/gemv_split_probe.py,
+second session of 2026-12-04): a 7B step's int4 GEMVs ~1.46 ms against split-K's 1.71 at one token, V2-Lite's
+MLA and shared-expert projections 566 µs against 803; LLM-7B AWQ W2 TPOT 2.56 -> 2.34 ms, V2-Lite AWQ 2.81 ->
+2.56 (same-machine A/B).
 """
 
 from __future__ import annotations
@@ -56,15 +61,18 @@ from triton.experimental.gluon import language as gl
 
 from deepserve import envs
 from deepserve.kernels.mma_gemv_common import (
+    ONE_SPLIT,
     TILE_ROWS,
     activations_fit,
+    finish_splits,
     is_hopper,
+    launch_shape,
     split4,
     split16,
-    split_count,
+    split_buffers,
     store_tile_split,
 )
-from deepserve.kernels.split_k import fused_sum, sm_count, sum_splits
+from deepserve.kernels.split_k import sm_count
 
 BLOCK_INPUTS = 128  # inputs a block (16 words of 8 codes); a program's output rows: one mma tile (TILE_ROWS)
 ROWS = gl.constexpr(TILE_ROWS)  # TILE_ROWS, for the kernels
@@ -141,17 +149,17 @@ def _int4_mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr,
                           blocks_per_split, stride_xm, stride_qn, stride_sn, GROUP: gl.constexpr,
                           F16: gl.constexpr, HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr,
                           NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr, PREFETCH: gl.constexpr,
-                          TILED: gl.constexpr):
+                          TILED: gl.constexpr, DIRECT: gl.constexpr):
     gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, blocks_per_split, stride_xm,
               stride_qn, stride_sn, gl.program_id(0), gl.program_id(1), gl.num_programs(1), GROUP, F16, HAS_BIAS,
-              FUSED_SUM, NUM_WARPS, MAX_SPLITS, PREFETCH, TILED)
+              FUSED_SUM, NUM_WARPS, MAX_SPLITS, PREFETCH, TILED, DIRECT)
 
 
 @gluon.jit
 def gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M, N, K, blocks_per_split, stride_xm,
               stride_qn, stride_sn, tile, split, split_k, GROUP: gl.constexpr, F16: gl.constexpr,
               HAS_BIAS: gl.constexpr, FUSED_SUM: gl.constexpr, NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr,
-              PREFETCH: gl.constexpr, TILED: gl.constexpr):
+              PREFETCH: gl.constexpr, TILED: gl.constexpr, DIRECT: gl.constexpr = False):
     """One program's work: output rows [tile * 16, + 16) of x [M, K] @ the weight, over split `split`'s
     128-input blocks (of split_k), into the workspace / out as store_tile_split says (int4_moe_mma.py runs it
     on one expert's weight)."""
@@ -210,7 +218,8 @@ def gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, ws_ptr, out_ptr, bias_ptr, lock_ptr, M
                                         TILED)
     # y0, y1: row g, tokens 2t, 2t + 1; y2, y3: row g + 8, the same tokens. Sum the warps' blocks.
     store_tile_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
-                     out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N, HAS_BIAS, FUSED_SUM, MAX_SPLITS, L)
+                     out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N, HAS_BIAS, FUSED_SUM, MAX_SPLITS, L,
+                     DIRECT)
 
 
 @gluon.jit
@@ -287,16 +296,16 @@ class Int4MmaGemvConfig:
     num_warps: int = 2
     programs_per_sm: int = 8  # the split count aims at this many programs an SM
     prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
+    split_k: int = 0  # 0: launch_shape's choice; n > 0: n splits of num_warps (one: each program stores its tile)
+    one_split: bool = ONE_SPLIT  # with split_k 0: one split of one_split_warps' programs where it applies
 
 
 TILED_CONFIG = Int4MmaGemvConfig(num_warps=1, programs_per_sm=16)
 
 
-def mma_split_count(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> int:
-    """Splits along K so the programs come to about cfg.programs_per_sm an SM, each split keeping at least
-    one 128-input block a warp, at most split_k.MAX_SPLIT_K (the fused sum unrolls over them); rounded so no
-    split is empty."""
-    return split_count(k // BLOCK_INPUTS, n, cfg.num_warps, cfg.programs_per_sm, num_sms)
+def mma_launch_shape(n: int, k: int, cfg: Int4MmaGemvConfig, num_sms: int) -> tuple[int, int]:
+    """(warps a program, K splits) for an [N, K] weight: mma_gemv_common.launch_shape over its 128-input blocks."""
+    return launch_shape(n, k // BLOCK_INPUTS, cfg.num_warps, cfg.programs_per_sm, cfg.split_k, cfg.one_split, num_sms)
 
 
 def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -310,19 +319,16 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    splits = mma_split_count(n, k, cfg, sm_count(x.device))
+    warps, splits = mma_launch_shape(n, k, cfg, sm_count(x.device))
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    locks, fused = fused_sum(x.device, tiles, ws)
+    ws, locks, consts = split_buffers(out, splits, tiles)
     _int4_mma_gemv_kernel[(tiles, splits)](
         x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,
         blocks_per_split, x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
-        F16=x.dtype == torch.float16, HAS_BIAS=bias is not None, FUSED_SUM=fused["FUSED_SUM"],
-        NUM_WARPS=cfg.num_warps, MAX_SPLITS=fused["MAX_SPLITS"], PREFETCH=cfg.prefetch, TILED=tiled,
-        num_warps=cfg.num_warps)
-    if not fused["FUSED_SUM"]:
-        sum_splits(ws, out, bias)
+        F16=x.dtype == torch.float16, HAS_BIAS=bias is not None, NUM_WARPS=warps, PREFETCH=cfg.prefetch,
+        TILED=tiled, num_warps=warps, **consts)
+    finish_splits(ws, out, bias, consts)
     return out
 
 

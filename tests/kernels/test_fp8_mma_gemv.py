@@ -6,6 +6,7 @@ as does the Hopper-only test at the end of this file."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -145,13 +146,24 @@ def test_it_is_taken_only_where_it_applies(monkeypatch):
     assert not supported(_OnHopper(1, 4096), torch.zeros(64, 4096, dtype=torch.float8_e5m2), None)
     monkeypatch.setattr(fp8_mma_gemv, "INTERPRET", True)
     assert not supported(_OnHopper(1, 4096), w, None)
-    cfg = fp8_mma_gemv.Fp8MmaGemvConfig()
-    # splits: no split empty, about programs_per_sm programs an SM, at least a round a warp
+    cfg = fp8_mma_gemv.Fp8MmaGemvConfig(one_split=False)
+    # split-K: no split empty, about programs_per_sm programs an SM, at least a round a warp
     for n, k in ((4096, 4096), (22016, 4096), (4096, 11008), (576, 7168), (16, 65536), (80, 256)):
-        s = fp8_mma_gemv.mma_split_count(n, k, cfg, 132)
+        warps, s = fp8_mma_gemv.mma_launch_shape(n, k, cfg, 132)
         rounds = k // (16 * cfg.words)
         per = -(-rounds // s)
+        assert warps == cfg.num_warps
         assert 1 <= s <= min(rounds, 16) and (s - 1) * per < rounds and per >= min(cfg.num_warps, rounds)
+    # one split where the tiles alone fill the SMs (<= 24 warps an SM, <= 8 a program), split-K where they
+    # come to < 6 warps an SM over a long K (V3's kv_a and q_a), whatever is asked explicitly as asked
+    shape = functools.partial(fp8_mma_gemv.mma_launch_shape, cfg=fp8_mma_gemv.Fp8MmaGemvConfig(one_split=True),
+                              num_sms=132)
+    assert shape(12288, 4096) == (4, 1) and shape(4096, 4096) == (8, 1) and shape(22016, 4096) == (2, 1)
+    assert shape(36864, 7168) == (1, 1) and shape(7168, 2048) == (4, 1)
+    assert shape(576, 7168)[1] > 1 and shape(1536, 7168)[1] > 1
+    assert shape(576, 1024) == (8, 1)  # 8 rounds: two a warp
+    assert fp8_mma_gemv.mma_launch_shape(4096, 4096, fp8_mma_gemv.Fp8MmaGemvConfig(num_warps=16, split_k=1),
+                                         132) == (16, 1)
 
 
 def test_bad_scales_and_configs_are_refused():
@@ -196,18 +208,20 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32
        "bias_ptr": "*bf16", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "rounds_per_split": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sk": "i32"}
 aligned = ["x_ptr", "w_ptr", "s_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn"]
-for f16, per_channel, fused, prefetch, words, evict in ((False, True, True, True, 8, "evict_first"),
-                                                        (True, False, False, False, 4, ""),
-                                                        (False, False, True, True, 4, ""),
-                                                        (True, True, True, True, 8, "evict_first")):
+for f16, per_channel, fused, prefetch, words, evict, direct in ((False, True, True, True, 8, "evict_first", False),
+                                                                (True, False, False, False, 4, "", False),
+                                                                (False, False, True, True, 4, "", False),
+                                                                (True, True, True, True, 8, "evict_first", False),
+                                                                (False, False, False, True, 8, "evict_first", True)):
     ce = dict(GROUP_N=16 if per_channel else 128, GROUP_K=128, PER_CHANNEL=per_channel, F16=f16, HAS_BIAS=True,
-              FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=8, PREFETCH=prefetch, WORDS=words, EVICT=evict)
+              FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=1 if direct else 8, PREFETCH=prefetch, WORDS=words,
+              EVICT=evict, DIRECT=direct)
     s = dict(sig, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16") if f16 else sig
     src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                          attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=2)).asm["ptx"]
     print(f16, words, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"),
-          ptx.count("cvt.rn.f16x2.e4m3x2"))
+          ptx.count("cvt.rn.f16x2.e4m3x2"), fused, direct, ptx.count("atom.") + ptx.count("fence."))
 """
 
 
@@ -217,11 +231,13 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 4
-    for f16, words, mmas, vector_loads, widens in lines:
+    assert len(lines) == 5
+    for f16, words, mmas, vector_loads, widens, fused, direct, syncs in lines:
         # a round: `words` mmas, each widening 2 words of 4 bytes (2 cvt each); 16-byte loads of weights and x
         assert int(mmas) >= int(words) and int(widens) >= 4 * int(words), (f16, words, mmas, widens)
         assert int(vector_loads) >= 2, (f16, words, vector_loads)
+        # the fused split sum counts with an atomic behind fences; one split (DIRECT) stores with neither
+        assert (int(syncs) > 0) == (fused == "True"), (fused, direct, syncs)
 
 
 def _on_hopper() -> bool:

@@ -5,6 +5,7 @@ same product (1-8 tokens, fp16 / bf16, bias, groups of 128 / 256, N not a multip
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -124,12 +125,21 @@ def test_it_is_taken_only_where_it_applies(monkeypatch):
     assert not supported(_OnHopper(1, 4096, offset=1), 4, 128, None, 4096)  # x read as int32 pairs: aligned only
     monkeypatch.setattr(int4_mma_gemv, "INTERPRET", True)
     assert not supported(_OnHopper(1, 4096), 4, 128, None, 4096)
-    cfg = int4_mma_gemv.Int4MmaGemvConfig()
-    # splits: no split empty, about programs_per_sm programs an SM, at least a block a warp
+    cfg = int4_mma_gemv.Int4MmaGemvConfig(one_split=False)
+    # split-K: no split empty, about programs_per_sm programs an SM, at least a block a warp
     for n, k in ((4096, 4096), (22016, 4096), (4096, 11008), (12288, 4096), (80, 640), (16, 65536)):
-        s = int4_mma_gemv.mma_split_count(n, k, cfg, 132)
+        warps, s = int4_mma_gemv.mma_launch_shape(n, k, cfg, 132)
         per = -(-(k // 128) // s)
+        assert warps == cfg.num_warps
         assert 1 <= s <= min(k // 128, 16) and (s - 1) * per < k // 128 and per >= min(cfg.num_warps, k // 128)
+    # one split: LLM-7B's and V2-Lite's projections (V2-Lite's kv_a: 36 tiles, but 16 blocks, two a warp)
+    shape = functools.partial(int4_mma_gemv.mma_launch_shape, cfg=int4_mma_gemv.Int4MmaGemvConfig(one_split=True),
+                              num_sms=132)
+    assert [shape(n, k) for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))] == \
+        [(4, 1), (8, 1), (2, 1), (8, 1)]
+    assert [shape(n, k) for n, k in ((3072, 2048), (576, 2048), (2048, 2048), (5632, 2048), (2048, 2816))] == \
+        [(8, 1)] * 5
+    assert shape(576, 7168)[1] > 1  # 36 tiles over 56 blocks: split-K
 
 
 _COMPILE = """
@@ -144,15 +154,16 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm",
            "stride_qn", "stride_sn"]
 for f16 in (False, True):
-    for fused, prefetch, tiled, warps in ((True, True, False, 2), (False, False, False, 2), (True, True, True, 1)):
-        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=warps, MAX_SPLITS=8,
-                  PREFETCH=prefetch, TILED=tiled)
+    for fused, prefetch, tiled, warps, direct in ((True, True, False, 2, False), (False, False, False, 2, False),
+                                                  (True, True, True, 1, False), (False, True, True, 16, True)):
+        ce = dict(GROUP=128, F16=f16, HAS_BIAS=True, FUSED_SUM=fused, NUM_WARPS=warps, MAX_SPLITS=1 if direct else 8,
+                  PREFETCH=prefetch, TILED=tiled, DIRECT=direct)
         s = dict(sig, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16") if f16 else sig
         src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                              attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps)).asm["ptx"]
         print(f16, fused, prefetch, tiled, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"),
-              ptx.count("prmt.b32"))
+              ptx.count("prmt.b32"), ptx.count("atom.") + ptx.count("fence."))
 """
 
 
@@ -162,8 +173,10 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 6
-    for f16, fused, prefetch, tiled, mmas, vector_loads, permutes in lines:
+    assert len(lines) == 8
+    for f16, fused, prefetch, tiled, mmas, vector_loads, permutes, syncs in lines:
+        # the fused split sum counts with an atomic behind fences; one split (DIRECT) stores with neither
+        assert (int(syncs) > 0) == (fused == "True"), (fused, syncs)
         # 8 mmas a round (4 word columns x 2) a block; the tiled asm re-pairs no activations (no prmt in its loop)
         assert int(mmas) >= 8 and int(vector_loads) >= 2, (f16, fused, prefetch, tiled, mmas, vector_loads)
         assert (int(permutes) < 16) == (tiled == "True"), (f16, fused, prefetch, tiled, permutes)
