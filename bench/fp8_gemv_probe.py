@@ -44,8 +44,8 @@ def mma_variants() -> dict[str, Fp8MmaGemvConfig]:
     c = Fp8MmaGemvConfig
     return {"mma (default)": c(),
             "mma no evict-first": c(evict_first=False),
-            "mma nw1 pps16": c(num_warps=1, programs_per_sm=16),
-            "mma nw4 pps4": c(num_warps=4, programs_per_sm=4),
+            "mma nw1 pps16": c(num_warps=1, programs_per_sm=16, one_split=False),
+            "mma nw4 pps4": c(num_warps=4, programs_per_sm=4, one_split=False),
             "mma words 4": c(words=4),
             "mma no prefetch": c(prefetch=False)}
 

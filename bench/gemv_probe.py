@@ -53,9 +53,9 @@ def mma_variants() -> dict:
     """label -> (config, tiled): the row layout's default (2 warps, 8 programs an SM, prefetching) and runner-up,
     and the tiled layout's default (tile_words / tile_scales: one-warp programs, 16 an SM)."""
     return {"int4 mma (default)": (Int4MmaGemvConfig(), False),
-            "int4 mma w4 pps4": (Int4MmaGemvConfig(num_warps=4, programs_per_sm=4), False),
+            "int4 mma w4 pps4": (Int4MmaGemvConfig(num_warps=4, programs_per_sm=4, one_split=False), False),
             "int4 mma tiled (default)": (TILED_CONFIG, True),
-            "int4 mma tiled w2 pps8": (Int4MmaGemvConfig(), True)}
+            "int4 mma tiled w2 pps8": (Int4MmaGemvConfig(one_split=False), True)}
 
 
 def mma_call(x, w: tuple, group: int, bias, cfg: Int4MmaGemvConfig, tiled: bool):

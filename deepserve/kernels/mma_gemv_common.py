@@ -155,9 +155,9 @@ def split_count(rounds: int, n: int, num_warps: int, programs_per_sm: int, num_s
 
 
 # One-split launches (one_split_warps): measured with bench/gemv_split_probe.py on one H200 (bench/RESULTS.md,
-# second session of 2026-12-04): 8-warp programs were the fastest or within 4 % of it at 1 and 4 tokens on
-# every int4 shape of LLM-7B and V2-Lite; more warps than ~24 an SM (LLM-7B's qkv and gate_up at 8 warps) or
-# fewer than ~6 with long K (V3's kv_a and q_a: 36 and 96 tiles, 56 rounds) were slower than split-K.
+# second session of 2026-12-04): 8-warp programs were the fastest or near it on the small int4 shapes (V2-Lite's,
+# LLM-7B's o and down); where 8 warps would exceed ~24 an SM (LLM-7B's qkv, gate_up) fewer warps were faster
+# (4 and 2); fewer than ~6 warps an SM over a long K (V3's kv_a and q_a: 36 and 96 tiles, 56 rounds) lost to split-K.
 ONE_SPLIT_MAX_WARPS = 8
 ONE_SPLIT_MAX_WARPS_PER_SM = 24
 ONE_SPLIT_MIN_WARPS_PER_SM = 6
