@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deepserve.kernels.int4_mma_gemv import BLOCK_ASM_BF16, BLOCK_ASM_F16, TILED_ASM_BF16, TILED_ASM_F16
+from deepserve.kernels.int4_mma_asm import BLOCK_ASM_BF16, BLOCK_ASM_F16, TILED_ASM_BF16, TILED_ASM_F16
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS as KB
 from deepserve.kernels.int4_mma_gemv import TILE_ROWS as ROWS
 from deepserve.kernels.ptx_replay import MASK as _MASK

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from deepserve.kernels import int4_mma_gemv, int4_ref
+from deepserve.kernels import int4_mma_asm, int4_mma_gemv, int4_ref
 from deepserve.kernels.int4_mma_ref import mma_gemv_replay
 from deepserve.kernels.ptx_replay import _lop3, _prmt, mma_m16n8k16
 from tests.kernels.test_int4_gemm import random_weights
@@ -64,7 +64,7 @@ def test_the_tiled_asm_replayed_at_the_kernels_offsets_equals_the_dequantized_pr
                                           ("{a0, b0, a1, b1}", "{a0, a1, b0, b1}")])  # the A fragment's order
 def test_the_replay_fails_for_a_wrong_asm(wrong, right):
     # the replay runs the kernel's own asm text: a changed constant or operand gives a wrong product
-    asm = int4_mma_gemv.BLOCK_ASM_BF16.value
+    asm = int4_mma_asm.BLOCK_ASM_BF16.value
     assert wrong in asm
     qweight, scales, zeros, _ = random_weights(16, 128, 4, 128, False, seed=3)
     x = torch.randn(1, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
