@@ -152,7 +152,8 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     rows = checks()
     bad = [r for r in rows if not r["ok"]]
-    print(f"checks: {len(rows) - len(bad)} ok, {len(bad)} wrong", flush=True)
+    n_checks = len(rows)
+    print(f"checks: {n_checks - len(bad)} ok, {len(bad)} wrong", flush=True)
     tables = []
     for m in (int(t) for t in ns.tokens.split(",")):
         for kind, shapes, title, layers in (
@@ -167,7 +168,7 @@ def main() -> int:
         print_table(*table)
     if ns.json:
         ns.json.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    print(f"checks: {len(rows) - len(bad)} ok, {len(bad)} wrong" +
+    print(f"checks: {n_checks - len(bad)} ok, {len(bad)} wrong" +  # the checks only, not the timed rows
           "".join(f"\n  {r['check']} {r['variant']} m{r['m']} n{r['n']} k{r['k']}: {r['rel_err']}" for r in bad))
     return 1 if bad else 0
 

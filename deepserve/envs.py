@@ -137,6 +137,17 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                               "Hopper (kernels/int4_moe_mma.py) instead of the fused MoE tiles; "
                                               "0: never. Default 24: V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms on one "
                                               "H200 (same machine)"),
+    "DEEPSERVE_INT4_TMA_GEMV_STAGES": (_float("DEEPSERVE_INT4_TMA_GEMV_STAGES", 2),
+                                       "int4 decode GEMVs on Hopper over the tiled layout with groups of 128 and at "
+                                       "least 16 MB of codes stage the weights through shared memory with the copy "
+                                       "engine (TMA), this many rounds ahead (kernels/int4_tma_gemv.py); 0: off "
+                                       "(the warps load them themselves). Default 2: LLM-7B AWQ W2 TPOT 2.34 -> "
+                                       "2.29 ms on one H200 (same machine)"),
+    "DEEPSERVE_INT4_TMA_GEMV_PDL": (_float("DEEPSERVE_INT4_TMA_GEMV_PDL", 0),
+                                    "with DEEPSERVE_INT4_TMA_GEMV_STAGES: 1 launches those GEMVs with programmatic "
+                                    "dependence (the weights asked for before waiting on the previous kernel), 2 "
+                                    "also lets the next launch start early, 0 (default) plain launches: in the "
+                                    "engine's decode graph 1 was not faster (bench/RESULTS.md)"),
     "DEEPSERVE_GC_FREEZE": (_flag("DEEPSERVE_GC_FREEZE", True),
                             "when start-up ends, the API server, the engine core process and the other ranks "
                             "collect once and freeze the surviving objects out of Python's garbage collection "

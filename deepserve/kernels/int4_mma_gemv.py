@@ -47,7 +47,8 @@ keep the SMs busy (mma_gemv_common.one_split_warps) a launch has one split of up
 store their tiles themselves: no workspace, fence or counter. Measured on one H200 (bench/gemv_split_probe.py,
 second session of 2026-12-04): a 7B step's int4 GEMVs ~1.46 ms against split-K's 1.71 at one token, V2-Lite's
 MLA and shared-expert projections 566 µs against 803; LLM-7B AWQ W2 TPOT 2.56 -> 2.34 ms, V2-Lite AWQ 2.81 ->
-2.56 (same-machine A/B).
+2.56 (same-machine A/B). At one token, weights of 16 MB or more take int4_tma_gemv.py instead (the copy engine
+stages the words and scales; LLM-7B AWQ W2 TPOT 2.34 -> 2.29 ms).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from triton.experimental.gluon import language as gl
 
 from deepserve import envs
 from deepserve.kernels.int4_mma_asm import BLOCK_INPUTS, _block  # a program's output rows: one mma tile (TILE_ROWS)
+from deepserve.kernels.int4_tma_gemv import tma_launch, tma_supported
 from deepserve.kernels.mma_gemv_common import (
     ONE_SPLIT,
     TILE_ROWS,
@@ -78,6 +80,8 @@ from deepserve.kernels.split_k import sm_count
 ROWS = gl.constexpr(TILE_ROWS)  # TILE_ROWS, for the kernels
 KB = gl.constexpr(BLOCK_INPUTS)
 INTERPRET = envs.TRITON_INTERPRET  # read once, at import
+TMA_STAGES = int(envs.DEEPSERVE_INT4_TMA_GEMV_STAGES)  # read once, at import: the configs' defaults
+TMA_PDL = int(envs.DEEPSERVE_INT4_TMA_GEMV_PDL)
 
 
 @gluon.jit(do_not_specialize=["M", "blocks_per_split"])
@@ -234,6 +238,9 @@ class Int4MmaGemvConfig:
     prefetch: bool = True  # load the next round's block before this round's mmas (register double buffering)
     split_k: int = 0  # 0: launch_shape's choice; n > 0: n splits of num_warps (one: each program stores its tile)
     one_split: bool = ONE_SPLIT  # with split_k 0: one split of one_split_warps' programs where it applies
+    tma_stages: int = TMA_STAGES  # tiled, groups of 128: rounds the copy engine stages ahead (int4_tma_gemv); 0 off
+    tma_pdl: int = TMA_PDL  # with tma_stages: 1 launch early (programmatic dependence: weights asked for before
+    # waiting on the previous kernel), 2 also let the next launch start early, 0 plain launches
 
 
 TILED_CONFIG = Int4MmaGemvConfig(num_warps=1, programs_per_sm=16)
@@ -259,6 +266,10 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
+    if tiled and cfg.tma_stages and tma_supported(group, n, k, m):
+        tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts, cfg.tma_pdl)
+        finish_splits(ws, out, bias, consts)
+        return out
     _int4_mma_gemv_kernel[(tiles, splits)](
         x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,
         blocks_per_split, x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
