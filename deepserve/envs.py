@@ -138,8 +138,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                               "0: never. Default 24: V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms on one "
                                               "H200 (same machine)"),
     "DEEPSERVE_INT4_TMA_GEMV_STAGES": (_float("DEEPSERVE_INT4_TMA_GEMV_STAGES", 2),
-                                       "int4 decode GEMVs on Hopper over the tiled layout with groups of 128 and at "
-                                       "least 16 MB of codes stage the weights through shared memory with the copy "
+                                       "one-token int4 GEMVs on Hopper over the tiled layout with groups of 128 and "
+                                       "at least 16 MB of codes stage the weights through shared memory with the copy "
                                        "engine (TMA), this many rounds ahead (kernels/int4_tma_gemv.py); 0: off "
                                        "(the warps load them themselves). Default 2: LLM-7B AWQ W2 TPOT 2.34 -> "
                                        "2.29 ms on one H200 (same machine)"),

@@ -266,7 +266,7 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
-    if tiled and cfg.tma_stages and tma_supported(group, n, k, m):
+    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m):
         tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts, cfg.tma_pdl)
         finish_splits(ws, out, bias, consts)
         return out

@@ -7,7 +7,7 @@ Why: the register-loaded kernel has about one 1 KB round a warp in flight (ptxas
 below the mmas), ~16-24 KB an SM, and streams a 7B step's shapes at ~2-2.4 TB/s (bench/RESULTS.md).
 Measured on one H200 (bench/gemv_tma_probe.py; bench/RESULTS.md, third session of 2026-12-04): bytes in flight
 were not what held it back. Two stages were the fastest (three to eight slower, on every shape); the large
-weights gain a few % at one token (LLM-7B's gate_up 20.3 against 22.3 µs a call), the small ones and several
+weights gain a few % at one token (LLM-7B's gate_up 18.6 against 19.9 µs a call), the small ones and several
 tokens lose (tma_supported keeps them on the register kernel); LLM-7B AWQ W2 TPOT 2.34 -> 2.29 ms (same-machine
 A/B). Launched with programmatic
 dependence (PDL: the prologue's copies before griddepcontrol.wait) it was faster in the probe's chains of GEMVs
@@ -17,12 +17,14 @@ but not in the engine's decode graph (replay 2.148 ms against 2.121 without), so
 Same work split, mma and numerics as int4_mma_gemv's tiled layout (its _block asm, store_tile_split), only
 where the words and scales come from differs: round i of a program is its warps' blocks first + i * NUM_WARPS
 + warp, one [NUM_WARPS, 256] box of tile_words (viewed [N / 16 * K / 128, 256], a row a tile's block) and one
-[NUM_WARPS, 32] box of tile_scales (viewed [N / 16 * G, 32]; groups of 128, so a block's row in both). Boxes
+[scale_rows, 32] box of tile_scales (viewed [N / 16 * G, 32]; groups of 128, so a block's row in both). Boxes
 that reach past the split read the next tile's blocks (or zeros past the end): those warps add nothing. The
 activations are read from global memory as before (the same few KB for every program: cache hits).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -153,10 +155,11 @@ def _grid_dependency(anchor, op: gl.constexpr):
 
 
 # Where the register-loaded kernel stays: on one H200 (bench/gemv_tma_probe.py; bench/RESULTS.md, third session
-# of 2026-12-04), two stages, one token, each GEMV after a small kernel writing x, this kernel was faster on
-# DeepSeek-LLM-7B's gate_up (45 MB of codes; 20.3 against 22.3 µs) and down (22.5 MB; 13.3 / 13.8), even on its
-# qkv (25 MB), slower on its o (8 MB; 8.2 / 7.8) and on V2-Lite's projections but one (0.6-5.8 MB); at 4 tokens
-# it lost on qkv and down too (x is read each round after the copy's wait, with more lanes loading it).
+# of 2026-12-04, call 5), two stages, one token, each GEMV after a small kernel writing x, this kernel was faster
+# on DeepSeek-LLM-7B's gate_up (45 MB of codes; 19.8 against 21.9 µs a pair) and down (22.5 MB; 12.9 / 13.5),
+# even on its qkv (25 MB; 12.5 / 12.6), slower on its o (8 MB; 7.9 / 7.6) and on V2-Lite's projections as a whole
+# (0.6-5.8 MB; its step 763 against 734 µs, though kv_a was even and the shared down faster); at 4 tokens it lost
+# on LLM-7B's qkv and down too (not looked into). Nothing was measured between 8 and 22 MB: 16 is a cut in that gap.
 TMA_MIN_BYTES = 16 << 20
 TMA_MAX_TOKENS = 1
 
@@ -174,16 +177,40 @@ def scale_rows(warps: int) -> int:
     return max(warps, 2)
 
 
+class _Base:
+    """What a TensorDescriptor needs of its tensor (the address, the dtype), without holding the tensor: a cached
+    descriptor must not keep a freed weight alive. A later tensor at the same address with the same shape gets
+    the same descriptor, which describes it exactly."""
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self._ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+_WORDS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_SCALES_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@functools.lru_cache(maxsize=1024)
+def _descriptors(q_ptr: int, s_ptr: int, n: int, k: int, warps: int) -> tuple:
+    # built once per weight and width (~10 µs of host time a call otherwise, every decode step without graphs)
+    rows = n // TILE_ROWS * (k // BLOCK_INPUTS)
+    return (TensorDescriptor(_Base(q_ptr, torch.int32), [rows, WORDS], [WORDS, 1], [warps, WORDS], _WORDS_LAYOUT),
+            TensorDescriptor(_Base(s_ptr, torch.float16), [rows, SCALES], [SCALES, 1], [scale_rows(warps), SCALES],
+                             _SCALES_LAYOUT))
+
+
 def tma_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bias, warps: int,
-           splits: int, stages: int, ws: torch.Tensor, locks: torch.Tensor, consts: dict, pdl: int = 0) -> None:
-    """One launch over tile_words / tile_scales (tma_supported; the caller picked warps, splits and buffers as
-    for int4_mma_gemv's kernel)."""
+               splits: int, stages: int, ws: torch.Tensor, locks: torch.Tensor, consts: dict, pdl: int = 0) -> None:
+    """One launch over tile_words (int32 [N, K / 8]) / tile_scales (fp16) (tma_supported; the caller picked warps,
+    splits and buffers as for int4_mma_gemv's kernel)."""
     (m, k), n = x.shape, qweight.shape[0]
-    w_desc = TensorDescriptor(qweight, [n // TILE_ROWS * (k // BLOCK_INPUTS), WORDS], [WORDS, 1], [warps, WORDS],
-                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    s_desc = TensorDescriptor(scales, [n // TILE_ROWS * (k // BLOCK_INPUTS), SCALES], [SCALES, 1],
-                              [scale_rows(warps), SCALES],
-                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    if stages < 1 or qweight.dtype != torch.int32 or scales.dtype != torch.float16:
+        raise ValueError(f"int4 TMA gemv: needs stages >= 1 (DEEPSERVE_INT4_TMA_GEMV_STAGES), int32 words and fp16 "
+                         f"scales; got {stages}, {qweight.dtype}, {scales.dtype}")
+    w_desc, s_desc = _descriptors(qweight.data_ptr(), scales.data_ptr(), n, k, warps)
     tiles = triton.cdiv(n, TILE_ROWS)
     _int4_tma_gemv_kernel[(tiles, splits)](
         x, w_desc, s_desc, ws, out, out if bias is None else bias, locks, m, n, k,

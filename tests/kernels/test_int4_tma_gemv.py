@@ -28,11 +28,30 @@ def test_only_large_weights_at_one_token_take_it():
     assert not supported(256, 22016, 4096, 1)
 
 
-def test_the_scales_box_keeps_each_stage_128_byte_aligned():
-    # the copy engine writes shared memory at 128-byte aligned addresses; a scales row is 64 bytes
-    for warps in (1, 2, 4, 8):
-        rows = int4_tma_gemv.scale_rows(warps)
-        assert rows >= warps and rows * int4_tma_gemv.SCALES * 2 % 128 == 0
+def test_the_descriptors_are_built_once_and_do_not_hold_the_weight():
+    int4_tma_gemv._descriptors.cache_clear()
+    weight = 1 << 20  # an address, 16-byte aligned: nothing is read on the CPU
+    first = int4_tma_gemv._descriptors(weight, weight + 4096, 4096, 11008, 1)
+    assert int4_tma_gemv._descriptors(weight, weight + 4096, 4096, 11008, 1) is first  # cached
+    words, scales = first
+    assert not isinstance(words.base, torch.Tensor) and words.base.data_ptr() == weight
+    assert words.shape == [4096 // 16 * 11008 // 128, 256] and words.block_shape == [1, 256]
+    # the copy engine writes shared memory at 128-byte aligned addresses: a 1-warp stage of scales (64 bytes a
+    # row) takes 2 rows, so the next stage starts aligned
+    assert scales.block_shape == [2, 32] and scales.base.dtype == torch.float16
+
+
+def test_a_stage_count_below_one_is_refused():
+    qweight, scales = torch.zeros(16, 16, dtype=torch.int32), torch.zeros(1, 1, 8, 4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="DEEPSERVE_INT4_TMA_GEMV_STAGES"):
+        int4_tma_gemv.tma_launch(torch.zeros(1, 128), qweight, scales, None, None, 1, 1, 0, None, None, {})
+
+
+def test_the_defaults_are_two_stages_without_pdl():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPSERVE_INT4_TMA")}
+    done = subprocess.run([sys.executable, "-c", "from deepserve.kernels.int4_mma_gemv import TILED_CONFIG as c; "
+                           "print(c.tma_stages, c.tma_pdl)"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.split() == ["2", "0"], done.stderr[-2000:]
 
 
 class _Launches:
@@ -48,20 +67,22 @@ class _Launches:
         self.calls.append(("tma", warps, splits, stages, pdl, consts["DIRECT"]))
 
 
-@pytest.mark.parametrize("n, k, group, tiled, stages, taken", [
-    (22016, 4096, 128, True, 2, True),  # 45 MB of codes
-    (1024, 32768, 128, True, 2, True),  # 16 MB in a split-K launch shape: the copies take it too
-    (4096, 4096, 128, True, 2, False),  # 8 MB: below TMA_MIN_BYTES, the register kernel
-    (22016, 4096, 256, True, 2, False),  # a scale row serves two blocks: the register kernel
-    (22016, 4096, 128, False, 2, False),  # row layout: the register kernel
-    (22016, 4096, 128, True, 0, False),  # switched off
+@pytest.mark.parametrize("m, n, k, group, tiled, stages, taken", [
+    (1, 22016, 4096, 128, True, 2, True),  # 45 MB of codes
+    (1, 4096, 8192, 128, True, 2, True),  # exactly 16 MB
+    (1, 1024, 32768, 128, True, 2, True),  # 16 MB in a split-K launch shape: the copies take it too
+    (1, 4096, 8064, 128, True, 2, False),  # just under 16 MB: the register kernel
+    (2, 22016, 4096, 128, True, 2, False),  # 2 tokens: the register kernel
+    (1, 22016, 4096, 256, True, 2, False),  # a scale row serves two blocks: the register kernel
+    (1, 22016, 4096, 128, False, 2, False),  # row layout: the register kernel
+    (1, 22016, 4096, 128, True, 0, False),  # switched off
 ])
-def test_it_is_launched_for_tiled_weights_with_groups_of_128(monkeypatch, n, k, group, tiled, stages, taken):
+def test_it_is_launched_for_tiled_weights_with_groups_of_128(monkeypatch, m, n, k, group, tiled, stages, taken):
     launches = _Launches()
     monkeypatch.setattr(int4_mma_gemv, "tma_launch", launches)
     monkeypatch.setattr(int4_mma_gemv, "_int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(int4_mma_gemv, "sm_count", lambda device: 132)
-    x = torch.randn(1, k, dtype=torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
     qweight = torch.zeros(n, k // 8, dtype=torch.int32)
     scales = torch.zeros(n // 16, k // group, 8, 4, dtype=torch.float16) if tiled else \
         torch.zeros(n, k // group, dtype=torch.float16)
@@ -117,13 +138,15 @@ def test_the_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not _ON_HOPPER, reason="Gluon's TMA kernel runs on a Hopper GPU only")
-@pytest.mark.parametrize("m, n, k, dtype, bias, split_k, stages, pdl", [
-    (1, 4096, 4096, torch.bfloat16, False, 0, 2, 1),
-    (3, 2048, 2816, torch.float16, True, 0, 3, 0),
-    (8, 576, 7168, torch.bfloat16, True, 0, 2, 2),  # split-K by the launch rule
-    (4, 1024, 4096, torch.bfloat16, False, 3, 2, 1),  # an explicit 3 splits: the last one short
+@pytest.mark.parametrize("m, n, k, dtype, bias, split_k, warps, stages, pdl", [
+    (1, 4096, 4096, torch.bfloat16, False, 0, 0, 2, 1),
+    (1, 12288, 4096, torch.bfloat16, False, 0, 0, 2, 0),  # LLM-7B's qkv: 4-warp programs
+    (3, 2048, 2816, torch.float16, True, 0, 0, 3, 0),
+    (8, 576, 7168, torch.bfloat16, True, 0, 0, 2, 2),  # split-K by the launch rule
+    (4, 1024, 4096, torch.bfloat16, False, 3, 2, 2, 1),  # an explicit 3 splits: the last one short
+    (1, 1024, 4096, torch.bfloat16, False, 2, 1, 2, 0),  # 1-warp programs: the scales' 2-row box
 ])
-def test_on_the_gpu_it_equals_the_register_kernel(monkeypatch, m, n, k, dtype, bias, split_k, stages, pdl):
+def test_on_the_gpu_it_equals_the_register_kernel(monkeypatch, m, n, k, dtype, bias, split_k, warps, stages, pdl):
     monkeypatch.setattr(int4_tma_gemv, "TMA_MIN_BYTES", 0)  # small weights too, for a quick test
     monkeypatch.setattr(int4_tma_gemv, "TMA_MAX_TOKENS", 8)  # and every token count the kernel takes
     qweight, scales, zeros, _ = random_weights(n, k, 4, 128, False, seed=n + k)
@@ -132,7 +155,7 @@ def test_on_the_gpu_it_equals_the_register_kernel(monkeypatch, m, n, k, dtype, b
     want = dequantized_product(x, qweight, scales, zeros, 128, b)
     dev = [t.cuda() if t is not None else None for t in (x, b)]
     tiled = int4_mma_gemv.tile_words(qweight).cuda(), int4_mma_gemv.tile_scales(scales, zeros).cuda()
-    cfg = replace(int4_mma_gemv.TILED_CONFIG, split_k=split_k, num_warps=2 if split_k else 1)
+    cfg = replace(int4_mma_gemv.TILED_CONFIG, split_k=split_k, num_warps=warps or 1)
     got = int4_mma_gemv.w4a16_mma_gemv(dev[0], *tiled, None, 128, dev[1], replace(cfg, tma_stages=stages, tma_pdl=pdl),
                                        tiled=True)
     registers = int4_mma_gemv.w4a16_mma_gemv(dev[0], *tiled, None, 128, dev[1], replace(cfg, tma_stages=0), tiled=True)
