@@ -266,15 +266,14 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
-    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m):
+    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m):  # the same launch, weights by the copy engine
         tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts, cfg.tma_pdl)
-        finish_splits(ws, out, bias, consts)
-        return out
-    _int4_mma_gemv_kernel[(tiles, splits)](
-        x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,
-        blocks_per_split, x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
-        F16=x.dtype == torch.float16, HAS_BIAS=bias is not None, NUM_WARPS=warps, PREFETCH=cfg.prefetch,
-        TILED=tiled, num_warps=warps, **consts)
+    else:
+        _int4_mma_gemv_kernel[(tiles, splits)](
+            x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,
+            blocks_per_split, x.stride(0), qweight.stride(0), scales.stride(0), GROUP=group,
+            F16=x.dtype == torch.float16, HAS_BIAS=bias is not None, NUM_WARPS=warps, PREFETCH=cfg.prefetch,
+            TILED=tiled, num_warps=warps, **consts)
     finish_splits(ws, out, bias, consts)
     return out
 

@@ -9,10 +9,9 @@ Measured on one H200 (bench/gemv_tma_probe.py; bench/RESULTS.md, third session o
 were not what held it back. Two stages were the fastest (three to eight slower, on every shape); the large
 weights gain a few % at one token (LLM-7B's gate_up 18.6 against 19.9 µs a call), the small ones and several
 tokens lose (tma_supported keeps them on the register kernel); LLM-7B AWQ W2 TPOT 2.34 -> 2.29 ms (same-machine
-A/B). Launched with programmatic
-dependence (PDL: the prologue's copies before griddepcontrol.wait) it was faster in the probe's chains of GEMVs
-but not in the engine's decode graph (replay 2.148 ms against 2.121 without), so it is off by default
-(DEEPSERVE_INT4_TMA_GEMV_PDL).
+A/B). Launched with programmatic dependence (PDL: the prologue's copies before griddepcontrol.wait) it was
+faster in the probe's chains of GEMVs but not in the engine's decode graph (replay 2.148 ms against 2.121
+without), so it is off by default (DEEPSERVE_INT4_TMA_GEMV_PDL).
 
 Same work split, mma and numerics as int4_mma_gemv's tiled layout (its _block asm, store_tile_split), only
 where the words and scales come from differs: round i of a program is its warps' blocks first + i * NUM_WARPS
@@ -195,7 +194,8 @@ _SCALES_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16,
 
 @functools.lru_cache(maxsize=1024)
 def _descriptors(q_ptr: int, s_ptr: int, n: int, k: int, warps: int) -> tuple:
-    # built once per weight and width (~10 µs of host time a call otherwise, every decode step without graphs)
+    # built once per weight and width: two descriptors took ~10 µs of host time a call on the sandbox's CPU, paid
+    # every decode step without graphs
     rows = n // TILE_ROWS * (k // BLOCK_INPUTS)
     return (TensorDescriptor(_Base(q_ptr, torch.int32), [rows, WORDS], [WORDS, 1], [warps, WORDS], _WORDS_LAYOUT),
             TensorDescriptor(_Base(s_ptr, torch.float16), [rows, SCALES], [SCALES, 1], [scale_rows(warps), SCALES],
