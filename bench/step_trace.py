@@ -416,6 +416,46 @@ def trace_ttft(llm, ns) -> dict:
     return out
 
 
+def trace_w2(llm, ns) -> dict:
+    """W2's one request (1,024-token prompt, 512 output tokens, greedy) three times: a warm-up, one untraced
+    (its median gap between tokens is the gate's TPOT) and one traced. Per decode step the table splits the
+    gap between tokens into the device's forward, its sampling and its idle time before the forward: how far
+    W2's TPOT runs above the decode graph's replay, and whether the host or the device holds that time."""
+    import random
+
+    from deepserve import SamplingParams
+    from deepserve.bench.latency import _timed_request
+
+    engine = llm.llm_engine
+    vocab = 1000 if ns.smoke else min(engine.config.model.hf_config.vocab_size, 10001)
+    rng = random.Random(2)
+    length, outputs = (32, 16) if ns.smoke else (1024, 512)
+    params = SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True)
+
+    def one(request_id: str) -> list[float]:
+        return _timed_request(engine, [rng.randrange(vocab) for _ in range(length)], params, request_id)
+
+    one("w2-warm")
+    stamps = one("w2-untraced")
+    untraced = 1e3 * statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    tracer = StepTracer(llm.llm_engine.core)
+    try:
+        traced_stamps = profiled(ns.profile, llm.llm_engine.core, lambda: one("w2-traced"))
+    finally:
+        _unwrap(llm.llm_engine.core)
+    traced = 1e3 * statistics.median(b - a for a, b in zip(traced_stamps, traced_stamps[1:], strict=False))
+    steps = tracer.finish()
+    decode = [s for s in steps if s.get("tokens") == 1]
+    rows = summarize(decode)
+    print_table(f"W2 decode steps (TPOT median {untraced:.3f} ms untraced, {traced:.3f} traced)", rows)
+    for label, part in (("first 64", decode[:64]), ("last 64", decode[-64:])):
+        cells = {c: statistics.median(s[c] for s in part if c in s) for c in ("gpu_forward", "gpu_sample", "gpu_gap",
+                                                                              "wall") if any(c in s for s in part)}
+        print(f"  {label} decode steps, medians (ms): " + " ".join(f"{c}={v:.3f}" for c, v in cells.items()))
+    print_outliers(decode)
+    return {"tpot_untraced_ms": untraced, "tpot_traced_ms": traced, "summary": rows, "steps": steps}
+
+
 def _first_token_ms(engine, request_id: str, prompt: list[int], params) -> float | None:
     """Run one request to its end; ms from adding it to the step that returned its first token."""
     engine.add_request(request_id, prompt, params)
@@ -446,6 +486,7 @@ def main() -> int:
     parser.add_argument("--quantization", default=None, help="fp8, awq, ... (default: the preset's)")
     parser.add_argument("--json-schema", action="store_true", help="W1 with the gate's JSON schema on every request")
     parser.add_argument("--ttft", action="store_true", help="one request at a time: each one's first steps")
+    parser.add_argument("--w2", action="store_true", help="W2's one request: each decode step's device time and gaps")
     parser.add_argument("--profile", type=int, default=0, help="torch.profiler over this many steps")
     parser.add_argument("--smoke", action="store_true", help="tiny workloads (CPU)")
     parser.add_argument("--sync-debug", action="store_true",
@@ -465,7 +506,7 @@ def main() -> int:
         from deepserve.heap import freeze_startup_heap
 
         freeze_startup_heap("step_trace")
-    report = trace_ttft(llm, ns) if ns.ttft else trace_w1(llm, ns)
+    report = trace_ttft(llm, ns) if ns.ttft else trace_w2(llm, ns) if ns.w2 else trace_w1(llm, ns)
     if ns.out:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
         ns.out.write_text(json.dumps(report, default=str))

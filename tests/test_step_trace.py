@@ -46,6 +46,19 @@ def test_w1_trace_records_each_steps_phases_and_the_masks_where_rows_are_constra
     assert "W1 + JSON schema" in capsys.readouterr().out
 
 
+def test_w2_trace_times_one_requests_decode_steps_and_unwraps(capsys):
+    llm = gate.make_llm(gate.ModelRun("trace", None, w2=False))
+    core = llm.llm_engine.core
+    report = step_trace.trace_w2(llm, _ns())
+    decode = [s for s in report["steps"] if s.get("tokens") == 1]
+    assert len(decode) == 15  # 16 outputs: the prefill step's token, then one a decode step
+    assert report["tpot_untraced_ms"] > 0 and report["tpot_traced_ms"] > 0
+    assert all(s["wall"] >= s["launch"] > 0 for s in decode)
+    assert [r["kind"] for r in report["summary"]] == ["all", "eager"] and report["summary"][0]["steps"] == 15
+    assert "step" not in vars(core) and "launch" not in vars(core.runner)  # the wrappers came off
+    assert "W2 decode steps" in capsys.readouterr().out
+
+
 def test_same_lengths_trace_follows_the_schema_run_unconstrained(capsys):
     # --same-lengths: the gate's denominator traced after the schema run, its steps without masks and its
     # output exactly the schema run's token count (each request stopped at the schema run's length)

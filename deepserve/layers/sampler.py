@@ -53,7 +53,8 @@ class Sampler(nn.Module):
         if fused is not None:
             # One Triton pass over the raw logits (kernels/sampling.py) instead of ~8 [B, V] kernels.
             seed = int(torch.randint(2**31 - 1, (1,)))  # torch's CPU generator: a global seed replays
-            sampled = fused(logits, meta.temperature, meta.greedy, seed, meta.allowed_token_bitmask)
+            sampled = fused(logits, meta.temperature, meta.greedy, seed, meta.allowed_token_bitmask,
+                            **_split_options(meta))
         else:
             x = logits.float()  # [B, V]; aliases `logits` when already float32
             x = apply_token_bitmask(x, meta.allowed_token_bitmask)
@@ -71,7 +72,8 @@ class Sampler(nn.Module):
 FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], bool]] = {
     "not on the GPU": lambda logits, meta: not logits.is_cuda,
     "2**31 logits or more (int32 offsets)": lambda logits, meta: logits.numel() >= 2**31,
-    "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy,
+    # with DEEPSERVE_SAMPLING_SPLIT=0 only: one program a row is slower than torch.argmax then
+    "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy and not _sampling_split(),
     "min_tokens": lambda logits, meta: meta.min_tokens_index is not None,
     "penalties": lambda logits, meta: meta.output_counts is not None,
     "top_k": lambda logits, meta: meta.top_k is not None,
@@ -79,6 +81,19 @@ FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], boo
     "min_p": lambda logits, meta: meta.min_p is not None,
     "seeded rows": lambda logits, meta: bool(meta.generators),
 }
+
+
+@functools.cache
+def _sampling_split() -> bool:
+    """DEEPSERVE_SAMPLING_SPLIT, read once (as _fused_sampler reads its switch)."""
+    return bool(envs.DEEPSERVE_SAMPLING_SPLIT)
+
+
+def _split_options(meta: SamplingMetadata) -> dict:
+    # DEEPSERVE_SAMPLING_SPLIT=0: the launch as before the split (one program a row, noise drawn for every row)
+    if not _sampling_split():
+        return {"splits": 1}
+    return {"all_greedy": meta.all_greedy}
 
 
 def unfused_reasons(logits: torch.Tensor, meta: SamplingMetadata) -> list[str]:
@@ -105,7 +120,8 @@ def _fused_sampler() -> Callable[..., torch.Tensor] | None:
 
 def warm_up_fused_sampler(logits: torch.Tensor) -> int:
     """Compile (or load) every variant of the fused sampling kernel a serving step can meet, at start-up:
-    with and without a grammar mask, and for the seeds Triton specializes on (divisible by 16 or not;
+    with and without a grammar mask, with and without noise (all-greedy steps), and for the seeds Triton
+    specializes on (divisible by 16 or not;
     the sampler draws a fresh seed per step). Without this, the first sampled step, and the first
     constrained one, waited for a compile inside serving (two in each W1 with a JSON schema on the H200).
     logits [B, V] on the GPU. -> launches made (0 where the fused sampler is off or not on a GPU)."""
@@ -120,8 +136,9 @@ def warm_up_fused_sampler(logits: torch.Tensor) -> int:
     launches = 0
     for seed in (17, 32):
         for mask in (None, allow_all):
-            fused(logits, temperature, greedy, seed, mask)
-            launches += 1
+            for all_greedy in (False, True):  # an all-greedy step's variant draws no noise
+                fused(logits, temperature, greedy, seed, mask, all_greedy=all_greedy)
+                launches += 1
     return launches
 
 

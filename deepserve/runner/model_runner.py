@@ -85,7 +85,12 @@ class PendingStep:
 
 
 def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:
-    """input_ids [T] with each placeholder -(row + 1) replaced by previous_sampled[row], on the device."""
+    """input_ids [T] with each placeholder -(row + 1) replaced by previous_sampled[row], on the device: one
+    Triton launch on CUDA (kernels/sampling.fill_placeholders), these torch ops (six launches) elsewhere."""
+    if input_ids.is_cuda and input_ids.dtype == previous_sampled.dtype == torch.int64 and previous_sampled.dim() == 1:
+        from deepserve.kernels.sampling import fill_placeholders as fill_on_gpu
+
+        return fill_on_gpu(input_ids, previous_sampled.contiguous())
     rows = (-input_ids - 1).clamp_(0, previous_sampled.shape[0] - 1)
     return torch.where(input_ids < 0, previous_sampled[rows], input_ids)
 
@@ -253,6 +258,9 @@ class ModelRunner:
         else:
             self.sampler(logits, meta)
         warm_up_fused_sampler(logits)  # its variants compiled here, not in the first sampled step
+        if logits.is_cuda:  # the placeholder fill's one variant, before the first async-scheduled step needs it
+            fill_placeholders(torch.tensor([-1, 5], device=self.device), torch.zeros(1, dtype=torch.int64,
+                                                                                      device=self.device))
         return rows
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

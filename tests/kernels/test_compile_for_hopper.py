@@ -154,8 +154,12 @@ def test_sampling_kernel_compiles(monkeypatch):
     logits = torch.randn(3, 300, dtype=torch.bfloat16)
     t, g = torch.tensor([1.0, 0.7, 1.0]), torch.tensor([True, False, False])
     mask = torch.full((3, 10), -1, dtype=torch.int32)  # structured output's allowed-token bitmask
+    big = torch.randn(2, 5000, dtype=torch.bfloat16)  # split rows: the second pass too
+    ids, sampled = torch.tensor([-1, 7, -2]), torch.tensor([3, 4])
     _compile_all(_record(monkeypatch, ks, lambda: (ks.gumbel_sample(logits, t, g, seed=3),
-                                                   ks.gumbel_sample(logits, t, g, seed=3, allowed_bitmask=mask))))
+                                                   ks.gumbel_sample(logits, t, g, seed=3, allowed_bitmask=mask),
+                                                   ks.gumbel_sample(big, t[:2], g[:2], seed=3, all_greedy=True),
+                                                   ks.fill_placeholders(ids, sampled))))
 
 
 def test_routing_kernel_compiles(monkeypatch):

@@ -32,6 +32,42 @@ def test_greedy_rows_equal_torch_argmax(dtype, vocab):
     assert got[2].item() == 0
 
 
+def test_the_vocabulary_splits_draw_what_one_program_a_row_draws():
+    # A row's columns cut among programs (small batches): the same noise per column (keyed by row * V + v),
+    # the splits' winners met in order, so every split count gives the one-program result, ties included.
+    vocab = 3 * ks.BLOCK_V + 77  # four splits at most, the last one short
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    logits[0, 10] = logits[0, ks.BLOCK_V + 3] = 40.0  # a tie across two splits: the lower id wins
+    logits[3, :] = float("-inf")
+    logits[3, vocab - 1] = 0.0  # the only finite logit, in the last (short) split
+    t, g = _inputs(4, [1.0, 0.8, 1.0, 1.3], [True, False, True, False])
+    one = ks.gumbel_sample(logits, t, g, seed=21, splits=1)
+    for splits in (2, 3, 4, 64):
+        assert torch.equal(ks.gumbel_sample(logits, t, g, seed=21, splits=splits), one), splits
+    assert torch.equal(ks.gumbel_sample(logits, t, g, seed=21), one)  # vocab_splits' own choice
+    assert one[0].item() == 10 and one[3].item() == vocab - 1
+    assert torch.equal(one[g].cpu(), logits[g].argmax(-1).cpu())
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_all_greedy_draws_no_noise_and_equals_argmax(splits):
+    vocab = 2 * ks.BLOCK_V + 5
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.bfloat16)
+    logits[1, 7] = logits[1, ks.BLOCK_V + 1] = 30.0
+    t, g = _inputs(3, [1.0] * 3, [True] * 3)
+    got = ks.gumbel_sample(logits, t, g, seed=3, all_greedy=True, splits=splits)
+    assert torch.equal(got.cpu(), logits.float().argmax(-1).cpu()) and got[1].item() == 7
+
+
+def test_vocab_splits_fill_about_one_program_an_sm():
+    assert ks.vocab_splits(1, 102_400) == min(ks.SPLIT_TARGET_PROGRAMS, 50, ks.MAX_VOCAB_SPLITS)  # 50 BLOCK_V
+    assert ks.vocab_splits(8, 102_400) == ks.SPLIT_TARGET_PROGRAMS // 8
+    assert ks.vocab_splits(1, 1000) == 1  # one BLOCK_V of columns
+    assert ks.vocab_splits(256, 102_400) == 1  # the batch fills the GPU alone
+    assert ks.vocab_splits(1, 10**7) == ks.MAX_VOCAB_SPLITS
+    assert ks.vocab_splits(4, 102_400, target_programs=0) == 1
+
+
 def test_random_rows_follow_softmax_of_logits_over_temperature():
     # 6 tokens, one of them masked; many identical rows, each an independent draw.
     vocab, rows, temperature = 6, 250 if not ON_GPU else 200_000, 0.7  # interpreter: ~30 ms a row
@@ -99,3 +135,23 @@ def test_allowed_bitmask_restricts_greedy_and_random_rows():
         got = ks.gumbel_sample(logits, t, g, seed=seed, allowed_bitmask=mask)
         assert allowed[torch.arange(4, device=DEVICE), got].all()
         assert torch.equal(got[:2].cpu(), want[:2].cpu())
+
+
+def test_fill_placeholders_kernel_equals_the_torch_version():
+    # The one-launch fill against model_runner's torch ops (the reference, run on the CPU): placeholders
+    # -(row + 1) take the previous step's sampled token of that row, real tokens stay, rows out of range clamp.
+    from deepserve.runner.model_runner import fill_placeholders as torch_fill
+
+    gen = torch.Generator().manual_seed(4)
+    for tokens, rows in ((1, 1), (7, 3), (1500, 40)):  # 1,500: two programs
+        ids = torch.randint(-rows - 2, 50_000, (tokens,), generator=gen)
+        ids[0] = -1
+        sampled = torch.randint(0, 50_000, (rows,), generator=gen)
+        got = ks.fill_placeholders(ids.to(DEVICE), sampled.to(DEVICE)).cpu()
+        assert torch.equal(got, torch_fill(ids, sampled)), (tokens, rows)
+        assert got[0] == sampled[0]
+    assert ks.fill_placeholders(torch.empty(0, dtype=torch.int64, device=DEVICE),
+                                torch.ones(1, dtype=torch.int64, device=DEVICE)).numel() == 0
+    with pytest.raises(ValueError, match="int64"):
+        ks.fill_placeholders(torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int64,
+                                                                                          device=DEVICE))

@@ -374,7 +374,7 @@ def test_the_fused_sampler_names_what_it_leaves_to_torch():
     plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
     assert unfused_reasons(logits, build(plain, 50)) == ["not on the GPU"]
     greedy = [SamplingParams(temperature=0.0)] * 2
-    assert "every row greedy (argmax is cheaper)" in unfused_reasons(logits, build(greedy, 50))
+    assert "every row greedy (argmax is cheaper)" not in unfused_reasons(logits, build(greedy, 50))
     mixed = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, seed=3, top_p=0.9)]
     assert {"top_k", "top_p", "seeded rows"} <= set(unfused_reasons(logits, build(mixed, 50)))
 
@@ -443,15 +443,16 @@ def test_verify_rows_read_the_history_plus_their_earlier_drafts() -> None:
 
 
 def test_fused_sampler_warm_up_meets_every_variant_a_step_can(monkeypatch) -> None:
-    # Start-up compiles the fused kernel with and without a grammar mask and for both seed specializations
-    # (the sampler draws a fresh seed each step; Triton specializes integers divisible by 16), so no serving
-    # step waits for a compile. On CPU there is no fused sampler to warm.
+    # Start-up compiles the fused kernel with and without a grammar mask, with and without noise (all-greedy
+    # steps) and for both seed specializations (the sampler draws a fresh seed each step; Triton specializes
+    # integers divisible by 16), so no serving step waits for a compile. On CPU there is no fused sampler to warm.
     from deepserve.layers import sampler as sampler_module
 
     calls = []
 
-    def fake_fused(logits, temperature, greedy, seed, mask):
-        calls.append((seed, None if mask is None else (tuple(mask.shape), int(mask.min()), int(mask.max()))))
+    def fake_fused(logits, temperature, greedy, seed, mask, all_greedy):
+        calls.append((seed, None if mask is None else (tuple(mask.shape), int(mask.min()), int(mask.max())),
+                      all_greedy))
         assert temperature.shape == greedy.shape == (logits.shape[0],) and not greedy.any()
 
     class GpuLogits:  # what the warm-up reads of a CUDA tensor
@@ -461,10 +462,11 @@ def test_fused_sampler_warm_up_meets_every_variant_a_step_can(monkeypatch) -> No
             return self
 
     monkeypatch.setattr(sampler_module, "_fused_sampler", lambda: fake_fused)
-    assert sampler_module.warm_up_fused_sampler(GpuLogits()) == 4
-    assert {seed % 16 == 0 for seed, _ in calls} == {True, False}
-    assert sorted(calls, key=str) == sorted([(17, None), (32, None), (17, ((8, 4), -1, -1)), (32, ((8, 4), -1, -1))],
-                                            key=str)
+    assert sampler_module.warm_up_fused_sampler(GpuLogits()) == 8
+    assert {seed % 16 == 0 for seed, _, _ in calls} == {True, False}
+    want = [(seed, mask, all_greedy) for seed in (17, 32) for mask in (None, ((8, 4), -1, -1))
+            for all_greedy in (False, True)]
+    assert sorted(calls, key=str) == sorted(want, key=str)
     assert sampler_module.warm_up_fused_sampler(torch.zeros(2, 100)) == 0  # a CPU tensor: nothing to warm
 
 
