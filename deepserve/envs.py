@@ -48,9 +48,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),
                                  "0: sampling by torch ops instead of the fused Triton pass"),
     "DEEPSERVE_SAMPLING_SPLIT": (_flag("DEEPSERVE_SAMPLING_SPLIT", True),
-                                 "1: small batches split each row's vocabulary among programs in the fused sampler, "
-                                 "and all-greedy steps take it too; 0: one program a row, torch.argmax for "
-                                 "all-greedy steps"),
+                                 "1 (default): small batches split each row's vocabulary among programs in the "
+                                 "fused sampler, and all-greedy steps whose rows split take it too (one H200: 1 x "
+                                 "102,400 logits 3.8 µs against torch.argmax's 24.1; LLM-7B AWQ W2 TPOT 2.29 -> "
+                                 "2.25 ms); 0: one program a row, torch.argmax for every all-greedy step"),
     "DEEPSERVE_FP8_CUBLAS_MIN_M": (_float("DEEPSERVE_FP8_CUBLAS_MIN_M", 257),
                                    "FP8 linears with at least this many tokens run torch._scaled_mm (cuBLAS), "
                                    "fewer the Triton kernels; a huge value keeps every call on Triton"),

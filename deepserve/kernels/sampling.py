@@ -6,6 +6,11 @@ Gumbel-max trick, which draws from softmax(logits / T). It is the torch sampler'
 argmax(softmax(logits / T) / q), q ~ Exp(1), written with q = -log(u). A greedy row takes
 argmax(logits). Ties go to the lowest token id, as torch.argmax.
 
+Small batches cut each row's columns among programs (vocab_splits) and a second one-program-a-row pass keeps
+the best part; the draw is the same for any cut (the noise is keyed by column). On one H200, one row of
+102,400 logits: 6.1 µs of device time with noise, 3.8 all greedy, against 89 for one program a row
+(bench/sampling_probe.py, bench/RESULTS.md).
+
 The uniforms come from Triton's Philox generator keyed by (seed, row * V + v); the caller draws a
 fresh `seed` from torch's CPU generator each step, so a global seed reproduces a run. Rows that need
 anything else (their own seed, top-k/top-p/min-p, penalties, min_tokens) stay on the torch path in

@@ -72,8 +72,8 @@ class Sampler(nn.Module):
 FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], bool]] = {
     "not on the GPU": lambda logits, meta: not logits.is_cuda,
     "2**31 logits or more (int32 offsets)": lambda logits, meta: logits.numel() >= 2**31,
-    # with DEEPSERVE_SAMPLING_SPLIT=0 only: one program a row is slower than torch.argmax then
-    "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy and not _sampling_split(),
+    # unless the rows' vocabularies split (small batches): one program a row is slower than torch.argmax
+    "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy and not _greedy_splits(logits),
     "min_tokens": lambda logits, meta: meta.min_tokens_index is not None,
     "penalties": lambda logits, meta: meta.output_counts is not None,
     "top_k": lambda logits, meta: meta.top_k is not None,
@@ -87,6 +87,19 @@ FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], boo
 def _sampling_split() -> bool:
     """DEEPSERVE_SAMPLING_SPLIT, read once (as _fused_sampler reads its switch)."""
     return bool(envs.DEEPSERVE_SAMPLING_SPLIT)
+
+
+def _greedy_splits(logits: torch.Tensor) -> bool:
+    """Whether an all-greedy step takes the fused kernel: only where its rows split (kernels/sampling.vocab_splits).
+    H200 device times (bench/sampling_probe.py, bench/RESULTS.md): V 102,400, 1 row 3.8 µs against torch.argmax's
+    24.1, 64 rows (2 splits) 36.7 against 46.3, but 256 rows (one program a row) 151.9 against 118.5."""
+    if not _sampling_split() or logits.dim() != 2:
+        return False
+    try:
+        from deepserve.kernels.sampling import vocab_splits
+    except ImportError:  # no Triton: no fused sampler either
+        return False
+    return vocab_splits(logits.shape[0], logits.shape[1]) > 1
 
 
 def _split_options(meta: SamplingMetadata) -> dict:

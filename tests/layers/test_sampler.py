@@ -374,9 +374,29 @@ def test_the_fused_sampler_names_what_it_leaves_to_torch():
     plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
     assert unfused_reasons(logits, build(plain, 50)) == ["not on the GPU"]
     greedy = [SamplingParams(temperature=0.0)] * 2
-    assert "every row greedy (argmax is cheaper)" not in unfused_reasons(logits, build(greedy, 50))
+    assert "every row greedy (argmax is cheaper)" in unfused_reasons(logits, build(greedy, 50))  # one split a row
+    wide = torch.randn(2, 5000)  # small batch, a vocabulary of three BLOCK_V: the rows split, the kernel is faster
+    assert "every row greedy (argmax is cheaper)" not in unfused_reasons(wide, build(greedy, 5000))
+    many = torch.randn(200, 5000)  # a batch that fills the GPU alone: one program a row, torch.argmax is faster
+    assert "every row greedy (argmax is cheaper)" in unfused_reasons(many, build(greedy * 100, 5000))
     mixed = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, seed=3, top_p=0.9)]
     assert {"top_k", "top_p", "seeded rows"} <= set(unfused_reasons(logits, build(mixed, 50)))
+
+
+def test_sampling_split_off_restores_one_program_a_row_and_argmax(monkeypatch):
+    # DEEPSERVE_SAMPLING_SPLIT=0: all-greedy steps back on torch.argmax, the fused launch with one split a row
+    from deepserve.layers import sampler as sampler_module
+
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    wide = torch.randn(2, 5000)
+    for value, split in (("0", False), ("1", True)):
+        monkeypatch.setenv("DEEPSERVE_SAMPLING_SPLIT", value)
+        sampler_module._sampling_split.cache_clear()
+        reasons = sampler_module.unfused_reasons(wide, build(greedy, 5000))
+        assert ("every row greedy (argmax is cheaper)" in reasons) is not split
+        options = sampler_module._split_options(build(greedy, 5000))
+        assert options == ({"all_greedy": True} if split else {"splits": 1})
+    sampler_module._sampling_split.cache_clear()
 
 
 def _bitmask(allowed: list[list[int]], vocab: int) -> torch.Tensor:
