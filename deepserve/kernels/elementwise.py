@@ -88,6 +88,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, stride_x, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
+    # The weight is loaded first, with x: written after the reduction, its load waited for it (a decode step's
+    # norm is one row, so that load's latency was on the kernel's critical path).
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if res_ptr is not None:  # the pre-norm block's residual add, kept (and returned) in x's dtype
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
@@ -96,7 +99,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, stride_x, 
     h = x.to(tl.float32)
     normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
     normed = _cast(normed, x.dtype, INTERPRET).to(tl.float32)  # layers/norm.py rounds to x's dtype first
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, _cast(w * normed, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
 
 

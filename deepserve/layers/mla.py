@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepserve import envs
 from deepserve.distributed.parallel_state import get_tp_world_size
 from deepserve.forward_context import AttentionMetadata, get_forward_context
 from deepserve.kernels.mla_attention import (
@@ -45,6 +46,8 @@ from deepserve.kernels.paged_attention import dequantize_kv
 from deepserve.layers.attention import uses_gpu_kernels
 from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.linear import ColumnParallelLinear
+
+HEAD_MATMUL = envs.DEEPSERVE_HEAD_MATMUL  # read once, at import (kernels/head_matmul.py at decode sizes)
 
 
 class MLAAttention(nn.Module):
@@ -111,11 +114,11 @@ class MLAAttention(nn.Module):
         from deepserve.kernels.triton_paged_attention import paged_mla_decode_attention
 
         w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, Dn] x [H, Dn, C] -> [B, H, C]
+        q_latent = _per_head(q_nope, w_uk.transpose(1, 2))  # [B, H, Dn] x [H, Dn, C] -> [B, H, C]
         o_latent = paged_mla_decode_attention(q_latent.contiguous(), q_pe.contiguous(), self.kv_cache, block_tables,
                                               seq_lens, self.scale, max_seq_len=max_seq_len,
                                               kv_scale=self.k_scale)  # [B, H, C]
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+        return _per_head(o_latent, w_uv)  # [B, H, Dv]
 
     def _split_forms(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
@@ -194,6 +197,17 @@ def _form(meta: AttentionMetadata, b: int) -> str:
     if meta.seq_lens_cpu[b] == num_new:
         return FRESH
     return OVER_CACHE if num_new >= EXPAND_MIN_NEW_TOKENS else ABSORBED
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H, K] -> [B, H, N], head h through w[h] ([H, N, K], any strides): kernels/head_matmul.py at decode
+    sizes on the GPU (DEEPSERVE_HEAD_MATMUL), torch.bmm otherwise."""
+    if HEAD_MATMUL and x.is_cuda:
+        from deepserve.kernels.head_matmul import head_matmul, head_matmul_fits
+
+        if head_matmul_fits(x, w):
+            return head_matmul(x, w)
+    return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 
 def _forms(meta: AttentionMetadata) -> dict[str, list[int]]:

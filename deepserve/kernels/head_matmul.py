@@ -1,0 +1,79 @@
+"""Per-head products of a few tokens: y[b, h, n] = sum_k x[b, h, k] * w[h, n, k], the two products around the
+absorbed MLA decode (layers/mla.py): q_nope through W_UK into latent space, and the attended latents through
+W_UV back to values.
+
+Why: at decode sizes (a few tokens) these are 16-128 tiny GEMVs, and torch.bmm ran them as one cuBLAS launch of
+3.4-3.5 µs each on the H200 (V2-Lite AWQ decode profile: 54 a step, 186 µs; bench/RESULTS.md). Here a program
+holds one head's [BLOCK_N, K] slice of w in registers and serves every token with it, H x N / BLOCK_N programs in
+all, each reading its slice once. The result is written in [B, H, N] order directly (the bmm's came out
+[H, B, N] and needed a copy to be contiguous).
+
+Numerics: bf16 / fp16 products summed in fp32 over the whole K, rounded once to x's dtype (a cuBLAS GEMM's
+order of sums differs, so results agree to rounding, not bit for bit). The torch reference is
+head_matmul_ref; CPU runs it (the layer calls it there), the tests compare the kernel with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens a launch serves at most (the layer takes torch.bmm above it: there one program per head and N block
+# would loop over many tokens while a GEMM tiles them).
+MAX_TOKENS = 8
+# Elements of w a program holds: [BLOCK_N, K] with BLOCK_N = TILE_ELEMENTS / K (64 rows of K = 128, 16 of 512),
+# 64 fp32 values a thread at 4 warps.
+TILE_ELEMENTS = 8192
+
+
+@triton.jit
+def _head_matmul_kernel(x_ptr, w_ptr, y_ptr, tokens, N, K, stride_xb, stride_xh, stride_wh, stride_wn, stride_wk,
+                        stride_yb, stride_yh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program = (head h, output block n): w[h, n block, :] loaded once, then each token's row of x.
+    h = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok, k_ok = offs_n < N, offs_k < K
+    w = tl.load(w_ptr + h * stride_wh + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    for b in range(tokens):
+        x = tl.load(x_ptr + b * stride_xb + h * stride_xh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        y = tl.sum(w * x[None, :], axis=1)
+        tl.store(y_ptr + b * stride_yb + h * stride_yh + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def head_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H, K], w [H, N, K] -> [B, H, N] in x's dtype, summed in fp32."""
+    return torch.einsum("bhk,hnk->bhn", x.float(), w.float()).to(x.dtype)
+
+
+def head_matmul_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the layer gives x [B, H, K] and w [H, N, K] to the kernel: both on CUDA and _shapes_fit."""
+    return x.is_cuda and w.is_cuda and _shapes_fit(x, w)
+
+
+def _shapes_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # 1..MAX_TOKENS tokens, 16-bit floats of one dtype, x's last axis contiguous (w any strides), K a power of two
+    # of at most TILE_ELEMENTS / 16 (a program's tile holds the whole of K)
+    return (x.dim() == 3 and w.dim() == 3 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and 1 <= x.shape[0] <= MAX_TOKENS and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2]
+            and x.stride(2) == 1 and w.shape[2] == triton.next_power_of_2(w.shape[2])
+            and w.shape[2] <= TILE_ELEMENTS // 16)
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [B, H, N] contiguous = per head h, x[:, h] @ w[h]^T (x [B, H, K], w [H, N, K]). On CPU tensors the
+    kernel runs only under Triton's interpreter (the tests)."""
+    if not _shapes_fit(x, w):
+        raise ValueError(f"head_matmul: x [B <= {MAX_TOKENS}, H, K] (last axis contiguous) and w [H, N, K] of one "
+                         f"16-bit dtype, K a power of two <= {TILE_ELEMENTS // 16}; got {tuple(x.shape)} {x.dtype}, "
+                         f"{tuple(w.shape)} {w.dtype}")
+    tokens, heads, k = x.shape
+    n = w.shape[1]
+    y = torch.empty(tokens, heads, n, dtype=x.dtype, device=x.device)
+    block_n = min(triton.next_power_of_2(n), TILE_ELEMENTS // k)
+    _head_matmul_kernel[(heads, triton.cdiv(n, block_n))](
+        x, w, y, tokens, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
+        y.stride(1), BLOCK_N=block_n, BLOCK_K=k, num_warps=4)
+    return y

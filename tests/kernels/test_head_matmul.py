@@ -1,0 +1,47 @@
+"""kernels/head_matmul.py against torch: each head's tokens through its own matrix, for both products of the
+absorbed MLA decode (w read along its rows, W_UV, and across them, W_UK transposed), odd shapes and strided x.
+On CPU the kernel runs in the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
+
+hm = import_kernels("deepserve.kernels.head_matmul")
+
+pytestmark = MARKS
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # the layer's fallback, torch.bmm, in fp32: what both the kernel and the reference must match
+    return torch.bmm(x.float().transpose(0, 1), w.float().transpose(1, 2)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,heads,n,k", [(1, 16, 512, 128), (3, 4, 128, 512), (8, 2, 40, 64)])
+def test_rows_of_w_and_transposed_w(dtype, tokens, heads, n, k):
+    gen = torch.Generator().manual_seed(tokens * 1000 + n)
+    x = torch.randn(tokens, heads, k + 64, generator=gen)[:, :, :k]  # a slice: strided rows, as q_nope is
+    w_rows = torch.randn(heads, n, k, generator=gen) / k ** 0.5  # W_UV-like: [H, N, K], K contiguous
+    w_cols = (torch.randn(heads, k, n, generator=gen) / k ** 0.5).transpose(1, 2)  # W_UK^T: N contiguous
+    for w in (w_rows, w_cols):
+        xd, wd = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+        assert hm.head_matmul_fits(xd, wd) is ON_GPU  # the layer's choice: the kernel on CUDA tensors only
+        got = hm.head_matmul(xd, wd)
+        assert got.shape == (tokens, heads, n) and got.is_contiguous() and got.dtype == dtype
+        want = _bmm(xd, wd)
+        torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(hm.head_matmul_ref(xd, wd).float().cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+
+
+def test_what_the_kernel_refuses():
+    x = torch.zeros(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(4, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert not hm.head_matmul_fits(x.cpu(), w.cpu())  # CPU tensors: the layer keeps torch.bmm
+    many = torch.zeros(hm.MAX_TOKENS + 1, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    for bad_x, bad_w in ((many, w), (x.float(), w.float()), (x[..., :96], w[..., :96]),  # K not a power of two
+                         (x[:, :3], w), (x.transpose(1, 2), w)):
+        with pytest.raises(ValueError, match="head_matmul"):
+            hm.head_matmul(bad_x, bad_w)
