@@ -9,7 +9,7 @@ import torch
 from deepserve.layers.activation import silu_and_mul
 from deepserve.layers.norm import add_rms_norm, rms_norm
 from deepserve.layers.rotary import _apply_rope
-from tests.kernels.triton_setup import DEVICE, MARKS, import_kernels
+from tests.kernels.triton_setup import DEVICE, MARKS, ON_GPU, import_kernels
 
 ew = import_kernels("deepserve.kernels.elementwise")
 pytestmark = MARKS
@@ -106,7 +106,11 @@ def test_the_switch_is_decided_at_import_and_on_by_default():
 @pytest.fixture
 def through_the_kernels(monkeypatch):
     """Route the layers' chains through kernels/elementwise.py on this device (CPU: Triton's interpreter), as
-    the switch does on a GPU, counting the launches so a test can tell the kernels really ran."""
+    the switch does on a GPU, counting the launches so a test can tell the kernels really ran. The models run on
+    the CPU: on a machine with a GPU, Triton compiles for it and cannot take CPU tensors (the engine checks run
+    the kernels there, bench/gpu_check.py), so these tests are CPU-only."""
+    if ON_GPU:
+        pytest.skip("CPU-only: the models run on the CPU, which only Triton's interpreter (no GPU) launches on")
     from deepserve.layers import activation, norm, rotary
 
     calls = []
