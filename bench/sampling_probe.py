@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deepserve.kernels import sampling as ks  # noqa: E402
-from deepserve.runner.model_runner import fill_placeholders as torch_fill  # noqa: E402
+from deepserve.runner.model_runner import fill_placeholders_torch as torch_fill  # noqa: E402
 
 
 def timed_us(fn, calls: int = 20, replays: int = 20) -> float:

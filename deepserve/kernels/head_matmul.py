@@ -2,8 +2,8 @@
 absorbed MLA decode (layers/mla.py): q_nope through W_UK into latent space, and the attended latents through
 W_UV back to values.
 
-Why: at decode sizes (a few tokens) these are 16-128 tiny GEMVs, and torch.bmm ran them as one cuBLAS launch of
-3.4-3.5 µs each on the H200 (V2-Lite AWQ decode profile: 54 a step, 186 µs; bench/RESULTS.md). Here a program
+Why: at one token these are 16-128 tiny GEMVs, and torch.bmm ran them as one cuBLAS launch of 3.4-3.5 µs each
+on the H200 (V2-Lite AWQ decode profile: 54 a step, 186 µs; bench/RESULTS.md). Here a program
 holds one head's [BLOCK_N, K] slice of w in registers and serves every token with it, H x N / BLOCK_N programs in
 all, each reading its slice once. The result is written in [B, H, N] order directly (the bmm's came out
 [H, B, N] and needed a copy to be contiguous).
@@ -19,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens a launch serves at most (the layer takes torch.bmm above it: there one program per head and N block
-# would loop over many tokens while a GEMM tiles them).
-MAX_TOKENS = 8
+# Where it beats torch.bmm (bench/head_matmul_probe.py on one H200, both products of a layer, weights from HBM;
+# bench/RESULTS.md): V2-Lite (16 heads, 2 MB a product) at one token 4.86 against 6.41 µs, but at 2-8 tokens it
+# lost (7.25-14.04 against 6.42-7.16: each token's sums wait on the one before); V3 (128 heads, 16 MB) even at one
+# token (13.49 / 13.35) and far behind at more. So: one token, small weights.
+MAX_TOKENS = 1
+MAX_WEIGHT_BYTES = 4 << 20
 # Elements of w a program holds: [BLOCK_N, K] with BLOCK_N = TILE_ELEMENTS / K (64 rows of K = 128, 16 of 512),
 # 64 fp32 values a thread at 4 warps.
 TILE_ELEMENTS = 8192
@@ -49,25 +52,26 @@ def head_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def head_matmul_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the layer gives x [B, H, K] and w [H, N, K] to the kernel: both on CUDA and _shapes_fit."""
-    return x.is_cuda and w.is_cuda and _shapes_fit(x, w)
+    """Whether the layer gives x [B, H, K] and w [H, N, K] to the kernel: on CUDA, where it beats torch.bmm (at
+    most MAX_TOKENS tokens and MAX_WEIGHT_BYTES of w) and within what it takes (_shapes_fit)."""
+    return (x.is_cuda and w.is_cuda and x.dim() == 3 and x.shape[0] <= MAX_TOKENS
+            and w.numel() * w.element_size() <= MAX_WEIGHT_BYTES and _shapes_fit(x, w))
 
 
 def _shapes_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # 1..MAX_TOKENS tokens, 16-bit floats of one dtype, x's last axis contiguous (w any strides), K a power of two
-    # of at most TILE_ELEMENTS / 16 (a program's tile holds the whole of K)
+    # at least one token, 16-bit floats of one dtype, x's last axis contiguous (w any strides), K a power of two of
+    # at most TILE_ELEMENTS / 16 (a program's tile holds the whole of K)
     return (x.dim() == 3 and w.dim() == 3 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and 1 <= x.shape[0] <= MAX_TOKENS and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2]
-            and x.stride(2) == 1 and w.shape[2] == triton.next_power_of_2(w.shape[2])
-            and w.shape[2] <= TILE_ELEMENTS // 16)
+            and x.shape[0] >= 1 and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2] and x.stride(2) == 1
+            and w.shape[2] == triton.next_power_of_2(w.shape[2]) and w.shape[2] <= TILE_ELEMENTS // 16)
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y [B, H, N] contiguous = per head h, x[:, h] @ w[h]^T (x [B, H, K], w [H, N, K]). On CPU tensors the
     kernel runs only under Triton's interpreter (the tests)."""
     if not _shapes_fit(x, w):
-        raise ValueError(f"head_matmul: x [B <= {MAX_TOKENS}, H, K] (last axis contiguous) and w [H, N, K] of one "
-                         f"16-bit dtype, K a power of two <= {TILE_ELEMENTS // 16}; got {tuple(x.shape)} {x.dtype}, "
+        raise ValueError(f"head_matmul: x [B, H, K] (last axis contiguous) and w [H, N, K] of one 16-bit dtype, K a "
+                         f"power of two <= {TILE_ELEMENTS // 16}; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(w.shape)} {w.dtype}")
     tokens, heads, k = x.shape
     n = w.shape[1]

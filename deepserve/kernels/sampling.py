@@ -27,7 +27,7 @@ BLOCK_V = 2048  # (host-side) vocabulary entries per loop iteration; 8 warps kee
 TINY = tl.constexpr(1e-20)  # lower bound on the uniform: -log(-log(0)) would be -inf, a token that can never win
 # Small batches split each row's vocabulary among programs (vocab_splits): one program reading a 100k-token row
 # alone is latency-bound (torch.argmax took 23 µs of a W2 step on the H200, bench/RESULTS.md). Aim: about one
-# program an SM; MAX_VOCAB_SPLITS bounds the second pass's vector.
+# program an SM (132: the H200's SM count, where it was measured); MAX_VOCAB_SPLITS bounds the second pass's vector.
 SPLIT_TARGET_PROGRAMS = 132
 MAX_VOCAB_SPLITS = 64
 
@@ -42,8 +42,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, greedy_ptr, o
     # so a split launch draws exactly what one program a row draws.
     row = tl.program_id(0)
     split = tl.program_id(1)
-    greedy = tl.load(greedy_ptr + row) != 0
-    inv_t = 1.0 / tl.load(temperature_ptr + row)  # greedy rows carry 1.0 (sampling_metadata.py)
+    if not ALL_GREEDY:
+        greedy = tl.load(greedy_ptr + row) != 0
+        inv_t = 1.0 / tl.load(temperature_ptr + row)  # greedy rows carry 1.0 (sampling_metadata.py)
     base = logits_ptr + row.to(tl.int64) * stride_row
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK], 0, tl.int32)
@@ -102,8 +103,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     for the others. temperature [B] float32 (1.0 on greedy rows), greedy [B] bool. -> [B] int64.
     allowed_bitmask [B, ceil(V / 32)] int32 (structured output): only tokens whose bit is set can win;
     None (every unconstrained step) compiles the kernel without the mask load. all_greedy: every row is
-    greedy (no noise is drawn; `greedy` is then not read). splits: programs a row (vocab_splits' choice by
-    default); the result does not depend on it."""
+    greedy (no noise is drawn; `greedy`, `temperature` and `seed` are then not read). splits: programs a row
+    (vocab_splits' choice by default); the result does not depend on it. NaN logits never win (a row of NaN
+    gives token 0), where torch.argmax would return the first NaN."""
     batch, vocab = logits.shape
     if allowed_bitmask is not None and (allowed_bitmask.dtype != torch.int32 or allowed_bitmask.stride(1) != 1
                                         or allowed_bitmask.shape != (batch, (vocab + 31) // 32)):
@@ -125,9 +127,11 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     splits = triton.cdiv(vocab, chunk)  # none empty
     has_mask = allowed_bitmask is not None
     mask = allowed_bitmask if has_mask else out  # never read without HAS_MASK
-    # allocated for one split too (unused then): the same pointer types, so one compiled variant serves both
-    parts = (torch.empty(batch, splits, dtype=torch.float32, device=logits.device),
-             torch.empty(batch, splits, dtype=torch.int32, device=logits.device))
+    # the splits' best scores (float32) and tokens (int32) in one allocation; one split writes `out` and never
+    # these, so it passes `out` viewed as the same types (one compiled variant for both, no allocation)
+    words = torch.empty(2, batch, splits, dtype=torch.int32, device=logits.device) if splits > 1 else out.view(
+        torch.int32).view(1, -1).expand(2, -1)
+    parts = (words[0].view(torch.float32), words[1])
     _gumbel_argmax_kernel[(batch, splits)](logits, logits.stride(0), temperature, greedy, out, *parts, seed, vocab,
                                            chunk, mask, mask.stride(0) if has_mask else 0, BLOCK=block,
                                            HAS_MASK=has_mask, ALL_GREEDY=all_greedy, num_warps=8)
@@ -135,6 +139,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
         _pick_split_kernel[(batch,)](*parts, out, splits, BLOCK_S=triton.next_power_of_2(MAX_VOCAB_SPLITS),
                                      num_warps=1)
     return out
+
+
+PLACEHOLDER_BLOCK = 1024  # input ids a program
 
 
 @triton.jit(do_not_specialize=["tokens", "rows"])
@@ -146,9 +153,6 @@ def _fill_placeholders_kernel(ids_ptr, sampled_ptr, out_ptr, tokens, rows, BLOCK
     row = tl.minimum(tl.maximum(-ids - 1, 0), rows - 1)  # clamped as the torch version is
     sampled = tl.load(sampled_ptr + row, mask=ok & waiting, other=0)
     tl.store(out_ptr + offs, tl.where(waiting, sampled, ids), mask=ok)
-
-
-PLACEHOLDER_BLOCK = 1024
 
 
 def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:

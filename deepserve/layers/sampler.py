@@ -52,9 +52,11 @@ class Sampler(nn.Module):
         fused = _fused_sampler() if _fusable(logits, meta) else None
         if fused is not None:
             # One Triton pass over the raw logits (kernels/sampling.py) instead of ~8 [B, V] kernels.
-            seed = int(torch.randint(2**31 - 1, (1,)))  # torch's CPU generator: a global seed replays
-            sampled = fused(logits, meta.temperature, meta.greedy, seed, meta.allowed_token_bitmask,
-                            **_split_options(meta))
+            options = _split_options(meta)
+            # torch's CPU generator: a global seed replays. An all-greedy step draws none (the kernel reads no seed
+            # then), so it leaves the stream as torch.argmax did.
+            seed = 32 if options.get("all_greedy") else int(torch.randint(2**31 - 1, (1,)))
+            sampled = fused(logits, meta.temperature, meta.greedy, seed, meta.allowed_token_bitmask, **options)
         else:
             x = logits.float()  # [B, V]; aliases `logits` when already float32
             x = apply_token_bitmask(x, meta.allowed_token_bitmask)
@@ -132,11 +134,11 @@ def _fused_sampler() -> Callable[..., torch.Tensor] | None:
 
 
 def warm_up_fused_sampler(logits: torch.Tensor) -> int:
-    """Compile (or load) every variant of the fused sampling kernel a serving step can meet, at start-up:
-    with and without a grammar mask, with and without noise (all-greedy steps), and for the seeds Triton
-    specializes on (divisible by 16 or not;
-    the sampler draws a fresh seed per step). Without this, the first sampled step, and the first
-    constrained one, waited for a compile inside serving (two in each W1 with a JSON schema on the H200).
+    """Compile (or load) every variant of the fused sampling kernel a serving step can meet, at start-up: with
+    and without a grammar mask, with and without noise (all-greedy steps), and for the seeds Triton specializes
+    on (divisible by 16 or not; the sampler draws a fresh seed per step). Without this, the first sampled step,
+    and the first constrained one, waited for a compile inside serving (two in each W1 with a JSON schema on the
+    H200).
     logits [B, V] on the GPU. -> launches made (0 where the fused sampler is off or not on a GPU)."""
     fused = _fused_sampler()
     if fused is None or not logits.is_cuda:

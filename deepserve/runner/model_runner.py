@@ -8,6 +8,7 @@ next step while the device runs this one (async scheduling); `execute` is the tw
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -86,11 +87,22 @@ class PendingStep:
 
 def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:
     """input_ids [T] with each placeholder -(row + 1) replaced by previous_sampled[row], on the device: one
-    Triton launch on CUDA (kernels/sampling.fill_placeholders), these torch ops (six launches) elsewhere."""
-    if input_ids.is_cuda and input_ids.dtype == previous_sampled.dtype == torch.int64 and previous_sampled.dim() == 1:
-        from deepserve.kernels.sampling import fill_placeholders as fill_on_gpu
+    Triton launch on CUDA (kernels/sampling.fill_placeholders), fill_placeholders_torch's six ops elsewhere."""
+    if input_ids.is_cuda and input_ids.dtype == previous_sampled.dtype == torch.int64 and input_ids.dim() == 1 \
+            and previous_sampled.dim() == 1 and previous_sampled.numel() and input_ids.is_contiguous():
+        return _gpu_fill()(input_ids, previous_sampled.contiguous())
+    return fill_placeholders_torch(input_ids, previous_sampled)
 
-        return fill_on_gpu(input_ids, previous_sampled.contiguous())
+
+@functools.cache
+def _gpu_fill():
+    from deepserve.kernels.sampling import fill_placeholders as fill_on_gpu  # Triton: imported on first GPU use
+
+    return fill_on_gpu
+
+
+def fill_placeholders_torch(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:
+    """fill_placeholders in torch ops (any device): the CPU path and the reference the GPU kernel is tested on."""
     rows = (-input_ids - 1).clamp_(0, previous_sampled.shape[0] - 1)
     return torch.where(input_ids < 0, previous_sampled[rows], input_ids)
 

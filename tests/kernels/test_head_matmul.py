@@ -28,8 +28,9 @@ def test_rows_of_w_and_transposed_w(dtype, tokens, heads, n, k):
     w_cols = (torch.randn(heads, k, n, generator=gen) / k ** 0.5).transpose(1, 2)  # W_UK^T: N contiguous
     for w in (w_rows, w_cols):
         xd, wd = x.to(DEVICE, dtype), w.to(DEVICE, dtype)
-        assert hm.head_matmul_fits(xd, wd) is ON_GPU  # the layer's choice: the kernel on CUDA tensors only
-        got = hm.head_matmul(xd, wd)
+        # the layer's choice: the kernel on CUDA tensors of one token only (it lost to torch.bmm at more)
+        assert hm.head_matmul_fits(xd, wd) is (ON_GPU and tokens == 1)
+        got = hm.head_matmul(xd, wd)  # the kernel takes any count
         assert got.shape == (tokens, heads, n) and got.is_contiguous() and got.dtype == dtype
         want = _bmm(xd, wd)
         torch.testing.assert_close(got.float().cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
@@ -40,8 +41,12 @@ def test_what_the_kernel_refuses():
     x = torch.zeros(2, 4, 128, dtype=torch.bfloat16, device=DEVICE)
     w = torch.zeros(4, 64, 128, dtype=torch.bfloat16, device=DEVICE)
     assert not hm.head_matmul_fits(x.cpu(), w.cpu())  # CPU tensors: the layer keeps torch.bmm
-    many = torch.zeros(hm.MAX_TOKENS + 1, 4, 128, dtype=torch.bfloat16, device=DEVICE)
-    for bad_x, bad_w in ((many, w), (x.float(), w.float()), (x[..., :96], w[..., :96]),  # K not a power of two
+    big = torch.zeros(64, 512, 128, dtype=torch.bfloat16, device=DEVICE)  # 8 MB: V3-sized, torch.bmm's
+    one = torch.zeros(1, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert not hm.head_matmul_fits(x[:1].cpu(), w.cpu()) and not hm.head_matmul_fits(one, big)
+    if ON_GPU:
+        assert hm.head_matmul_fits(x[:1], w) and not hm.head_matmul_fits(x, w)  # two tokens: torch.bmm's
+    for bad_x, bad_w in ((x[:0], w), (x.float(), w.float()), (x[..., :96], w[..., :96]),  # K not a power of two
                          (x[:, :3], w), (x.transpose(1, 2), w)):
         with pytest.raises(ValueError, match="head_matmul"):
             hm.head_matmul(bad_x, bad_w)

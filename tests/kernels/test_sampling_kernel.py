@@ -54,7 +54,8 @@ def test_all_greedy_draws_no_noise_and_equals_argmax(splits):
     vocab = 2 * ks.BLOCK_V + 5
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.bfloat16)
     logits[1, 7] = logits[1, ks.BLOCK_V + 1] = 30.0
-    t, g = _inputs(3, [1.0] * 3, [True] * 3)
+    # the rows' own flags say "random, hot": only all_greedy keeps the noise out (and they are not read then)
+    t, g = _inputs(3, [50.0] * 3, [False] * 3)
     got = ks.gumbel_sample(logits, t, g, seed=3, all_greedy=True, splits=splits)
     assert torch.equal(got.cpu(), logits.float().argmax(-1).cpu()) and got[1].item() == 7
 
@@ -140,7 +141,7 @@ def test_allowed_bitmask_restricts_greedy_and_random_rows():
 def test_fill_placeholders_kernel_equals_the_torch_version():
     # The one-launch fill against model_runner's torch ops (the reference, run on the CPU): placeholders
     # -(row + 1) take the previous step's sampled token of that row, real tokens stay, rows out of range clamp.
-    from deepserve.runner.model_runner import fill_placeholders as torch_fill
+    from deepserve.runner.model_runner import fill_placeholders_torch as torch_fill
 
     gen = torch.Generator().manual_seed(4)
     for tokens, rows in ((1, 1), (7, 3), (1500, 40)):  # 1,500: two programs
