@@ -47,6 +47,14 @@ def test_the_vocabulary_splits_draw_what_one_program_a_row_draws():
     assert torch.equal(ks.gumbel_sample(logits, t, g, seed=21), one)  # vocab_splits' own choice
     assert one[0].item() == 10 and one[3].item() == vocab - 1
     assert torch.equal(one[g].cpu(), logits[g].argmax(-1).cpu())
+    # exactly three parts (V a multiple of BLOCK_V), and W2's shape: one row of 102,400 in vocab_splits' 50
+    even = logits[:, :3 * ks.BLOCK_V].contiguous()
+    assert torch.equal(ks.gumbel_sample(even, t, g, seed=2, splits=3), ks.gumbel_sample(even, t, g, seed=2, splits=1))
+    row = torch.randn(1, 102_400, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.bfloat16)
+    row[0, 77] = row[0, 102_000] = 60.0
+    t1, g1 = _inputs(1, [1.0], [True])
+    assert ks.vocab_splits(1, 102_400) == 50
+    assert ks.gumbel_sample(row, t1, g1, seed=2, all_greedy=True).item() == 77
 
 
 @pytest.mark.parametrize("splits", [1, 3])
