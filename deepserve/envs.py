@@ -129,7 +129,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                       "in the KV cache in one launch on GPUs (kernels/rope_kv_store.py) instead of "
                                       "four; the same numbers, bit for bit. Default on: on one H200 greedy output "
                                       "equals the CPU reference with it, and a same-machine A/B read DeepSeek-LLM-7B "
-                                      "W1 +1.4 %, W2 TPOT -3.0 %, TTFT -11.8 %, Qwen-7B W1 +0.5 %; 0: four launches"),
+                                      "W1 +1.4 %, W2 TPOT -3.0 %, TTFT -11.8 %, Qwen-7B W1 +0.5 %; 0: four launches. "
+                                      "MLA layers (DeepSeek-V2/V3) likewise rotate q_pe and k_pe and store the latent "
+                                      "entry in one launch (mla_rope_and_store) instead of four"),
     "DEEPSERVE_INT4_CUBLAS_MIN_M": (_float("DEEPSERVE_INT4_CUBLAS_MIN_M", 64),
                                     "int4 linears with at least this many tokens dequantize the weight and run "
                                     "cuBLAS (kernels/int4_dequant.py) instead of the tile kernel; 0: never. Default "

@@ -9,6 +9,9 @@ On one H200 those were 120 of a one-token decode step's launches for DeepSeek-LL
   k head j        rotated into k_out and, the same rounded values, stored at the token's cache slot
   v head j        stored at the token's cache slot
 
+mla_rope_and_store does the same for an MLA layer (q_pe heads rotated; k_pe rotated and, with the normalized
+latent, stored as the token's cache entry), one launch instead of two ropes, a cat and the latent store.
+
 Numerics are the unfused path's exactly: the rotation in fp32 rounded to the model's dtype, then for an
 FP8 cache that rounded value / scale saturated to ±448 (store_kv_cache's). Tokens whose slot is negative
 (padding) are rotated but not stored. k_out is still written: fresh prompts attend over their own keys.
@@ -124,3 +127,67 @@ def _rotate_head(pos_ptr, cs_ptr, x_ptr, out_ptr, t, h, stride_xt, stride_xh, st
         if STORE:
             live_r = (r < REST) & (tl.full([BLOCK_REST], 0, tl.int64) + slot >= 0)
             store_cache_values(cache_row + 2 * HALF + r, kept, scale_ptr, live_r, QUANTIZE, INTERPRET)
+
+
+def mla_rope_and_store(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor,
+                       cos_sin: torch.Tensor, interleaved: bool, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA layer's rope and latent-cache store in one launch: elementwise.apply_rope(positions, q_pe, k_pe[:, None],
+    cos_sin, P, interleaved) followed by triton_paged_attention.store_mla_cache(cat([kv_c, k_pe_rotated]), ...),
+    which unfused took four launches (two ropes, the cat, the store; 108 of a V2-Lite decode step's, bench/RESULTS.md).
+    q_pe [T, H, P], k_pe [T, P], kv_c [T, R] (the normalized latent; contiguous last axes), latent_cache
+    [num_blocks, block_size, R + P]; returns the rotated (q_pe [T, H, P], k_pe [T, P]) as new tensors. Same
+    numerics, bit for bit: the rotation rounded to the model's dtype, an FP8 cache's values / kv_scale saturated."""
+    tokens, heads, rope = q_pe.shape
+    rank = kv_c.shape[-1]
+    ok = (rope % 2 == 0 and cos_sin.shape[-1] == rope and cos_sin.dtype == torch.float32
+          and k_pe.shape == (tokens, rope) and kv_c.dim() == 2 and kv_c.shape[0] == tokens
+          and positions.shape == (tokens,)
+          and all(t.stride(-1) == 1 for t in (q_pe, k_pe, kv_c, latent_cache)) and latent_cache.dim() == 3
+          and latent_cache.shape[2] == rank + rope and slot_mapping.dtype == torch.int64
+          and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous())
+    if not ok:
+        raise ValueError("mla_rope_and_store: q_pe [T, H, P], k_pe [T, P], kv_c [T, R] (contiguous last axes), "
+                         "cos_sin [positions, P] float32 (P even), latent_cache [blocks, block_size, R + P], "
+                         "slot_mapping int64 [T]")
+    quantize = latent_cache.dtype == FP8
+    if quantize and kv_scale is None:
+        raise ValueError("an FP8 latent cache needs kv_scale")
+    q_out = torch.empty(tokens, heads, rope, dtype=q_pe.dtype, device=q_pe.device)
+    k_out = torch.empty(tokens, rope, dtype=k_pe.dtype, device=k_pe.device)
+    if tokens == 0:
+        return q_out, k_out
+    _mla_rope_store_kernel[(tokens, heads + 2)](
+        positions, q_pe, k_pe, kv_c, cos_sin, q_out, k_out, latent_cache, slot_mapping, kv_scale if quantize else None,
+        q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), cos_sin.stride(0), latent_cache.stride(0),
+        latent_cache.stride(1), HEADS=heads, RANK=rank, BLOCK_RANK=triton.next_power_of_2(rank), HALF=rope // 2,
+        BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, PAGE_SIZE=latent_cache.shape[1],
+        QUANTIZE=quantize, INTERPRET=INTERPRET, num_warps=1)
+    return q_out, k_out
+
+
+@triton.jit
+def _mla_rope_store_kernel(
+    pos_ptr, q_ptr, k_ptr, c_ptr, cs_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr, scale_ptr,
+    stride_qt, stride_qh, stride_kt, stride_ct, stride_cs, stride_blk, stride_tok,
+    HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Program (token t, h): h < HEADS a q_pe head rotated; HEADS: k_pe rotated, into k_out and the entry's last
+    # P values; HEADS + 1: the latent kv_c into the entry's first R values. Negative slots (padding) store nothing.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    row = cache_ptr + (slot // PAGE_SIZE) * stride_blk + (slot % PAGE_SIZE) * stride_tok  # the token's entry
+    if h < HEADS:
+        _rotate_head(pos_ptr, cs_ptr, q_ptr, q_out_ptr, t, h, stride_qt, stride_qh, HEADS * 2 * HALF, 2 * HALF,
+                     cache_ptr, scale_ptr, slot, stride_cs, HALF, BLOCK_HALF, 0, 1, INTERLEAVED, False, QUANTIZE,
+                     INTERPRET)
+    elif h == HEADS:
+        _rotate_head(pos_ptr, cs_ptr, k_ptr, k_out_ptr, t, 0, stride_kt, 0, 2 * HALF, 0, row + RANK, scale_ptr, slot,
+                     stride_cs, HALF, BLOCK_HALF, 0, 1, INTERLEAVED, True, QUANTIZE, INTERPRET)
+    else:
+        offs = tl.arange(0, BLOCK_RANK)
+        ok = (offs < RANK) & (tl.full([BLOCK_RANK], 0, tl.int64) + slot >= 0)  # a block-shaped mask (interpreter)
+        vals = tl.load(c_ptr + t * stride_ct + offs, mask=ok, other=0.0)
+        store_cache_values(row + offs, vals, scale_ptr, ok, QUANTIZE, INTERPRET)

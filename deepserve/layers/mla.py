@@ -43,9 +43,10 @@ from deepserve.kernels.mla_attention import (
     store_latent_ref,
 )
 from deepserve.kernels.paged_attention import dequantize_kv
-from deepserve.layers.attention import uses_gpu_kernels
+from deepserve.layers.attention import FUSED_ROPE_KV_STORE, uses_gpu_kernels
 from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.linear import ColumnParallelLinear
+from deepserve.layers.rotary import RotaryEmbedding
 
 HEAD_MATMUL = envs.DEEPSERVE_HEAD_MATMUL  # read once, at import (kernels/head_matmul.py at decode sizes)
 
@@ -76,22 +77,38 @@ class MLAAttention(nn.Module):
         if which == "k":
             self.k_scale.fill_(value)
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
-                ) -> torch.Tensor:
-        # q_nope: [T, H, Dn], q_pe: [T, H, Dr] (roped), kv_c: [T, C] (normalized), k_pe: [T, Dr] (roped)
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                rope: tuple[torch.Tensor, RotaryEmbedding] | None = None) -> torch.Tensor:
+        # q_nope: [T, H, Dn], q_pe: [T, H, Dr], kv_c: [T, C] (normalized), k_pe: [T, Dr]. rope (positions,
+        # rotary): q_pe and k_pe not yet rotated; rotated here, on the GPU path with DEEPSERVE_FUSED_ROPE_KV_STORE
+        # in the latent store's launch (kernels/rope_kv_store.mla_rope_and_store). None: both already rotated.
         meta = get_forward_context()
-        if uses_gpu_kernels(q_nope):
-            return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
+        gpu = uses_gpu_kernels(q_nope)
+        if rope is not None and not (gpu and FUSED_ROPE_KV_STORE):
+            positions, rotary = rope
+            q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
+            k_pe, rope = k_pe.squeeze(1), None
+        if gpu:
+            return self._forward_cuda(q_nope, q_pe, kv_c, k_pe, meta, rope).flatten(1)
         store_latent_ref(kv_c, k_pe, self.kv_cache, meta.slot_mapping, self.k_scale)
         return self._split_forms(q_nope, q_pe, kv_c, k_pe, meta).flatten(1)
 
     def _forward_cuda(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata, rope: tuple[torch.Tensor, RotaryEmbedding] | None = None
+                      ) -> torch.Tensor:
         """Decoding sequences take the Triton latent-decode kernel (CUDA-graph safe); fresh prompts the
-        expanded form in one flash varlen call; chunks over a cached prefix the forms below."""
-        from deepserve.kernels.triton_paged_attention import store_mla_cache
+        expanded form in one flash varlen call; chunks over a cached prefix the forms below. rope: q_pe and
+        k_pe still to rotate, in the latent store's launch."""
+        if rope is not None:
+            from deepserve.kernels.rope_kv_store import mla_rope_and_store
 
-        store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping, self.k_scale)  # [T, C + Dr]
+            positions, rotary = rope
+            q_pe, k_pe = mla_rope_and_store(positions, q_pe, k_pe, kv_c, rotary.cos_sin, rotary.interleaved,
+                                            self.kv_cache, meta.slot_mapping, self.k_scale)
+        else:
+            from deepserve.kernels.triton_paged_attention import store_mla_cache
+
+            store_mla_cache(torch.cat([kv_c, k_pe], dim=-1), self.kv_cache, meta.slot_mapping, self.k_scale)
         if meta.decode_only:
             return self._absorbed_decode(q_nope, q_pe, meta.block_tables, meta.seq_lens, meta.max_seq_len)
         if meta.prefill_seqs_cpu is None:  # metadata without the decode/prefill split: all per sequence

@@ -85,8 +85,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, Dn], [T, H, Dr]
         kv_c, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [T, C], [T, Dr]
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))  # [T, H, Dr], [T, 1, Dr]
-        out = self.mla(q_nope, q_pe, self.kv_norm(kv_c), k_pe.squeeze(1))  # [T, H * Dv]
+        # q_pe and k_pe rotated inside (on GPUs in the latent store's launch)
+        out = self.mla(q_nope, q_pe, self.kv_norm(kv_c), k_pe, rope=(positions, self.rotary))  # [T, H * Dv]
         return self.wo(out)
 
 

@@ -493,6 +493,13 @@ def test_fused_rope_and_kv_store_kernel_compiles(monkeypatch):
             fused.rope_and_store_kv(positions, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim),
                                     v.view(tokens, kv_heads, dim), cos_sin, rotary, interleaved, cache, slots,
                                     torch.tensor(0.5), torch.tensor(2.0))
+        # MLA (mla_rope_and_store): V2-Lite's 16 heads, rank 512, rope 64, interleaved; a bf16 and an FP8 cache
+        q = torch.randn(tokens, 16, 192, dtype=torch.bfloat16)
+        kv = torch.randn(tokens, 576, dtype=torch.bfloat16)
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            fused.mla_rope_and_store(positions, q[..., 128:], kv[:, 512:], kv[:, :512].contiguous(),
+                                     torch.randn(16, 64), True, torch.zeros(2, 16, 576).to(cache_dtype), slots,
+                                     torch.tensor(0.5))
 
     _compile_all(_record(monkeypatch, fused, run, execute=False))
 

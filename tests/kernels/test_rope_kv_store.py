@@ -101,3 +101,44 @@ def test_fused_rope_and_store_against_the_torch_references(cache):
     want_cache = torch.zeros_like(got_cache)
     tpa.store_kv_cache_ref(got_k, v, want_cache, slots, *(s if s is not None else 1.0 for s in scales))
     assert _equal(got_cache, want_cache)  # the stored rows: exactly the reference's store of those keys
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("cache", ["model", "fp8"])
+def test_mla_rope_and_store_equal_the_four_kernels(dtype, interleaved, cache):
+    # An MLA layer's q_pe / k_pe rotation and latent store in one launch against apply_rope, the cat and
+    # store_mla_cache (the unfused path of layers/mla.py), bit for bit; q_pe and k_pe strided views of their
+    # projections as the model has them, a padding token, an FP8 cache with its one scale.
+    tokens, heads, nope, rope, rank = 5, 3, 16, 8, 24
+    positions, _, _, _, cos_sin = _inputs(tokens, 1, 1, rope, rope, dtype, seed=3)
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(tokens, heads, nope + rope, generator=g) * 3).to(DEVICE, dtype)
+    kv = (torch.randn(tokens, rank + rope, generator=g) * 3).to(DEVICE, dtype)
+    q_pe, kv_c, k_pe = q[..., nope:], kv[:, :rank].contiguous(), kv[:, rank:]  # kv_c: the norm's new tensor
+    slots = torch.tensor([3, -1, 17, 8, 31], dtype=torch.int64, device=DEVICE)
+    cache_dtype = FP8 if cache == "fp8" else dtype
+    scale = torch.tensor(0.5, device=DEVICE) if cache == "fp8" else None
+    want_cache = torch.zeros(4, 8, rank + rope, device=DEVICE).to(cache_dtype)
+    got_cache = want_cache.clone()
+    want_q, want_k = ew.apply_rope(positions, q_pe, k_pe[:, None], cos_sin, rope, interleaved)
+    tpa.store_mla_cache(torch.cat([kv_c, want_k[:, 0]], dim=-1), want_cache, slots, scale)
+    got_q, got_k = fused.mla_rope_and_store(positions, q_pe, k_pe, kv_c, cos_sin, interleaved, got_cache, slots, scale)
+    assert _equal(got_q, want_q) and _equal(got_k, want_k[:, 0]) and _equal(got_cache, want_cache)
+    live = got_cache.flatten(0, 1)[slots[slots >= 0]]
+    assert live[:, :rank].float().abs().sum() > 0 and live[:, rank:].float().abs().sum() > 0  # both parts written
+    assert got_cache.flatten(0, 1).float().abs().sum(-1).count_nonzero() == 4  # the padding token stored nothing
+    assert not torch.equal(got_k, k_pe)  # the key did rotate
+
+
+def test_mla_rope_and_store_refuses_a_bad_shape():
+    positions, _, _, _, cos_sin = _inputs(2, 1, 1, 8, 8, torch.bfloat16)
+    q_pe = torch.zeros(2, 3, 8, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(2, 8, 24 + 8, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="mla_rope_and_store"):  # the cache's entry is not R + P wide
+        fused.mla_rope_and_store(positions, q_pe, q_pe[:, 0], torch.zeros(2, 16, dtype=torch.bfloat16, device=DEVICE),
+                                 cos_sin, False, cache, slots)
+    with pytest.raises(ValueError, match="kv_scale"):
+        fused.mla_rope_and_store(positions, q_pe, q_pe[:, 0], torch.zeros(2, 24, dtype=torch.bfloat16, device=DEVICE),
+                                 cos_sin, False, cache.to(FP8), slots)

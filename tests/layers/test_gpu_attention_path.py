@@ -91,17 +91,20 @@ def gpu_path(monkeypatch):
 
 def fuse_rope_into_the_store(monkeypatch, hf_model, fused: bool) -> tuple[list, int]:
     """With `fused`, DEEPSERVE_FUSED_ROPE_KV_STORE's path (kernels/rope_kv_store.py): its calls, counted in
-    the returned list, and how many a two-step test expects (one per MHA/GQA layer and step; the MLA
-    checkpoint has no such front, so none: the switch must leave it alone)."""
+    the returned list, and how many a two-step test expects (one per layer and step: rope_and_store_kv in
+    the MHA/GQA front, mla_rope_and_store in the MLA one)."""
     calls: list = []
     monkeypatch.setattr(attention_front, "FUSED_ROPE_KV_STORE", fused)  # on by default: both ways pinned
+    monkeypatch.setattr(mla_front, "FUSED_ROPE_KV_STORE", fused)
     if not fused:
         return calls, 0
     import deepserve.kernels.rope_kv_store as rope_kv_store
 
-    kernel = rope_kv_store.rope_and_store_kv
-    monkeypatch.setattr(rope_kv_store, "rope_and_store_kv", lambda *a: calls.append(1) or kernel(*a))
-    return calls, 2 * LLAMA["num_hidden_layers"] if isinstance(hf_model, LlamaForCausalLM) else 0
+    for name in ("rope_and_store_kv", "mla_rope_and_store"):
+        kernel = getattr(rope_kv_store, name)
+        monkeypatch.setattr(rope_kv_store, name, lambda *a, _kernel=kernel: calls.append(1) or _kernel(*a))
+    layers = LLAMA if isinstance(hf_model, LlamaForCausalLM) else DEEPSEEK
+    return calls, 2 * layers["num_hidden_layers"]
 
 
 def unguarded(gpu_path: GpuPath, fn):
