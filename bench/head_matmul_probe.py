@@ -7,9 +7,11 @@ with its own weights so they come from HBM, not L2. Checks each product against 
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
+import bench_env
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,22 +27,6 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the layer's torch 
 
 def layer_pair(fn, q_nope, o_latent, w_uk, w_uv):
     return fn(q_nope, w_uk.transpose(1, 2)), fn(o_latent, w_uv)
-
-
-def graph_us(run, layers: int, replays: int = 50) -> float:
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / (replays * layers)
 
 
 def main() -> int:
@@ -59,10 +45,9 @@ def main() -> int:
                     failures += 1
                     print(f"MISMATCH {model} B={tokens}: {err}")
             for name, fn in (("torch.bmm", bmm), ("head_matmul", head_matmul)):
-                def run(fn=fn, layers=layers, q_nope=q_nope, o_latent=o_latent, w_uk=w_uk, w_uv=w_uv):
-                    for i in range(layers):
-                        layer_pair(fn, q_nope, o_latent, w_uk[i], w_uv[i])
-                rows.append((model, tokens, name, graph_us(run, layers)))
+                # each layer's own weights, all in one graph (bench_env's timing: the median of 50 replays)
+                pairs = [functools.partial(layer_pair, fn, q_nope, o_latent, w_uk[i], w_uv[i]) for i in range(layers)]
+                rows.append((model, tokens, name, bench_env.graph_per_call_us(pairs, min_calls=layers, repeats=50)))
     print(f"\nchecks: {failures} failed")
     print(f"{'model':8} {'tokens':>6} {'variant':12} {'us a layer (both products)':>28}")
     for model, tokens, name, us in rows:

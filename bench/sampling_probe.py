@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import bench_env
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,24 +19,11 @@ from deepserve.kernels import sampling as ks  # noqa: E402
 from deepserve.runner.model_runner import fill_placeholders_torch as torch_fill  # noqa: E402
 
 
-def timed_us(fn, calls: int = 20, replays: int = 20) -> float:
-    """Device µs of one call: `calls` calls captured in one CUDA graph, its replays timed with CUDA events. A
-    decode step's sampling runs while the host is already ahead (async scheduling), so the device time is what
-    the step pays; timing single eager calls measures their Python launch cost instead (~30-80 µs here)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / (calls * replays)
+def timed_us(fn) -> float:
+    """Device µs of one call (bench_env's graph timing: 20 calls a graph, the median of 20 replays). A decode
+    step's sampling runs while the host is already ahead (async scheduling), so the device time is what the step
+    pays; timing single eager calls measures their Python launch cost instead (~30-80 µs here)."""
+    return bench_env.graph_per_call_us([fn], min_calls=20, repeats=20)
 
 
 def main() -> int:
