@@ -48,9 +48,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_FUSED_SAMPLING": (_flag("DEEPSERVE_FUSED_SAMPLING", True),
                                  "0: sampling by torch ops instead of the fused Triton pass"),
     "DEEPSERVE_HEAD_MATMUL": (_flag("DEEPSERVE_HEAD_MATMUL", True),
-                              "absorbed MLA decode (1-8 tokens on GPUs) runs its per-head products through W_UK and "
-                              "W_UV in one Triton launch each (kernels/head_matmul.py) instead of torch.bmm (cuBLAS); "
-                              "0: torch.bmm"),
+                              "absorbed MLA decode at one token on GPUs runs its per-head products through W_UK and "
+                              "W_UV (at most 2 MB each: V2-Lite's) in one Triton launch each (kernels/head_matmul.py) "
+                              "instead of torch.bmm (cuBLAS); 0: torch.bmm"),
     "DEEPSERVE_SAMPLING_SPLIT": (_flag("DEEPSERVE_SAMPLING_SPLIT", True),
                                  "1 (default): small batches split each row's vocabulary among programs in the "
                                  "fused sampler, and all-greedy steps whose rows split take it too (one H200: 1 x "

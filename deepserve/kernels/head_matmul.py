@@ -3,14 +3,13 @@ absorbed MLA decode (layers/mla.py): q_nope through W_UK into latent space, and 
 W_UV back to values.
 
 Why: at one token these are 16-128 tiny GEMVs, and torch.bmm ran them as one cuBLAS launch of 3.4-3.5 µs each
-on the H200 (V2-Lite AWQ decode profile: 54 a step, 186 µs; bench/RESULTS.md). Here a program
-holds one head's [BLOCK_N, K] slice of w in registers and serves every token with it, H x N / BLOCK_N programs in
-all, each reading its slice once. The result is written in [B, H, N] order directly (the bmm's came out
-[H, B, N] and needed a copy to be contiguous).
+on the H200 (V2-Lite AWQ decode profile: 54 a step, 186 µs; bench/RESULTS.md). Here a program holds one head's
+[BLOCK_N, K] slice of w in registers and serves every token with it, H x N / BLOCK_N programs in all, each
+reading its slice once, the result written in [B, H, N] order.
 
 Numerics: bf16 / fp16 products summed in fp32 over the whole K, rounded once to x's dtype (a cuBLAS GEMM's
-order of sums differs, so results agree to rounding, not bit for bit). The torch reference is
-head_matmul_ref; CPU runs it (the layer calls it there), the tests compare the kernel with it.
+order of sums differs, so results agree to rounding, not bit for bit). The tests compare the kernel with
+head_matmul_ref and with torch.bmm, the layer's path elsewhere (CPU, more tokens, larger weights).
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ import triton.language as tl
 # Where it beats torch.bmm (bench/head_matmul_probe.py on one H200, both products of a layer, weights from HBM;
 # bench/RESULTS.md): V2-Lite (16 heads, 2 MB a product) at one token 4.86 against 6.41 µs, but at 2-8 tokens it
 # lost (7.25-14.04 against 6.42-7.16: each token's sums wait on the one before); V3 (128 heads, 16 MB) even at one
-# token (13.49 / 13.35) and far behind at more. So: one token, small weights.
+# token (13.49 / 13.35) and far behind at more. So: one token, and weights no larger than the one size measured
+# faster (sizes between 2 and 16 MB, e.g. V3's 32 heads a rank at tensor parallelism 4, were not timed).
 MAX_TOKENS = 1
-MAX_WEIGHT_BYTES = 4 << 20
+MAX_WEIGHT_BYTES = 2 << 20
 # Elements of w a program holds: [BLOCK_N, K] with BLOCK_N = TILE_ELEMENTS / K (64 rows of K = 128, 16 of 512),
 # 64 fp32 values a thread at 4 warps.
 TILE_ELEMENTS = 8192

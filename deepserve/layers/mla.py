@@ -1,8 +1,9 @@
 """The latent attention front of multi-head latent attention (DeepSeek-V2/V3): the second cache layout.
 
-The model computes per token the normalized compressed kv c (C values) and the roped shared key
-k_pe (Dr values); this front stores exactly those in the paged cache — (C + Dr) values per token and
-layer, no head axis — and owns wkv_b = [W_UK; W_UV] per head, which turns c into keys and values.
+The model computes per token the normalized compressed kv c (C values) and the shared key k_pe (Dr
+values), which this front rotates by position (on GPUs in the store's launch); it stores exactly those in
+the paged cache — (C + Dr) values per token and layer, no head axis — and owns wkv_b = [W_UK; W_UV] per
+head, which turns c into keys and values.
 
 Two equal ways to attend (DeepSeek-V2 §2.1.3):
   expanded  k = [W_UK c ; k_pe], v = W_UV c per head, then ordinary causal attention. Cheaper when
@@ -28,6 +29,8 @@ Dv v_head_dim.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -84,7 +87,9 @@ class MLAAttention(nn.Module):
         # in the latent store's launch (kernels/rope_kv_store.mla_rope_and_store). None: both already rotated.
         meta = get_forward_context()
         gpu = uses_gpu_kernels(q_nope)
-        if rope is not None and not (gpu and FUSED_ROPE_KV_STORE):
+        # the fused launch rotates the whole of q_pe / k_pe: a rotary over part of them takes the unfused path
+        fusable = gpu and FUSED_ROPE_KV_STORE and rope is not None and rope[1].rotary_dim == q_pe.shape[-1]
+        if rope is not None and not fusable:
             positions, rotary = rope
             q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))
             k_pe, rope = k_pe.squeeze(1), None
@@ -217,14 +222,23 @@ def _form(meta: AttentionMetadata, b: int) -> str:
 
 
 def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [B, H, K] -> [B, H, N], head h through w[h] ([H, N, K], any strides): kernels/head_matmul.py at decode
-    sizes on the GPU (DEEPSERVE_HEAD_MATMUL), torch.bmm otherwise."""
-    if HEAD_MATMUL and x.is_cuda:
-        from deepserve.kernels.head_matmul import head_matmul, head_matmul_fits
-
-        if head_matmul_fits(x, w):
-            return head_matmul(x, w)
+    """x [B, H, K] -> [B, H, N], head h through w[h] ([H, N, K], any strides): kernels/head_matmul.py where
+    head_matmul_fits says it is faster (one token, small weights, on the GPU; DEEPSERVE_HEAD_MATMUL), torch.bmm
+    otherwise."""
+    kernel = _head_matmul() if HEAD_MATMUL else None
+    if kernel is not None and kernel[1](x, w):
+        return kernel[0](x, w)
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
+@functools.cache
+def _head_matmul():
+    """(head_matmul, head_matmul_fits), imported once (Triton); None without Triton."""
+    try:
+        from deepserve.kernels.head_matmul import head_matmul, head_matmul_fits
+    except ImportError:
+        return None
+    return head_matmul, head_matmul_fits
 
 
 def _forms(meta: AttentionMetadata) -> dict[str, list[int]]:

@@ -166,7 +166,7 @@ def test_head_matmul_compiles(monkeypatch):
     hm = import_kernels("deepserve.kernels.head_matmul")
     x = torch.randn(1, 16, 192, dtype=torch.bfloat16)[:, :, :128]  # q_nope: a slice of q
     w_uk = torch.randn(16, 128, 512, dtype=torch.bfloat16)
-    o = torch.randn(2, 16, 512, dtype=torch.bfloat16)
+    o = torch.randn(1, 16, 512, dtype=torch.bfloat16)  # one token: the variant serving meets (head_matmul_fits)
     w_uv = torch.randn(16, 128, 512, dtype=torch.bfloat16)
     _compile_all(_record(monkeypatch, hm, lambda: (hm.head_matmul(x, w_uk.transpose(1, 2)), hm.head_matmul(o, w_uv))))
 

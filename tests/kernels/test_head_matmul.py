@@ -46,7 +46,35 @@ def test_what_the_kernel_refuses():
     assert not hm.head_matmul_fits(x[:1].cpu(), w.cpu()) and not hm.head_matmul_fits(one, big)
     if ON_GPU:
         assert hm.head_matmul_fits(x[:1], w) and not hm.head_matmul_fits(x, w)  # two tokens: torch.bmm's
+    strided = torch.zeros(2, 4, 256, dtype=torch.bfloat16, device=DEVICE)[..., ::2]  # K 128, stride 2
     for bad_x, bad_w in ((x[:0], w), (x.float(), w.float()), (x[..., :96], w[..., :96]),  # K not a power of two
-                         (x[:, :3], w), (x.transpose(1, 2), w)):
+                         (x[:, :3], w), (strided, w)):
         with pytest.raises(ValueError, match="head_matmul"):
             hm.head_matmul(bad_x, bad_w)
+
+
+def test_the_mla_layer_takes_the_kernel_where_it_fits(monkeypatch):
+    # layers/mla._per_head with the kernel forced on (on CPU through the interpreter) against its torch.bmm
+    # path, for both products as _absorbed_decode calls them: q_nope (a slice of q) through W_UK transposed,
+    # the latents through W_UV, the two views of one wkv_b weight.
+    from deepserve.layers import mla
+
+    heads, nope, value, rank = 4, 128, 128, 512
+    g = torch.Generator().manual_seed(9)
+    layer = mla.MLAAttention(heads, rank, nope, 64, value, 0.1)
+    layer.wkv_b.weight.data = (torch.randn(heads * (nope + value), rank, generator=g) / rank ** 0.5).to(
+        DEVICE, torch.bfloat16)
+    w_uk, w_uv = layer._w_uk_uv()
+    q_nope = torch.randn(1, heads, nope + 64, generator=g).to(DEVICE, torch.bfloat16)[..., :nope]
+    latents = torch.randn(1, heads, rank, generator=g).to(DEVICE, torch.bfloat16)
+    monkeypatch.setattr(mla, "HEAD_MATMUL", False)
+    want = mla._per_head(q_nope, w_uk.transpose(1, 2)), mla._per_head(latents, w_uv)
+    calls = []
+    kernel = (lambda x, w: calls.append(1) or hm.head_matmul(x, w), hm._shapes_fit)  # fits wherever it runs
+    monkeypatch.setattr(mla, "HEAD_MATMUL", True)
+    monkeypatch.setattr(mla, "_head_matmul", lambda: kernel)
+    got = mla._per_head(q_nope, w_uk.transpose(1, 2)), mla._per_head(latents, w_uv)
+    assert len(calls) == 2
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.shape == w_.shape
+        torch.testing.assert_close(g_.float(), w_.float(), atol=2e-2, rtol=2e-2)

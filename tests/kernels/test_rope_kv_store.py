@@ -129,6 +129,17 @@ def test_mla_rope_and_store_equal_the_four_kernels(dtype, interleaved, cache):
     assert live[:, :rank].float().abs().sum() > 0 and live[:, rank:].float().abs().sum() > 0  # both parts written
     assert got_cache.flatten(0, 1).float().abs().sum(-1).count_nonzero() == 4  # the padding token stored nothing
     assert not torch.equal(got_k, k_pe)  # the key did rotate
+    # and against the torch references (layers/rotary.py's rotation, store_mla_cache_ref's store): the rotation
+    # to rounding (torch rounds in its own order), the latent part of each entry exactly
+    from deepserve.layers.rotary import _apply_rope
+
+    ref_q, ref_k = _apply_rope(positions, q_pe, k_pe[:, None], cos_sin, rope, interleaved)
+    ref_cache = torch.zeros_like(want_cache)
+    tpa.store_mla_cache_ref(torch.cat([kv_c, got_k], dim=-1), ref_cache, slots, 1.0 if scale is None else scale)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_q.float(), ref_q.float(), **tol)
+    torch.testing.assert_close(got_k.float(), ref_k[:, 0].float(), **tol)
+    assert _equal(got_cache, ref_cache)  # the same rotated key and latent, stored (and quantized) alike
 
 
 def test_mla_rope_and_store_refuses_a_bad_shape():
