@@ -51,7 +51,7 @@ from deepserve.layers.kv_cache_spec import KVCacheSpec
 from deepserve.layers.linear import ColumnParallelLinear
 from deepserve.layers.rotary import RotaryEmbedding
 
-HEAD_MATMUL = envs.DEEPSERVE_HEAD_MATMUL  # read once, at import (kernels/head_matmul.py at decode sizes)
+HEAD_MATMUL = envs.DEEPSERVE_HEAD_MATMUL  # read once, at import (kernels/head_matmul.py where it fits: _per_head)
 
 
 class MLAAttention(nn.Module):
