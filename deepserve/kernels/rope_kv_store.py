@@ -140,16 +140,7 @@ def mla_rope_and_store(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.
     numerics, bit for bit: the rotation rounded to the model's dtype, an FP8 cache's values / kv_scale saturated."""
     tokens, heads, rope = q_pe.shape
     rank = kv_c.shape[-1]
-    ok = (rope % 2 == 0 and cos_sin.shape[-1] == rope and cos_sin.dtype == torch.float32
-          and k_pe.shape == (tokens, rope) and kv_c.dim() == 2 and kv_c.shape[0] == tokens
-          and positions.shape == (tokens,)
-          and all(t.stride(-1) == 1 for t in (q_pe, k_pe, kv_c, latent_cache)) and latent_cache.dim() == 3
-          and latent_cache.shape[2] == rank + rope and slot_mapping.dtype == torch.int64
-          and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous())
-    if not ok:
-        raise ValueError("mla_rope_and_store: q_pe [T, H, P], k_pe [T, P], kv_c [T, R] (contiguous last axes), "
-                         "cos_sin [positions, P] float32 (P even), latent_cache [blocks, block_size, R + P], "
-                         "slot_mapping int64 [T]")
+    _check_mla(positions, q_pe, k_pe, kv_c, cos_sin, latent_cache, slot_mapping)
     quantize = latent_cache.dtype == FP8
     if quantize and kv_scale is None:
         raise ValueError("an FP8 latent cache needs kv_scale")
@@ -164,6 +155,20 @@ def mla_rope_and_store(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.
         BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, PAGE_SIZE=latent_cache.shape[1],
         QUANTIZE=quantize, INTERPRET=INTERPRET, num_warps=1)
     return q_out, k_out
+
+
+def _check_mla(positions, q_pe, k_pe, kv_c, cos_sin, latent_cache, slot_mapping) -> None:
+    tokens, _, rope = q_pe.shape
+    ok = (rope % 2 == 0 and cos_sin.shape[-1] == rope and cos_sin.dtype == torch.float32
+          and k_pe.shape == (tokens, rope) and kv_c.dim() == 2 and kv_c.shape[0] == tokens
+          and positions.shape == (tokens,)
+          and all(t.stride(-1) == 1 for t in (q_pe, k_pe, kv_c, latent_cache)) and latent_cache.dim() == 3
+          and latent_cache.shape[2] == kv_c.shape[-1] + rope and slot_mapping.dtype == torch.int64
+          and slot_mapping.shape == (tokens,) and slot_mapping.is_contiguous())
+    if not ok:
+        raise ValueError("mla_rope_and_store: q_pe [T, H, P], k_pe [T, P], kv_c [T, R] (contiguous last axes), "
+                         "cos_sin [positions, P] float32 (P even), latent_cache [blocks, block_size, R + P], "
+                         "slot_mapping int64 [T]")
 
 
 @triton.jit

@@ -157,7 +157,7 @@ def _fill_placeholders_kernel(ids_ptr, sampled_ptr, out_ptr, tokens, rows, BLOCK
 
 def fill_placeholders(input_ids: torch.Tensor, previous_sampled: torch.Tensor) -> torch.Tensor:
     """input_ids [T] int64 with each placeholder -(row + 1) replaced by previous_sampled[row] (int64 [R], R >= 1):
-    one launch where the torch version (runner/model_runner.fill_placeholders, the reference) takes six."""
+    one launch where the torch version (runner/model_runner.fill_placeholders_torch, the reference) takes six."""
     if input_ids.dtype != torch.int64 or previous_sampled.dtype != torch.int64 or input_ids.dim() != 1 \
             or not input_ids.is_contiguous() or not previous_sampled.is_contiguous() or previous_sampled.numel() < 1:
         raise ValueError("input_ids must be contiguous int64 [T], previous_sampled contiguous int64 [R], R >= 1")
