@@ -1,7 +1,8 @@
 """The int4 routed experts at decode: kernels/int4_moe_mma.py (the tensor-core GEMV once per assignment) against
 fused_moe's int4 tiles, on one H200. Correctness against fused_moe_int4_ref (the dequantized experts), then
 µs a call inside CUDA graphs, cycling through CASES distinct routings so the experts' weights come mostly from
-HBM (V2-Lite's 6 experts are 26 MB of codes: one routing alone would sit in the 50 MB L2).
+HBM (V2-Lite's 6 experts are 26 MB of codes: one routing alone would sit in the 50 MB L2); also as one rank of
+EP_RANKS under expert parallelism sees them (the other ranks' assignments left out, id E).
     python bench/int4_moe_mma_probe.py --json OUT.json
 """
 
@@ -22,17 +23,22 @@ from check_int4 import errors, moe_case  # noqa: E402
 from deepserve.kernels import fused_moe as fm  # noqa: E402
 from deepserve.kernels import int4_moe_mma  # noqa: E402
 
-# V3's experts are V3-sized, 16 of them (all 256 would take ~60 GB of host memory to generate)
+# V3's experts are V3-sized, 16 of them (all 256 would take ~60 GB of host memory to generate); "V3-256" has
+# all 256, their codes, scales and zero points drawn on the GPU (timed only: no reference for them)
 SHAPES = {"V2-Lite": dict(experts=64, hidden=2048, inter=1408, top_k=6),
-          "V3": dict(experts=16, hidden=7168, inter=2048, top_k=8)}
+          "V3": dict(experts=16, hidden=7168, inter=2048, top_k=8),
+          "V3-256": dict(experts=256, hidden=7168, inter=2048, top_k=8, on_gpu=True)}
 TOKENS = (1, 2, 4, 8, 16)
+TIMED_TOKENS = (1, 2, 4, 8, 16, 32)
 CASES = 8
+EP_RANKS = 8  # the "ep" timings: one rank's share of the assignments (ep_ids)
 TOLERANCE = dict(max_rel=2e-2, norm_rel=1e-2)
 
 
 def routed(tiles: bool):
     # fused_moe with the mma path off (tiles) or on for every size timed here
     int4_moe_mma.MAX_ASSIGNMENTS = 0 if tiles else 1 << 20
+    int4_moe_mma.MMA_HITS_RATIO = float("inf")  # whatever mma_moe_pays would choose
     return fm.fused_moe
 
 
@@ -67,14 +73,36 @@ def check(name: str, cfg: dict, t: int, device, w13, w2, experts) -> dict:
     return row
 
 
+def ep_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    # One rank of EP_RANKS under expert parallelism: experts e with e % EP_RANKS == 0 are its own, every other
+    # assignment is left out (id E), about 7 of a token's 8 at 8 ranks.
+    return torch.where(ids % EP_RANKS == 0, ids, num_experts)
+
+
 def timing(name: str, cfg: dict, t: int, device, w13, w2, experts) -> dict:
     cases = [routing(t, cfg, device) for _ in range(CASES)]
     row = dict(shape=name, tokens=t)
-    for label, tiles in (("tiles", True), ("mma", False)):
+    for label, tiles, ep in (("tiles", True, False), ("mma", False, False), ("tiles ep", True, True),
+                             ("mma ep", False, True)):
         routed(tiles)
-        fns = [partial(fm.fused_moe, x, w13, w2, tw, ids, int4=experts) for (x, tw, ids) in cases]
+        fns = [partial(fm.fused_moe, x, w13, w2, tw, ep_ids(ids, cfg["experts"]) if ep else ids, int4=experts)
+               for (x, tw, ids) in cases]
         row[label] = bench_env.graph_per_call_us(fns, min_calls=4 * CASES, repeats=20)
     return row
+
+
+def experts_on_gpu(cfg: dict, device) -> tuple:
+    # (w13, w2, Int4Experts) in fused_moe's int4 layout: random code words, scales 10^-3 .. 10^-1, zero points
+    # 0 .. 15, all drawn on the device (V3's 256 experts: ~5.6 GB of codes)
+    e, h, i = cfg["experts"], cfg["hidden"], cfg["inter"]
+
+    def product(n: int, k: int) -> tuple:
+        words = torch.randint(-2**31, 2**31, (e, n, k // 8), dtype=torch.int32, device=device)
+        scales = (10 ** (torch.rand(e, n, k // 128, device=device) * 2 - 3)).half()
+        return words, scales, torch.randint(0, 16, (e, n, k // 128), device=device).half()
+
+    (w13, s13, z13), (w2, s2, z2) = product(2 * i, h), product(h, i)
+    return w13, w2, fm.Int4Experts(4, s13, z13, s2, z2, 128, 128)
 
 
 def main() -> int:
@@ -84,14 +112,18 @@ def main() -> int:
     device = torch.device("cuda")
     report = dict(env=bench_env.environment(device), checks=[], timings=[])
     for name, cfg in SHAPES.items():
-        _, w13, w2, _, _, experts = moe_case(1, cfg, device)
-        for t in TOKENS:
-            report["checks"].append(check(name, cfg, t, device, w13, w2, experts))
-            print(report["checks"][-1], flush=True)
-        for t in TOKENS:
+        if cfg.get("on_gpu"):
+            w13, w2, experts = experts_on_gpu(cfg, device)
+        else:
+            _, w13, w2, _, _, experts = moe_case(1, cfg, device)
+            for t in TOKENS:
+                report["checks"].append(check(name, cfg, t, device, w13, w2, experts))
+                print(report["checks"][-1], flush=True)
+        for t in TIMED_TOKENS:
             report["timings"].append(timing(name, cfg, t, device, w13, w2, experts))
             print(report["timings"][-1], flush=True)
         del w13, w2, experts
+        torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print("\n== correctness against fused_moe_int4_ref (max rel / norm rel) ==")
@@ -102,7 +134,8 @@ def main() -> int:
     print("\n== µs a call in a CUDA graph (int4 routed experts, weights mostly from HBM) ==")
     for r in report["timings"]:
         print(f"{r['shape']:>8} T={r['tokens']:<3} tiles {r['tiles']:8.1f}  mma {r['mma']:8.1f}  "
-              f"({r['tiles'] / r['mma']:.2f}x)")
+              f"({r['tiles'] / r['mma']:.2f}x)   one rank of {EP_RANKS} (expert parallelism): "
+              f"tiles {r['tiles ep']:8.1f}  mma {r['mma ep']:8.1f}")
     return 0
 
 

@@ -145,9 +145,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS": (_float("DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS", 24),
                                               "int4 routed experts with at most this many assignments (tokens x "
                                               "experts a token) run the tensor-core GEMV once per assignment on "
-                                              "Hopper (kernels/int4_moe_mma.py) instead of the fused MoE tiles; "
-                                              "0: never. Default 24: V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms on one "
-                                              "H200 (same machine)"),
+                                              "Hopper (kernels/int4_moe_mma.py) instead of the fused MoE tiles, "
+                                              "where that pays (int4_moe_mma.mma_moe_pays: assignments <= 3x the "
+                                              "experts they hit on average); 0: never. Default 24: V2-Lite AWQ W2 "
+                                              "TPOT 3.46 -> 2.92 ms on one H200 (same machine); per call the "
+                                              "kernel also wins up to 256 (V3's experts, 32 tokens), not yet "
+                                              "shown in the engine"),
     "DEEPSERVE_INT4_TMA_GEMV_STAGES": (_float("DEEPSERVE_INT4_TMA_GEMV_STAGES", 2),
                                        "one-token int4 GEMVs on Hopper over the tiled layout with groups of 128 and "
                                        "at least 16 MB of codes stage the weights through shared memory with the copy "

@@ -10,10 +10,10 @@ assignments alone give the grid its programs), writing fp32:
   down     y[a] = act[a] @ w2[e]^T                    [A, H] fp32
   combine  out[t] = sum over slots k in order of topk_weights[t, k] * y[t * K_top + k], rounded once to x's
            dtype (fused_moe rounds each y row, then their sum): moe_sum.sum_slots, deterministic.
-Assignments to a skipped expert (id E under expert parallelism) compute expert 0 and are left out of the
-sum. The grid comes from shapes only: CUDA-graph safe. Numerics: int4_mma_gemv's (the zero point subtracted
-exactly, each 128-input block's sum scaled in fp32), not fused_moe_int4_ref's bf16-rounded weights; the
-tests hold both to the dequantized reference.
+Assignments to a skipped expert (id E under expert parallelism: most of a token's, at 8 ranks 7 in 8) are
+programs that return at once, and are left out of the sum. The grid comes from shapes only: CUDA-graph safe.
+Numerics: int4_mma_gemv's (the zero point subtracted exactly, each 128-input block's sum scaled in fp32), not
+fused_moe_int4_ref's bf16-rounded weights; the tests hold both to the dequantized reference.
 """
 
 from __future__ import annotations
@@ -29,23 +29,43 @@ from deepserve.kernels.elementwise import silu_and_mul
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
 from deepserve.kernels.moe_sum import sum_slots
 
-# Up to this many assignments (tokens x experts a token) the routed int4 experts take this path where it
-# applies (mma_moe_supported); 0: off. Default 24 (bench/RESULTS.md, 2026-12-04, one H200): per call in a CUDA
-# graph 1.7-2.6x faster than the tiles on V2-Lite's experts at 1-16 tokens (6-96 assignments), 1.6-2.4x on
-# V3-sized ones up to 32 assignments and slower at 64 (490 against 405 µs) — but that case had 16 experts
-# shared by 8 tokens, which favours the tiles; V3's 256 would not. V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms with 24.
-# Under expert parallelism every assignment counts and a skipped one still runs (on expert 0): not measured.
+# Which path a call takes: this one streams an expert's weight once per assignment (token, slot), fused_moe's
+# tiles once per expert hit, but at a few tokens an expert the tiles (16-row tiles, mostly padding) move each
+# byte ~3x slower. So this path while assignments <= MMA_HITS_RATIO x the experts that many uniform draws hit
+# on average (expected_experts_hit), and at most MAX_ASSIGNMENTS (0: off). bench/int4_moe_mma_probe.py on the
+# H200 (µs a call in a CUDA graph, this path against the tiles; bench/RESULTS.md, fifth session of 2026-12-04):
+# V2-Lite (64 experts, 6 a token) 1.64-2.53x faster at 1-16 tokens, 1.04x at 32 (192 assignments, ratio 3.2);
+# V3's 256 experts (8 a token) 1.53-2.36x faster at 1-32 tokens (ratio <= 1.6); V3-sized experts but only 16 of
+# them: 1.51x at 4 tokens (ratio 2.3), 0.78x at 8 (ratio 4.0). MAX_ASSIGNMENTS stays 24 (V2-Lite AWQ W2 TPOT
+# 3.46 -> 2.92 ms): raising it to 256 (the most timed) read W1 +2.2 % in one A/B, and no clear change at 8
+# and 16 concurrent requests on dummy weights, whose router sends a step's tokens to few experts (the tiles'
+# best case; the ratio assumes uniform draws). Under expert parallelism every assignment counts (a skipped
+# one's programs return at once; counting only the local ones would need the ids on the host, which a CUDA
+# graph cannot wait for).
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
+MMA_HITS_RATIO = 3.0
 NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
 
 
+def expected_experts_hit(assignments: int, num_experts: int) -> float:
+    """The experts that `assignments` uniform draws from num_experts hit, on average: E (1 - (1 - 1/E)^A)."""
+    return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** assignments) if num_experts > 0 else 0.0
+
+
+def mma_moe_pays(assignments: int, num_experts: int) -> bool:
+    """Whether this path beats the tiles at that many assignments over num_experts (the rule above; shapes only,
+    so a CUDA graph's size decides it once)."""
+    return (0 < assignments <= MAX_ASSIGNMENTS
+            and assignments <= MMA_HITS_RATIO * expected_experts_hit(assignments, num_experts))
+
+
 def mma_moe_supported(x: torch.Tensor, bits: int, group13: int, group2: int, g_idx13, g_idx2, hidden: int,
-                      inter: int, assignments: int) -> bool:
-    """Whether the experts of this call take int4_moe_mma: within MAX_ASSIGNMENTS, on a Hopper GPU (not under
-    Triton's interpreter), bf16 / fp16 x with contiguous 16-byte aligned rows, and what the tensor-core GEMV
-    needs of both products (int4_mma_gemv.mma_gemv_supported's rules, one token each): 4-bit codes, no act
+                      inter: int, assignments: int, num_experts: int) -> bool:
+    """Whether the experts of this call take int4_moe_mma: where it pays (mma_moe_pays), on a Hopper GPU (not
+    under Triton's interpreter), bf16 / fp16 x with contiguous 16-byte aligned rows, and what the tensor-core
+    GEMV needs of both products (int4_mma_gemv.mma_gemv_supported's rules, one token each): 4-bit codes, no act
     order, groups and the inputs (H, I) multiples of 128."""
-    if not 0 < assignments <= MAX_ASSIGNMENTS or bits != 4 or g_idx13 is not None or g_idx2 is not None:
+    if not mma_moe_pays(assignments, num_experts) or bits != 4 or g_idx13 is not None or g_idx2 is not None:
         return False
     if any(v % BLOCK_INPUTS for v in (group13, group2, hidden, inter)):
         return False
@@ -88,11 +108,14 @@ def _int4_moe_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, E, N, K, 
                          NUM_WARPS: gl.constexpr):
     # Program (row tile, assignment): out[assignment, tile rows] = x[assignment // rows_per_a] @ w[expert]^T
     # in fp32 (gemv_tile with one split: its "workspace" is the output row; M = 1, as a runtime value).
+    # A skipped assignment (another rank's expert) does nothing: its output row stays unwritten, and neither
+    # the SiLU's row of it nor sum_slots (which leaves id E out) reads anything into the result.
     tile, slot = gl.program_id(0), gl.program_id(1)
     expert = gl.load(ids_ptr + slot)
-    e64 = gl.where(expert < E, expert, 0).to(gl.int64)  # a skipped assignment computes expert 0, unused
-    x_row = x_ptr + (slot // rows_per_a).to(gl.int64) * stride_xm
-    one = rows_per_a * 0 + 1
-    gemv_tile(x_row, q_ptr + e64 * stride_qe, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se,
-              out_ptr + slot.to(gl.int64) * N, out_ptr, out_ptr, ids_ptr, one, N, K, K // 128, stride_xm, stride_qn,
-              stride_sn, tile, 0, 1, GROUP, F16, False, False, NUM_WARPS, 1, True, False)
+    if expert < E:
+        e64 = expert.to(gl.int64)
+        x_row = x_ptr + (slot // rows_per_a).to(gl.int64) * stride_xm
+        one = rows_per_a * 0 + 1
+        gemv_tile(x_row, q_ptr + e64 * stride_qe, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se,
+                  out_ptr + slot.to(gl.int64) * N, out_ptr, out_ptr, ids_ptr, one, N, K, K // 128, stride_xm,
+                  stride_qn, stride_sn, tile, 0, 1, GROUP, F16, False, False, NUM_WARPS, 1, True, False)

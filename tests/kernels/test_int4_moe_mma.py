@@ -32,11 +32,13 @@ def experts(num: int, hidden: int, inter: int, group: int = 128) -> tuple:
 
 
 def emulated_launch(a, w, operands, ids, out, rows_per_a, num_experts):
-    """_launch's contract in torch: out[i] = a[i // rows_per_a] @ dequant(w[ids[i]])^T in fp32 (expert 0 for a
-    skipped id)."""
+    """_launch's contract in torch: out[i] = a[i // rows_per_a] @ dequant(w[ids[i]])^T in fp32; a skipped id's
+    row is not written (NaN here: whatever the empty row holds must be selected away, never summed)."""
     scales, zeros, _, group = operands
     for i, e in enumerate(ids.tolist()):
-        e = e if e < num_experts else 0
+        if e >= num_experts:
+            out[i] = float("nan")
+            continue
         weight = int4_ref.dequantize(w[e], scales[e], zeros[e], 4, group).float()
         out[i] = a[i // rows_per_a].float() @ weight.T
 
@@ -70,27 +72,50 @@ def test_the_host_wiring_matches_the_reference(monkeypatch):
 def test_it_is_taken_only_where_it_applies(monkeypatch):
     x = torch.randn(1, 2048, dtype=torch.bfloat16)
     supported = int4_moe_mma.mma_moe_supported
-    assert not supported(x, 4, 128, 128, None, None, 2048, 1408, 6)  # CPU
+    assert not supported(x, 4, 128, 128, None, None, 2048, 1408, 6, 64)  # CPU
     monkeypatch.setattr(int4_mma_gemv, "_is_hopper", lambda device: True)
     monkeypatch.setattr(int4_mma_gemv, "INTERPRET", False)
-    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 24)
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 256)
     hopper = _OnHopper(4, 2048)
-    assert supported(hopper, 4, 128, 128, None, None, 2048, 1408, 24)  # V2-Lite, 4 tokens x 6 experts
-    assert supported(hopper, 4, 128, 128, None, None, 7168, 2048, 24)
-    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 25)  # past MAX_ASSIGNMENTS
-    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1400, 6)  # I not a multiple of 128
-    assert not supported(hopper, 4, 128, 128, None, None, 2000, 1408, 6)  # H not a multiple of 128
-    assert not supported(hopper, 4, 64, 128, None, None, 2048, 1408, 6)  # groups below a 128-input block
-    assert not supported(hopper, 4, 128, 64, None, None, 2048, 1408, 6)  # the down product's groups
-    assert not supported(hopper, 4, 128, 128, None, torch.zeros(1408, dtype=torch.int32), 2048, 1408, 6)
-    assert not supported(_OnHopper(4, 2048, torch.float32), 4, 128, 128, None, None, 2048, 1408, 6)
-    assert not supported(_OnHopper(4, 2048, stride=2), 4, 128, 128, None, None, 2048, 1408, 6)
-    assert not supported(_OnHopper(4, 2048, offset=1), 4, 128, 128, None, None, 2048, 1408, 6)  # 16-byte rows
-    assert not supported(hopper, 8, 128, 128, None, None, 2048, 1408, 6)  # 8-bit codes
+    assert supported(hopper, 4, 128, 128, None, None, 2048, 1408, 96, 64)  # V2-Lite, 16 tokens x 6 experts
+    assert supported(hopper, 4, 128, 128, None, None, 7168, 2048, 24, 64)
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 192, 64)  # 32 tokens: the tiles pay
+    assert not supported(hopper, 4, 128, 128, None, None, 7168, 2048, 264, 256)  # past MAX_ASSIGNMENTS
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1400, 6, 64)  # I not a multiple of 128
+    assert not supported(hopper, 4, 128, 128, None, None, 2000, 1408, 6, 64)  # H not a multiple of 128
+    assert not supported(hopper, 4, 64, 128, None, None, 2048, 1408, 6, 64)  # groups below a 128-input block
+    assert not supported(hopper, 4, 128, 64, None, None, 2048, 1408, 6, 64)  # the down product's groups
+    assert not supported(hopper, 4, 128, 128, None, torch.zeros(1408, dtype=torch.int32), 2048, 1408, 6, 64)
+    assert not supported(_OnHopper(4, 2048, torch.float32), 4, 128, 128, None, None, 2048, 1408, 6, 64)
+    assert not supported(_OnHopper(4, 2048, stride=2), 4, 128, 128, None, None, 2048, 1408, 6, 64)
+    assert not supported(_OnHopper(4, 2048, offset=1), 4, 128, 128, None, None, 2048, 1408, 6, 64)  # 16-byte rows
+    assert not supported(hopper, 8, 128, 128, None, None, 2048, 1408, 6, 64)  # 8-bit codes
     act_order = torch.zeros(2048, dtype=torch.int32)
-    assert not supported(hopper, 4, 128, 128, act_order, None, 2048, 1408, 6)
+    assert not supported(hopper, 4, 128, 128, act_order, None, 2048, 1408, 6, 64)
     monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 0)
-    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 6)  # switched off
+    assert not supported(hopper, 4, 128, 128, None, None, 2048, 1408, 6, 64)  # switched off
+
+
+def test_expected_experts_hit_matches_a_simulation():
+    gen = torch.Generator().manual_seed(0)
+    for assignments, experts in ((6, 64), (96, 64), (192, 64), (256, 256), (64, 16)):
+        draws = torch.randint(0, experts, (2000, assignments), generator=gen)
+        simulated = torch.stack([row.unique().numel() * torch.ones(()) for row in draws]).mean().item()
+        assert abs(int4_moe_mma.expected_experts_hit(assignments, experts) - simulated) < 0.02 * simulated
+
+
+def test_the_path_is_chosen_where_the_probe_found_it_faster(monkeypatch):
+    # bench/int4_moe_mma_probe.py on the H200 (bench/RESULTS.md, fifth session of 2026-12-04): faster than the
+    # tiles at V2-Lite 16 tokens (96 assignments over 64 experts), V3 32 tokens (256 over 256), 16 V3-sized
+    # experts at 4 tokens (32); slower with those 16 at 8 tokens (64); even with V2-Lite at 32 (192)
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 256)
+    pays = int4_moe_mma.mma_moe_pays
+    assert pays(6, 64) and pays(96, 64) and pays(256, 256) and pays(32, 16)
+    assert not pays(64, 16) and not pays(192, 64)
+    assert not pays(264, 256)  # past the most timed
+    assert not pays(0, 64)
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 24)  # the earlier limit still binds when set
+    assert pays(24, 64) and not pays(30, 64)
 
 
 def test_fused_moe_hands_int4_experts_to_it(monkeypatch):
@@ -101,8 +126,8 @@ def test_fused_moe_hands_int4_experts_to_it(monkeypatch):
     monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: asked.append(args) or True)
     monkeypatch.setattr(fm, "int4_moe_mma", lambda *args: seen.append(args) or "mma")
     assert fm.fused_moe(x, w13, w2, weights, ids, int4=ex) == "mma" and len(seen) == 1
-    # what it is asked: x, bits, both products' groups and act orders, H, I, the assignments (T x K)
-    assert asked[0][0] is x and asked[0][1:] == (4, 128, 128, None, None, 256, 128, 4)
+    # what it is asked: x, bits, both products' groups and act orders, H, I, the assignments (T x K), E
+    assert asked[0][0] is x and asked[0][1:] == (4, 128, 128, None, None, 256, 128, 4, 3)
     assert seen[0][:5] == (x, w13, w2, weights, ids)
     assert seen[0][5][0] is ex.w13_scales and seen[0][6][0] is ex.w2_scales
     monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: False)
@@ -148,8 +173,19 @@ def test_on_the_gpu_against_the_reference(monkeypatch):
     x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16) * 0.01
     ids = torch.tensor([[7, 1], [0, 7], [2, 3]], device="cuda")
     weights = torch.rand(3, 2, device="cuda")
-    if not int4_moe_mma.mma_moe_supported(x, 4, 128, 128, None, None, 256, 256, 6):
+    if not int4_moe_mma.mma_moe_supported(x, 4, 128, 128, None, None, 256, 256, 6, 8):
         pytest.skip("not a Hopper GPU")
     got = fm.fused_moe(x, w13, w2, weights, ids, int4=ex)
     want = fm.fused_moe_int4_ref(x, w13, w2, weights, ids, ex)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    # assignments left out (id E = 8, expert parallelism): their programs return at once, rows unwritten,
+    # and the sum selects them away (over NaN-filled buffers: an unwritten row that were read would show)
+    skipped = torch.tensor([[8, 1], [8, 8], [2, 8]], device="cuda")
+    kept = torch.where(skipped < 8, weights, 0.0)
+    want = fm.fused_moe_int4_ref(x, w13, w2, kept, torch.where(skipped < 8, skipped, 0), ex)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    got = int4_moe_mma.int4_moe_mma(x, w13, w2, weights, skipped, ex.operands("w13"), ex.operands("w2"))
+    monkeypatch.undo()
+    assert torch.isfinite(got).all()
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
