@@ -92,7 +92,10 @@ FP8_MLA_VARIANTS = {  # the defaults: tpa.default_mla_config (the reload; 64-key
          "rv": LC(block_n=32, block_h=16, num_warps=4, num_stages=2, fp8_widen="fp16", reload_values=True),
          "n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16"),
          "rv-s3": LC(block_n=32, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16", reload_values=True),
-         "rv-n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16", reload_values=True)},
+         "rv-n64-w8": LC(block_n=64, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16", reload_values=True),
+         "rv-w8": LC(block_n=32, block_h=16, num_warps=8, num_stages=2, fp8_widen="fp16", reload_values=True),
+         "rv-w8-s3": LC(block_n=32, block_h=16, num_warps=8, num_stages=3, fp8_widen="fp16", reload_values=True),
+         "rv-n16-s3": LC(block_n=16, block_h=16, num_warps=4, num_stages=3, fp8_widen="fp16", reload_values=True)},
     128: {"one-load-h32": LC(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16"),
           "rv-h32": LC(block_n=32, block_h=32, num_warps=8, num_stages=2, fp8_widen="fp16", reload_values=True)},
 }
@@ -191,6 +194,8 @@ def variant_options(configs: dict[str, tpa.LaunchConfig], batch: int, default_sp
         options["nosplit"] = {"num_splits": 1}
         if batch <= SPLIT_VARIANTS_MAX_BATCH:
             options.update({f"splits{n}": {"num_splits": n} for n in SPLIT_VARIANTS if n != default_splits})
+        else:  # larger batches: more splits than the occupancy target asks for (more programs an SM)
+            options.update({f"splits-x{f}": {"num_splits": f * default_splits} for f in (2, 4)})
     return options
 
 
