@@ -186,8 +186,8 @@ def measure(row: Row, run: Callable[[torch.Tensor, torch.Tensor], object], out: 
 
 def variant_options(configs: dict[str, tpa.LaunchConfig], batch: int, default_splits: int, variants: bool
                     ) -> dict[str, dict]:
-    # Keyword overrides per variant name: the default, the alternative configs, no split, and for small
-    # batches forced split counts (the heuristic's neighbours).
+    # Keyword overrides per variant name: the default, the alternative configs, no split, and forced split
+    # counts: for small batches the heuristic's neighbours, past SPLIT_VARIANTS_MAX_BATCH 2x and 4x its own.
     options: dict[str, dict] = {"default": {}}
     if variants and time.perf_counter() - START < VARIANTS_UNTIL_S:
         options.update({name: {"config": cfg} for name, cfg in configs.items()})

@@ -707,7 +707,7 @@ def _int4_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if t == 0:
         return x.new_empty(0, h)
     if config is None and mma_moe_supported(x, int4.bits, int4.group13, int4.group2, int4.w13_g_idx, int4.w2_g_idx,
-                                            h, two_i // 2, t * k, e):
+                                            h, two_i // 2, t * k, None if skips else e):
         return int4_moe_mma(x, w13, w2, topk_weights, topk_ids, int4.operands("w13"), int4.operands("w2"))
     if config is None and t <= INT4_GEMV_MAX_TOKENS:
         config = default_moe_gemv_config()

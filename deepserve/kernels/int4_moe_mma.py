@@ -34,14 +34,15 @@ from deepserve.kernels.moe_sum import sum_slots
 # byte ~3x slower. So this path while assignments <= MMA_HITS_RATIO x the experts that many uniform draws hit
 # on average (expected_experts_hit), and at most MAX_ASSIGNMENTS (0: off). bench/int4_moe_mma_probe.py on the
 # H200 (µs a call in a CUDA graph, this path against the tiles; bench/RESULTS.md, fifth session of 2026-12-04):
-# V2-Lite (64 experts, 6 a token) 1.64-2.53x faster at 1-16 tokens, 1.04x at 32 (192 assignments, ratio 3.2);
+# V2-Lite (64 experts, 6 a token) 1.64-2.53x faster at 1-16 tokens, even at 32 (1.04x: 192 assignments, ratio 3.2,
+# where the line is drawn);
 # V3's 256 experts (8 a token) 1.53-2.36x faster at 1-32 tokens (ratio <= 1.6); V3-sized experts but only 16 of
 # them: 1.51x at 4 tokens (ratio 2.3), 0.78x at 8 (ratio 4.0). MAX_ASSIGNMENTS stays 24 (V2-Lite AWQ W2 TPOT
 # 3.46 -> 2.92 ms): raising it to 256 (the most timed) read W1 +2.2 % in one A/B, and no clear change at 8
 # and 16 concurrent requests on dummy weights, whose router sends a step's tokens to few experts (the tiles'
-# best case; the ratio assumes uniform draws). Under expert parallelism every assignment counts (a skipped
-# one's programs return at once; counting only the local ones would need the ids on the host, which a CUDA
-# graph cannot wait for).
+# best case; the ratio assumes uniform draws). Under expert parallelism every assignment counts against the
+# cap (a skipped one's programs return at once; counting only the local ones would need the ids on the host,
+# which a CUDA graph cannot wait for) and the ratio is not applied (mma_moe_pays).
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
 MMA_HITS_RATIO = 3.0
 NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
@@ -52,15 +53,18 @@ def expected_experts_hit(assignments: int, num_experts: int) -> float:
     return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** assignments) if num_experts > 0 else 0.0
 
 
-def mma_moe_pays(assignments: int, num_experts: int) -> bool:
+def mma_moe_pays(assignments: int, num_experts: int | None) -> bool:
     """Whether this path beats the tiles at that many assignments over num_experts (the rule above; shapes only,
-    so a CUDA graph's size decides it once)."""
-    return (0 < assignments <= MAX_ASSIGNMENTS
-            and assignments <= MMA_HITS_RATIO * expected_experts_hit(assignments, num_experts))
+    so a CUDA graph's size decides it once). num_experts None (expert parallelism): the cap alone. There the
+    ratio would need every rank's experts, not this rank's (a rank's share of the assignments over its share
+    of the hits is the whole layer's ratio), and fused_moe sees only its own."""
+    if not 0 < assignments <= MAX_ASSIGNMENTS:
+        return False
+    return num_experts is None or assignments <= MMA_HITS_RATIO * expected_experts_hit(assignments, num_experts)
 
 
 def mma_moe_supported(x: torch.Tensor, bits: int, group13: int, group2: int, g_idx13, g_idx2, hidden: int,
-                      inter: int, assignments: int, num_experts: int) -> bool:
+                      inter: int, assignments: int, num_experts: int | None) -> bool:
     """Whether the experts of this call take int4_moe_mma: where it pays (mma_moe_pays), on a Hopper GPU (not
     under Triton's interpreter), bf16 / fp16 x with contiguous 16-byte aligned rows, and what the tensor-core
     GEMV needs of both products (int4_mma_gemv.mma_gemv_supported's rules, one token each): 4-bit codes, no act

@@ -104,18 +104,36 @@ def test_expected_experts_hit_matches_a_simulation():
         assert abs(int4_moe_mma.expected_experts_hit(assignments, experts) - simulated) < 0.02 * simulated
 
 
-def test_the_path_is_chosen_where_the_probe_found_it_faster(monkeypatch):
+def test_the_path_follows_the_probe(monkeypatch):
     # bench/int4_moe_mma_probe.py on the H200 (bench/RESULTS.md, fifth session of 2026-12-04): faster than the
     # tiles at V2-Lite 16 tokens (96 assignments over 64 experts), V3 32 tokens (256 over 256), 16 V3-sized
-    # experts at 4 tokens (32); slower with those 16 at 8 tokens (64); even with V2-Lite at 32 (192)
+    # experts at 4 tokens (32); slower with those 16 at 8 tokens (64); even (1.04x) with V2-Lite at 32 tokens
+    # (192, ratio 3.2), past the line the rule draws at 3
     monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 256)
     pays = int4_moe_mma.mma_moe_pays
     assert pays(6, 64) and pays(96, 64) and pays(256, 256) and pays(32, 16)
     assert not pays(64, 16) and not pays(192, 64)
     assert not pays(264, 256)  # past the most timed
     assert not pays(0, 64)
+    # expert parallelism (no expert count: fused_moe sees only its rank's): the cap alone
+    assert pays(256, None) and not pays(264, None)
     monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 24)  # the earlier limit still binds when set
-    assert pays(24, 64) and not pays(30, 64)
+    assert pays(24, 64) and not pays(30, 64) and pays(24, None)
+
+
+def test_expert_parallel_calls_apply_the_cap_alone(monkeypatch):
+    # V2-Lite on 8 ranks: 8 local experts, 4 tokens x 6 = 24 assignments, most of them skipped. Over the local
+    # count the ratio would send this to the tiles (24 > 3 x 7.8), which the probe found slower there
+    w13, w2, ex = experts(num=8, hidden=256, inter=128)
+    x = (torch.randn(4, 256) * 0.01).to(DEVICE, torch.bfloat16)
+    ids, weights = torch.randint(0, 9, (4, 6), device=DEVICE), torch.rand(4, 6, device=DEVICE)
+    asked = []
+    monkeypatch.setattr(fm, "mma_moe_supported", lambda *args: asked.append(args) or False)
+    fm.fused_moe(x, w13, w2, weights, ids, int4=ex, skips=True)
+    fm.fused_moe(x, w13, w2, weights, ids.clamp(max=7), int4=ex)
+    assert [a[-2:] for a in asked] == [(24, None), (24, 8)]
+    monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 24)
+    assert int4_moe_mma.mma_moe_pays(24, None) and not int4_moe_mma.mma_moe_pays(24, 8)
 
 
 def test_fused_moe_hands_int4_experts_to_it(monkeypatch):
@@ -184,8 +202,13 @@ def test_on_the_gpu_against_the_reference(monkeypatch):
     kept = torch.where(skipped < 8, weights, 0.0)
     want = fm.fused_moe_int4_ref(x, w13, w2, kept, torch.where(skipped < 8, skipped, 0), ex)
     empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    got = int4_moe_mma.int4_moe_mma(x, w13, w2, weights, skipped, ex.operands("w13"), ex.operands("w2"))
-    monkeypatch.undo()
+
+    def nan_filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", nan_filled)
+        got = int4_moe_mma.int4_moe_mma(x, w13, w2, weights, skipped, ex.operands("w13"), ex.operands("w2"))
     assert torch.isfinite(got).all()
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
