@@ -29,20 +29,19 @@ from deepserve.kernels.elementwise import silu_and_mul
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
 from deepserve.kernels.moe_sum import sum_slots
 
-# Which path a call takes: this one streams an expert's weight once per assignment (token, slot), fused_moe's
-# tiles once per expert hit, but at a few tokens an expert the tiles (16-row tiles, mostly padding) move each
-# byte ~3x slower. So this path while assignments <= MMA_HITS_RATIO x the experts that many uniform draws hit
-# on average (expected_experts_hit), and at most MAX_ASSIGNMENTS (0: off). bench/int4_moe_mma_probe.py on the
-# H200 (µs a call in a CUDA graph, this path against the tiles; bench/RESULTS.md, fifth session of 2026-12-04):
-# V2-Lite (64 experts, 6 a token) 1.64-2.53x faster at 1-16 tokens, even at 32 (1.04x: 192 assignments, ratio 3.2,
-# where the line is drawn);
-# V3's 256 experts (8 a token) 1.53-2.36x faster at 1-32 tokens (ratio <= 1.6); V3-sized experts but only 16 of
-# them: 1.51x at 4 tokens (ratio 2.3), 0.78x at 8 (ratio 4.0). MAX_ASSIGNMENTS stays 24 (V2-Lite AWQ W2 TPOT
-# 3.46 -> 2.92 ms): raising it to 256 (the most timed) read W1 +2.2 % in one A/B, and no clear change at 8
-# and 16 concurrent requests on dummy weights, whose router sends a step's tokens to few experts (the tiles'
-# best case; the ratio assumes uniform draws). Under expert parallelism every assignment counts against the
-# cap (a skipped one's programs return at once; counting only the local ones would need the ids on the host,
-# which a CUDA graph cannot wait for) and the ratio is not applied (mma_moe_pays).
+# Which path a call takes: this one streams an expert's weight once per assignment (token, slot), fused_moe's tiles once
+# per expert hit, but at a few tokens an expert the tiles (16-row tiles, mostly padding) move each byte ~3x slower. So
+# this path while assignments <= MMA_HITS_RATIO x the experts that many uniform draws hit on average
+# (expected_experts_hit), and at most MAX_ASSIGNMENTS (0: off). bench/int4_moe_mma_probe.py on the H200 (µs a call in a
+# CUDA graph, this path against the tiles; bench/RESULTS.md, fifth session of 2026-12-04): V2-Lite (64 experts, 6 a
+# token) 1.64-2.53x faster at 1-16 tokens, even at 32 (1.04x: 192 assignments, ratio 3.2, past the line); V3's 256
+# experts (8 a token) 1.53-2.36x faster at 1-32 tokens (ratio <= 1.6); V3-sized experts but only 16 of them: 1.51x at 4
+# tokens (ratio 2.3), 0.78x at 8 (ratio 4.0). MAX_ASSIGNMENTS stays 24 (V2-Lite AWQ W2 TPOT 3.46 -> 2.92 ms): raising it
+# to 256 (the most timed) read W1 +2.2 % in one A/B, and no clear change at 8 and 16 concurrent requests on dummy
+# weights, whose router sends a step's tokens to few experts (the tiles' best case; the ratio assumes uniform draws).
+# Under expert parallelism every assignment counts against the cap (a skipped one's programs return at once; counting
+# only the local ones would need the ids on the host, which a CUDA graph cannot wait for) and the ratio is not applied
+# (mma_moe_pays).
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
 MMA_HITS_RATIO = 3.0
 NUM_WARPS = 1  # one warp a program, as int4_mma_gemv's tiled config (the row layout's own: 2)
