@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -36,13 +37,18 @@ def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch
     inner = x.shape[-1] // 2
     out = torch.empty(rows.shape[0], inner, dtype=out_dtype or x.dtype, device=x.device)
     if rows.shape[0]:
+        on = pdl.wanted(x, rows.shape[0])
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, SILU_BLOCK))](
-            rows, out, inner, rows.stride(0), out.stride(0), BLOCK=SILU_BLOCK, INTERPRET=INTERPRET, num_warps=4)
+            rows, out, inner, rows.stride(0), out.stride(0), BLOCK=SILU_BLOCK, INTERPRET=INTERPRET, PDL=on,
+            num_warps=4, **pdl.launch_options(on))
     return out.view(*x.shape[:-1], inner)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inner
@@ -75,22 +81,27 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     summed = torch.empty_like(rows, memory_format=torch.contiguous_format) if res is not None else None
     block = triton.next_power_of_2(hidden)
     if rows.shape[0]:
+        on = pdl.wanted(x, rows.shape[0])
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, summed, hidden, rows.stride(0), res.stride(0) if res is not None else 0,
-            out.stride(0), eps, BLOCK=block, INTERPRET=INTERPRET, num_warps=min(16, max(4, block // 512)))
+            out.stride(0), eps, BLOCK=block, INTERPRET=INTERPRET, PDL=on, num_warps=min(16, max(4, block // 512)),
+            **pdl.launch_options(on))
     shape = x.shape
     return out.view(shape), summed.view(shape) if summed is not None else None
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, hidden, stride_x, stride_r, stride_o, eps,
-                     BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     # The weight is loaded first, with x: written after the reduction, its load waited for it (a decode step's
-    # norm is one row, so that load's latency was on the kernel's critical path).
+    # norm is one row, so that load's latency was on the kernel's critical path). A constant: it may be asked
+    # for before the previous kernel has finished.
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    pdl.wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if res_ptr is not None:  # the pre-norm block's residual add, kept (and returned) in x's dtype
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))

@@ -57,11 +57,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 from deepserve.kernels.mma_gemv_common import (
+    LAUNCH_DEPENDENTS,
     ONE_SPLIT,
     TILE_ROWS,
+    WAIT,
     activations_fit,
     finish_splits,
+    grid_dependency,
     is_hopper,
     launch_shape,
     split4,
@@ -149,7 +153,8 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
                          stride_xm, stride_wn, stride_sn, stride_sk, GROUP_N: gl.constexpr, GROUP_K: gl.constexpr,
                          PER_CHANNEL: gl.constexpr, F16: gl.constexpr, HAS_BIAS: gl.constexpr,
                          FUSED_SUM: gl.constexpr, NUM_WARPS: gl.constexpr, MAX_SPLITS: gl.constexpr,
-                         PREFETCH: gl.constexpr, WORDS: gl.constexpr, EVICT: gl.constexpr, DIRECT: gl.constexpr):
+                         PREFETCH: gl.constexpr, WORDS: gl.constexpr, EVICT: gl.constexpr, DIRECT: gl.constexpr,
+                         PDL: gl.constexpr = False):
     # w_ptr / x_ptr read as int32: the weight's words [N, K / 4] (stride_wn in words), x's pairs.
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]: one each
     LW: gl.constexpr = gl.BlockedLayout([1, 1, WORDS], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
@@ -182,8 +187,16 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
     first = split * rounds_per_split
     last = gl.minimum(first + rounds_per_split, rounds)
     if PREFETCH:  # the next round's loads issued before this round's mmas
-        wa, wb, xv, s = _load_round(first, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words,
-                                    x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL, EVICT)
+        # PDL (launched with programmatic dependence, kernels/pdl.py): the first round's weights and scale are
+        # asked for before waiting on the previous kernel; x, the workspace and out only after
+        if PDL:
+            wa, wb = _load_words(first, last, warpw, w_words, words_a, words_b, RI, EVICT)
+            s = _load_scale(first, last, warp, lane0, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL)
+            grid_dependency(tile, WAIT)
+            xv = _load_x(first, last, warpx, x_words, x_off, tokx, M, RI)
+        else:
+            wa, wb, xv, s = _load_round(first, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words,
+                                        x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL, EVICT)
         for r in range(first, last, NUM_WARPS):
             nwa, nwb, nxv, ns = _load_round(r + NUM_WARPS, last, warp, lane0, warpw, warpx, w_words, words_a,
                                             words_b, x_words, x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K,
@@ -191,10 +204,14 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, bias_ptr, lock_pt
             y0, y1, y2, y3 = _mma_round(y0, y1, y2, y3, wa, wb, xv, s, L, F16, PER_CHANNEL, WORDS)
             wa, wb, xv, s = nwa, nwb, nxv, ns
     else:
+        if PDL:
+            grid_dependency(tile, WAIT)
         for r in range(first, last, NUM_WARPS):
             wa, wb, xv, s = _load_round(r, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x_words,
                                         x_off, tokx, M, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL, EVICT)
             y0, y1, y2, y3 = _mma_round(y0, y1, y2, y3, wa, wb, xv, s, L, F16, PER_CHANNEL, WORDS)
+    if PDL:  # after the loop: the next launch's programs take no slot from a program with rounds left
+        grid_dependency(tile, LAUNCH_DEPENDENTS)
     y0, y1, y2, y3 = gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0)
     if PER_CHANNEL:  # y0, y1: row g (tokens 2t, 2t + 1); y2, y3: row g + 8
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
@@ -211,16 +228,34 @@ def _load_round(r, last, warp, lane0, warpw, warpx, w_words, words_a, words_b, x
     """Round r's loads for every warp (round r + warp; a warp past the split's last round reloads that round's
     weights with its activations read as zeros, so it adds nothing): the two rows' words [W, 32, WORDS], the
     activation pairs [W, 32, 2 WORDS] and the round's block scale [W, 32] (per channel: zeros, unused)."""
+    wa, wb = _load_words(r, last, warpw, w_words, words_a, words_b, RI, EVICT)
+    xv = _load_x(r, last, warpx, x_words, x_off, tokx, M, RI)
+    return wa, wb, xv, _load_scale(r, last, warp, lane0, scale_row, stride_sk, RI, GROUP_K, PER_CHANNEL)
+
+
+@gluon.jit
+def _load_words(r, last, warpw, w_words, words_a, words_b, RI: gl.constexpr, EVICT: gl.constexpr):
+    """_load_round's weight words of the two rows (constants: loadable before a programmatic wait)."""
     rw = gl.minimum(r + warpw, last - 1)
     wa = gl.load(w_words + words_a + rw * (RI // 4), eviction_policy=EVICT)
     wb = gl.load(w_words + words_b + rw * (RI // 4), eviction_policy=EVICT)
-    rx = r + warpx
-    xv = gl.load(x_words + x_off + rx * (RI // 2), mask=(tokx < M) & (rx < last), other=0)
+    return wa, wb
+
+
+@gluon.jit
+def _load_scale(r, last, warp, lane0, scale_row, stride_sk, RI: gl.constexpr, GROUP_K: gl.constexpr,
+                PER_CHANNEL: gl.constexpr):
+    """_load_round's block scale (a constant; per channel: zeros, unused)."""
     if PER_CHANNEL:
-        s = (warp + lane0).to(gl.float32) * 0.0
-    else:
-        s = gl.load(scale_row + ((gl.minimum(r + warp, last - 1) * RI) // GROUP_K) * stride_sk + lane0)
-    return wa, wb, xv, s
+        return (warp + lane0).to(gl.float32) * 0.0
+    return gl.load(scale_row + ((gl.minimum(r + warp, last - 1) * RI) // GROUP_K) * stride_sk + lane0)
+
+
+@gluon.jit
+def _load_x(r, last, warpx, x_words, x_off, tokx, M, RI: gl.constexpr):
+    """_load_round's activation pairs (zeros for a warp past the split's last round)."""
+    rx = r + warpx
+    return gl.load(x_words + x_off + rx * (RI // 2), mask=(tokx < M) & (rx < last), other=0)
 
 
 @gluon.jit
@@ -289,11 +324,13 @@ def fp8_mma_gemv(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, block:
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
     group_n, group_k = block if block is not None else (TILE_ROWS, BLOCK_K)  # unread per channel
+    chained = pdl.wanted(x, m)  # the small kernels around it take programmatic dependence (kernels/pdl.py)
     _fp8_mma_gemv_kernel[(tiles, splits)](
         x, w_q, scale, ws, out, out if bias is None else bias, locks, m, n, k, rounds_per_split,
         x.stride(0), w_q.stride(0) // 4, scale.stride(0), scale.stride(-1), GROUP_N=group_n, GROUP_K=group_k,
         PER_CHANNEL=block is None, F16=x.dtype == torch.float16, HAS_BIAS=bias is not None,
         NUM_WARPS=warps, PREFETCH=cfg.prefetch, WORDS=cfg.words,
-        EVICT="evict_first" if cfg.evict_first else "", num_warps=warps, **consts)
+        EVICT="evict_first" if cfg.evict_first else "", PDL=chained, num_warps=warps, **consts,
+        **pdl.launch_options(chained))
     finish_splits(ws, out, bias, consts)
     return out

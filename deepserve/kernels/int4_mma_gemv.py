@@ -61,6 +61,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 from deepserve.kernels.int4_mma_asm import BLOCK_INPUTS, _block  # a program's output rows: one mma tile (TILE_ROWS)
 from deepserve.kernels.int4_tma_gemv import tma_launch, tma_supported
 from deepserve.kernels.mma_gemv_common import (
@@ -240,7 +241,7 @@ class Int4MmaGemvConfig:
     one_split: bool = ONE_SPLIT  # with split_k 0: one split of one_split_warps' programs where it applies
     tma_stages: int = TMA_STAGES  # tiled, groups of 128: rounds the copy engine stages ahead (int4_tma_gemv); 0 off
     tma_pdl: int = TMA_PDL  # with tma_stages: 1 launch early (programmatic dependence: weights asked for before
-    # waiting on the previous kernel), 2 also let the next launch start early, 0 plain launches
+    # waiting on the previous kernel), 2 also let the next launch start early, 3 after its loop, 0 plain launches
 
 
 TILED_CONFIG = Int4MmaGemvConfig(num_warps=1, programs_per_sm=16)
@@ -266,8 +267,10 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
-    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m):  # the same launch, weights by the copy engine
-        tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts, cfg.tma_pdl)
+    chained = pdl.wanted(x, m)  # the small kernels around it take programmatic dependence (kernels/pdl.py)
+    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m, chained):  # weights by the copy engine
+        tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts,
+                   3 if chained else cfg.tma_pdl)
     else:
         _int4_mma_gemv_kernel[(tiles, splits)](
             x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,

@@ -11,7 +11,9 @@ weights gain a few % at one token (LLM-7B's gate_up 18.6 against 19.9 µs a call
 tokens lose (tma_supported keeps them on the register kernel); LLM-7B AWQ W2 TPOT 2.34 -> 2.29 ms (same-machine
 A/B). Launched with programmatic dependence (PDL: the prologue's copies before griddepcontrol.wait) it was
 faster in the probe's chains of GEMVs but not in the engine's decode graph (replay 2.148 ms against 2.121
-without), so it is off by default (DEEPSERVE_INT4_TMA_GEMV_PDL).
+without), so it is off by default (DEEPSERVE_INT4_TMA_GEMV_PDL). What that graph lacked: kernels around the
+GEMVs that take part. With DEEPSERVE_PDL (kernels/pdl.py) the small kernels do, and every one-token GEMV of
+groups of 128 comes here, launched early and letting the next launch start after its loop (PDL 3).
 
 Same work split, mma and numerics as int4_mma_gemv's tiled layout (its _block asm, store_tile_split), only
 where the words and scales come from differs: round i of a program is its warps' blocks first + i * NUM_WARPS
@@ -33,7 +35,16 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from deepserve.kernels.int4_mma_asm import BLOCK_INPUTS, _block
-from deepserve.kernels.mma_gemv_common import TILE_ROWS, _cta_barrier, split4, split16, store_tile_split
+from deepserve.kernels.mma_gemv_common import (
+    LAUNCH_DEPENDENTS,
+    TILE_ROWS,
+    WAIT,
+    _cta_barrier,
+    grid_dependency,
+    split4,
+    split16,
+    store_tile_split,
+)
 
 KB = gl.constexpr(BLOCK_INPUTS)
 WORDS = 16 * TILE_ROWS  # int32 words of a tile's 128-input block (tile_words)
@@ -74,7 +85,7 @@ def _int4_tma_gemv_kernel(x_ptr, w_desc, s_desc, ws_ptr, out_ptr, bias_ptr, lock
                           DIRECT: gl.constexpr, PDL: gl.constexpr = 0):
     tile, split, split_k = gl.program_id(0), gl.program_id(1), gl.num_programs(1)
     if PDL == 2:  # the next launch (if it asked for programmatic dependence) may start its own prologue now
-        _grid_dependency(tile, "griddepcontrol.launch_dependents;")
+        grid_dependency(tile, LAUNCH_DEPENDENTS)
     L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])  # [warp, lane]
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0])  # words 4l.. and 128 + 4l..
     L4: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
@@ -106,7 +117,7 @@ def _int4_tma_gemv_kernel(x_ptr, w_desc, s_desc, ws_ptr, out_ptr, bias_ptr, lock
         _issue(w_desc, s_desc, wbuf, sbuf, bars, s, row0 + s * NUM_WARPS, s < rounds)
     if PDL:  # launched early (programmatic dependence): the weights are on their way; x and out wait here for
         # the previous kernel to finish (its memory visible), so nothing it reads or writes is touched before
-        _grid_dependency(tile, "griddepcontrol.wait;")
+        grid_dependency(tile, WAIT)
 
     y0 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
     y1 = gl.zeros([NUM_WARPS, 32], gl.float32, L)
@@ -143,14 +154,11 @@ def _int4_tma_gemv_kernel(x_ptr, w_desc, s_desc, ws_ptr, out_ptr, bias_ptr, lock
         y3 += gl.where(live, sb * acc[3], 0.0)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
+    if PDL == 3:  # after the loop: the next launch's programs take no slot from a program with rounds left
+        grid_dependency(tile, LAUNCH_DEPENDENTS)
     store_tile_split(gl.sum(y0, axis=0), gl.sum(y1, axis=0), gl.sum(y2, axis=0), gl.sum(y3, axis=0), ws_ptr,
                      out_ptr, bias_ptr, lock_ptr, tile, split, split_k, M, N, HAS_BIAS, FUSED_SUM, MAX_SPLITS, L,
                      DIRECT)
-
-
-@gluon.jit
-def _grid_dependency(anchor, op: gl.constexpr):
-    gl.inline_asm_elementwise(op + "\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # Where the register-loaded kernel stays: on one H200 (bench/gemv_tma_probe.py; bench/RESULTS.md, third session
@@ -163,10 +171,13 @@ TMA_MIN_BYTES = 16 << 20
 TMA_MAX_TOKENS = 1
 
 
-def tma_supported(group: int, n: int, k: int, m: int) -> bool:
+def tma_supported(group: int, n: int, k: int, m: int, chained: bool = False) -> bool:
     """Whether x [M, K] @ a tiled [N, K] weight takes this kernel: one scale row a block (groups of 128), at
-    least TMA_MIN_BYTES of codes and at most TMA_MAX_TOKENS tokens."""
-    return group == BLOCK_INPUTS and n * k // 2 >= TMA_MIN_BYTES and m <= TMA_MAX_TOKENS
+    most TMA_MAX_TOKENS tokens and at least TMA_MIN_BYTES of codes, or any size when `chained` (launched with
+    programmatic dependence among small kernels that take part too, kernels/pdl.py: on one H200 a
+    DeepSeek-LLM-7B-like int4 step with every GEMV on this kernel so launched was the fastest variant,
+    bench/pdl_chain_probe.py, bench/RESULTS.md)."""
+    return group == BLOCK_INPUTS and m <= TMA_MAX_TOKENS and (chained or n * k // 2 >= TMA_MIN_BYTES)
 
 
 def scale_rows(warps: int) -> int:

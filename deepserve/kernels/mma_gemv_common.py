@@ -21,6 +21,14 @@ TILE_ROWS = 16  # output rows of one mma tile
 MAX_TOKENS = 8  # mma.m16n8k16's N: token columns a launch
 ROWS = gl.constexpr(TILE_ROWS)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 renamed thread_barrier
+WAIT = gl.constexpr("griddepcontrol.wait;")  # for grid_dependency (programmatic dependence, kernels/pdl.py)
+LAUNCH_DEPENDENTS = gl.constexpr("griddepcontrol.launch_dependents;")
+
+
+@gluon.jit
+def grid_dependency(anchor, op: gl.constexpr):
+    """One grid dependency instruction (WAIT or LAUNCH_DEPENDENTS; an asm with side effects: kept in place)."""
+    gl.inline_asm_elementwise(op + "\n\tmov.b32 $0, $1;", "=r,r", [anchor], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 from deepserve.kernels.elementwise import rotate_head
 from deepserve.kernels.fp8_ref import FP8
 from deepserve.kernels.triton_paged_attention import store_cache_values
@@ -50,6 +51,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if tokens == 0:
         return q_out, k_out
     half, rest = rotary_dim // 2, dim - rotary_dim
+    on = pdl.wanted(q, tokens)
     _rope_kv_store_kernel[(tokens, heads + 2 * kv_heads)](
         positions, q, k, v, cos_sin, q_out, k_out, kv_cache, slot_mapping,
         k_scale if quantize else None, v_scale if quantize else None,
@@ -57,7 +59,8 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK_DIM=triton.next_power_of_2(dim), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), REST=rest, BLOCK_REST=triton.next_power_of_2(rest) if rest else 1,
-        INTERLEAVED=interleaved, PAGE_SIZE=kv_cache.shape[2], QUANTIZE=quantize, INTERPRET=INTERPRET, num_warps=1)
+        INTERLEAVED=interleaved, PAGE_SIZE=kv_cache.shape[2], QUANTIZE=quantize, INTERPRET=INTERPRET, PDL=on,
+        num_warps=1, **pdl.launch_options(on))
     return q_out, k_out
 
 
@@ -80,9 +83,11 @@ def _rope_kv_store_kernel(
     stride_plane, stride_blk, stride_tok, stride_head,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr, INTERLEAVED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Program (token t, head h): h < HEADS a q head, then KV_HEADS k heads, then KV_HEADS v heads.
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -148,12 +153,13 @@ def mla_rope_and_store(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.
     k_out = torch.empty(tokens, rope, dtype=k_pe.dtype, device=k_pe.device)
     if tokens == 0:
         return q_out, k_out
+    on = pdl.wanted(q_pe, tokens)
     _mla_rope_store_kernel[(tokens, heads + 2)](
         positions, q_pe, k_pe, kv_c, cos_sin, q_out, k_out, latent_cache, slot_mapping, kv_scale if quantize else None,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), cos_sin.stride(0), latent_cache.stride(0),
         latent_cache.stride(1), HEADS=heads, RANK=rank, BLOCK_RANK=triton.next_power_of_2(rank), HALF=rope // 2,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVED=interleaved, PAGE_SIZE=latent_cache.shape[1],
-        QUANTIZE=quantize, INTERPRET=INTERPRET, num_warps=1)
+        QUANTIZE=quantize, INTERPRET=INTERPRET, PDL=on, num_warps=1, **pdl.launch_options(on))
     return q_out, k_out
 
 
@@ -177,9 +183,12 @@ def _mla_rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_ct, stride_cs, stride_blk, stride_tok,
     HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, PAGE_SIZE: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Program (token t, h): h < HEADS a q_pe head rotated; HEADS: k_pe rotated, into k_out and the entry's last
     # P values; HEADS + 1: the latent kv_c into the entry's first R values. Negative slots (padding) store nothing.
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)

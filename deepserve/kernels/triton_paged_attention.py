@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 from deepserve.kernels.fp8 import _round_to_e4m3  # the interpreter's fp32 -> e4m3 rounding, corrected
 from deepserve.kernels.fp8_ref import FP8
 from deepserve.kernels.paged_attention import KVScale, dequantize_kv, quantize_kv
@@ -166,11 +167,12 @@ def _gqa_decode_kernel(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
     # tl.dot with the group padded to BLOCK_G >= 16 rows (the tensor-core minimum; pad rows are never stored).
+    pdl.wait(PDL)  # everything read here is written by earlier kernels (kernels/pdl.py)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -221,6 +223,7 @@ def _gqa_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    pdl.trigger(PDL)  # after the loop: the merge's programs take no slot from a program with keys left
     if KV_FP8:  # v = fp8 * v_scale: the output (and each split's partial) is linear in v
         acc = acc * tl.load(v_scale_ptr)
     _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
@@ -265,12 +268,14 @@ def _store_result(acc, m_i, l_i, out_ptrs, part_out_ptrs, part_lse_ptrs, mask, r
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_heads, stride_ob, stride_oh,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program = (sequence, head, BLOCK_D features): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M).
     # part_out [B, H, S, DIM] fp32 contiguous, part_lse [B, H, S] fp32 contiguous. The partials are summed
     # as [CHUNK_S, BLOCK_D] tiles (CHUNK_S independent loads per feature in flight), reduced over the split
     # axis once at the end.
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     lse_row = part_lse_ptr + (b * num_heads + h) * num_splits
@@ -497,6 +502,7 @@ def _partials(batch: int, heads: int, splits: int, dim: int, out: torch.Tensor) 
 
 def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
     batch, heads, splits, dim = part_out.shape
+    on = pdl.wanted(out, batch)
     block_d = triton.next_power_of_2(dim)
     while block_d > MERGE_MIN_BLOCK_D and batch * heads * triton.cdiv(dim, block_d // 2) <= MERGE_TARGET_PROGRAMS:
         block_d //= 2
@@ -509,7 +515,7 @@ def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) ->
     _merge_splits_kernel[(batch, heads, triton.cdiv(dim, block_d))](
         part_out, part_lse, out, splits, heads, out.stride(0), out.stride(1),
         DIM=dim, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, MERGE_TILE // block_d)),
-        num_warps=4,
+        PDL=on, num_warps=4, **pdl.launch_options(on),
     )
 
 
@@ -544,6 +550,7 @@ def paged_decode_attention(
     splits = _num_splits(batch * kv_heads, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
                          GQA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, dim, out)
+    on = pdl.wanted(query, batch)
     _gqa_decode_kernel[(batch, kv_heads, splits)](
         query, kv_cache, block_tables, seq_lens, out, part_out, part_lse, k_scale, v_scale,
         scale * LOG2E, heads,
@@ -552,8 +559,8 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
-        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), PDL=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(on),
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

@@ -94,8 +94,11 @@ def _job(rec: _Recorder, args: tuple, kwargs: dict) -> dict:
             signature[param.name], constexprs[param.name] = "constexpr", value
         else:
             signature[param.name] = _arg_type(value)
-    return {"module": rec.module, "kernel": rec.name, "signature": signature, "constexprs": constexprs,
-            "options": options}
+    job = {"module": rec.module, "kernel": rec.name, "signature": signature, "constexprs": constexprs,
+           "options": options}
+    if "launch_pdl" in kwargs:  # a launch option, not an argument: recorded for the tests to check
+        job["launch_pdl"] = kwargs["launch_pdl"]
+    return job
 
 
 # Runs in a fresh interpreter without TRITON_INTERPRET: the interpreter patches triton.language in the
@@ -110,6 +113,8 @@ for job in json.load(sys.stdin):
     source = triton.compiler.ASTSource(fn=kernel, signature=job["signature"], constexprs=job["constexprs"])
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=job["options"])
     assert "ptx" in compiled.asm
+    for needle in job.get("expect_ptx", ()):  # what a test asks the code to contain
+        assert needle in compiled.asm["ptx"], (job["kernel"], needle)
     print("compiled", job["kernel"], job["constexprs"])
     if fingerprints:  # the code without its source positions (.loc / .file) and debug sections
         code = compiled.asm["ptx"].split(".section\\t.debug")[0]
@@ -522,6 +527,49 @@ def test_elementwise_kernels_compile(monkeypatch):
             ew.apply_rope(torch.tensor([1, 2, 3]), q[..., :64], k[..., :64], cos_sin, 64, True)  # no rest
 
     _compile_all(_record(monkeypatch, ew, run))
+
+
+def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch):
+    # DEEPSERVE_PDL (kernels/pdl.py): every kernel that takes part, launched as the switch launches it, compiles
+    # for sm_90 with both griddepcontrol instructions in its code; the launches ask for programmatic dependence.
+    ew = import_kernels("deepserve.kernels.elementwise")
+    pa = import_kernels("deepserve.kernels.triton_paged_attention")
+    fused = import_kernels("deepserve.kernels.rope_kv_store")
+    from deepserve.kernels import pdl
+
+    monkeypatch.setattr(pdl, "wanted", lambda t, rows: True)
+    for module in (ew, fused):
+        monkeypatch.setattr(module, "INTERPRET", False)
+
+    def run():
+        x = torch.randn(2, 2 * 1030, dtype=torch.bfloat16)
+        ew.silu_and_mul(x)
+        w = torch.ones(1000, dtype=torch.bfloat16)
+        ew.rms_norm(x[:, :1000], w, 1e-6)
+        ew.add_rms_norm(torch.randn(2, 1000, dtype=torch.bfloat16), torch.randn(2, 1000, dtype=torch.bfloat16), w,
+                        1e-6)
+        qkv = torch.randn(1, 8 * 128, dtype=torch.bfloat16)
+        q, k, v = qkv.split([4 * 128, 2 * 128, 2 * 128], dim=-1)
+        kv = torch.zeros(2, 4, 16, 2, 128, dtype=torch.bfloat16)
+        fused.rope_and_store_kv(torch.tensor([3]), q.view(1, 4, 128), k.view(1, 2, 128), v.view(1, 2, 128),
+                                torch.randn(16, 128), 128, False, kv, torch.tensor([3]))
+        fused.mla_rope_and_store(torch.tensor([3]), torch.randn(1, 16, 64, dtype=torch.bfloat16),
+                                 torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 512, dtype=torch.bfloat16),
+                                 torch.randn(16, 64), True, torch.zeros(2, 16, 576, dtype=torch.bfloat16),
+                                 torch.tensor([3]))
+        cache = torch.zeros(2, 8, 16, 2, 128, dtype=torch.bfloat16)  # 128 keys: room for 2 splits
+        tables, lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
+        pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
+                                  num_splits=2)
+
+    launches = _record(monkeypatch, (ew, pa, fused), run, execute=False)
+    assert {j["kernel"] for j in launches} == {"_silu_and_mul_kernel", "_rms_norm_kernel", "_rope_kv_store_kernel",
+                                              "_mla_rope_store_kernel", "_gqa_decode_kernel", "_merge_splits_kernel"}
+    for job in launches:
+        assert job["constexprs"]["PDL"] is True and job["launch_pdl"] is True, job["kernel"]
+        job["expect_ptx"] = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+        del job["launch_pdl"]
+    _compile_all(launches)
 
 
 _PTX_COUNT = """

@@ -208,20 +208,24 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32
        "bias_ptr": "*bf16", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "rounds_per_split": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sk": "i32"}
 aligned = ["x_ptr", "w_ptr", "s_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn"]
-for f16, per_channel, fused, prefetch, words, evict, direct in ((False, True, True, True, 8, "evict_first", False),
-                                                                (True, False, False, False, 4, "", False),
-                                                                (False, False, True, True, 4, "", False),
-                                                                (True, True, True, True, 8, "evict_first", False),
-                                                                (False, False, False, True, 8, "evict_first", True)):
+for f16, per_channel, fused, prefetch, words, evict, direct, pdl in (
+        (False, True, True, True, 8, "evict_first", False, False),
+        (True, False, False, False, 4, "", False, True),
+        (False, False, True, True, 4, "", False, False),
+        (True, True, True, True, 8, "evict_first", False, False),
+        (False, False, False, True, 8, "evict_first", True, False),
+        (False, True, False, True, 8, "evict_first", True, True)):
     ce = dict(GROUP_N=16 if per_channel else 128, GROUP_K=128, PER_CHANNEL=per_channel, F16=f16, HAS_BIAS=True,
               FUSED_SUM=fused, NUM_WARPS=2, MAX_SPLITS=1 if direct else 8, PREFETCH=prefetch, WORDS=words,
-              EVICT=evict, DIRECT=direct)
+              EVICT=evict, DIRECT=direct, PDL=pdl)
     s = dict(sig, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16") if f16 else sig
     src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                          attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=2)).asm["ptx"]
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     print(f16, words, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"),
-          ptx.count("cvt.rn.f16x2.e4m3x2"), fused, direct, ptx.count("atom.") + ptx.count("fence."))
+          ptx.count("cvt.rn.f16x2.e4m3x2"), fused, direct, ptx.count("atom.") + ptx.count("fence."), pdl, prefetch,
+          int(wait >= 0), int(trigger > wait >= 0), int(0 <= ptx.find("ld.global") < wait))
 """
 
 
@@ -231,8 +235,13 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 5
-    for f16, words, mmas, vector_loads, widens, fused, direct, syncs in lines:
+    assert len(lines) == 6
+    for f16, words, mmas, vector_loads, widens, fused, direct, syncs, pdl, prefetch, wait, trigger_after, load_first \
+            in lines:
+        # programmatic dependence (kernels/pdl.py): a wait, the trigger after it; with prefetch the first round's
+        # weights are asked for before the wait
+        assert wait == trigger_after == str(int(pdl == "True")), (pdl, wait, trigger_after)
+        assert load_first == str(int(pdl == prefetch == "True")), (pdl, prefetch, load_first)
         # a round: `words` mmas, each widening 2 words of 4 bytes (2 cvt each); 16-byte loads of weights and x
         assert int(mmas) >= int(words) and int(widens) >= 4 * int(words), (f16, words, mmas, widens)
         assert int(vector_loads) >= 2, (f16, words, vector_loads)

@@ -26,6 +26,9 @@ def test_only_large_weights_at_one_token_take_it():
     assert not supported(128, 4096, 4096, 1)  # LLM-7B's o: the register kernel was faster
     assert not supported(128, 4096, 11008, 4)  # 4 tokens: the register kernel was faster
     assert not supported(256, 22016, 4096, 1)
+    # chained (DEEPSERVE_PDL: the kernels around it take programmatic dependence): any size at one token
+    assert supported(128, 4096, 4096, 1, chained=True) and supported(128, 16, 128, 1, chained=True)
+    assert not supported(128, 4096, 4096, 4, chained=True) and not supported(64, 4096, 4096, 1, chained=True)
 
 
 def test_the_descriptors_are_built_once_and_do_not_hold_the_weight():
@@ -96,6 +99,27 @@ def test_it_is_launched_for_tiled_weights_with_groups_of_128(monkeypatch, m, n, 
         assert [c[0] for c in launches.calls] == ["registers"]
 
 
+@pytest.mark.parametrize("m, n, k, group, taken", [
+    (1, 4096, 4096, 128, True),  # LLM-7B's o (8 MB): without PDL the register kernel
+    (1, 32, 256, 128, True),  # any size
+    (2, 4096, 4096, 128, False),  # 2 tokens: the register kernel
+    (1, 4096, 4096, 256, False),  # a scale row serves two blocks: the register kernel
+])
+def test_with_pdl_every_one_token_gemv_of_groups_of_128_takes_it_in_mode_3(monkeypatch, m, n, k, group, taken):
+    # DEEPSERVE_PDL (kernels/pdl.py): weights asked for before the wait, the next launch allowed after the loop
+    launches = _Launches()
+    monkeypatch.setattr(int4_mma_gemv, "tma_launch", launches)
+    monkeypatch.setattr(int4_mma_gemv, "_int4_mma_gemv_kernel", launches)
+    monkeypatch.setattr(int4_mma_gemv, "sm_count", lambda device: 132)
+    monkeypatch.setattr(int4_mma_gemv.pdl, "wanted", lambda t, rows: True)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    qweight, scales = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n // 16, k // group, 8, 4).half()
+    int4_mma_gemv.w4a16_mma_gemv(x, qweight, scales, None, group, None, int4_mma_gemv.TILED_CONFIG, tiled=True)
+    assert [c[0] for c in launches.calls] == ["tma" if taken else "registers"]
+    if taken:
+        assert launches.calls[0][4] == 3
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -104,7 +128,8 @@ from deepserve.kernels.int4_tma_gemv import _int4_tma_gemv_kernel as K, scale_ro
 layout = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth={}, rank=2, transposed=False, fp4_padded=False, " \\
          "cga_layout=[])"
 aligned = ["x_ptr", "ws_ptr", "out_ptr", "bias_ptr", "lock_ptr", "N", "K", "stride_xm"]
-for warps, stages, pdl, direct, f16 in ((1, 2, 0, False, False), (4, 2, 1, True, False), (8, 3, 2, True, True)):
+for warps, stages, pdl, direct, f16 in ((1, 2, 0, False, False), (4, 2, 1, True, False), (8, 3, 2, True, True),
+                                        (1, 2, 3, False, False)):
     dt = "fp16" if f16 else "bf16"
     sig = {"x_ptr": "*" + dt, "w_desc": f"tensordesc<i32[{warps}, 256],{layout.format(32)}>",
            "s_desc": f"tensordesc<fp16[{scale_rows(warps)}, 32],{layout.format(16)}>", "ws_ptr": "*fp32",
@@ -128,13 +153,13 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [[int(v) for v in line.split()] for line in done.stdout.splitlines()]
-    assert len(lines) == 3
+    assert len(lines) == 4
     for _warps, stages, pdl, copies, waits, mmas, gdc_wait, copy_first, trigger, local in lines:
         # words and scales: two copies a stage before the loop and two in it; 8 mmas a round
         assert copies >= 2 * stages + 2 and waits >= 1 and mmas >= 8, lines
         # programmatic dependence: the weights are asked for before waiting on the previous kernel
         assert gdc_wait == (pdl > 0) and (copy_first == 1 or pdl == 0), lines
-        assert (trigger > 0) == (pdl == 2) and local == 0, lines
+        assert (trigger > 0) == (pdl in (2, 3)) and local == 0, lines
 
 
 @pytest.mark.skipif(not _ON_HOPPER, reason="Gluon's TMA kernel runs on a Hopper GPU only")
@@ -161,4 +186,5 @@ def test_on_the_gpu_it_equals_the_register_kernel(monkeypatch, m, n, k, dtype, b
     registers = int4_mma_gemv.w4a16_mma_gemv(dev[0], *tiled, None, 128, dev[1], replace(cfg, tma_stages=0), tiled=True)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert torch.equal(got, registers)  # the same blocks summed in the same order
+
 

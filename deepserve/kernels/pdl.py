@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the decode step's chain of small kernels.
+
+Why: at one token a decode step is a chain of a few hundred kernels, most of them tiny (RMSNorm of one row,
+SiLU-and-mul, the split merge), each of which costs about 1-2 µs on the H200 even inside a CUDA graph
+(bench/RESULTS.md: LLM-7B's 61 RMSNorms take 117-131 µs a step). A kernel launched with the programmatic
+stream-serialization attribute may start once every program of the kernel before it has executed
+`griddepcontrol.launch_dependents` (or exited); it then waits in `griddepcontrol.wait` for that kernel to
+finish with its memory visible. So its launch, and any work on data no earlier kernel writes (weights), overlap
+the kernel before.
+
+The rule every participating kernel keeps (what makes an early start safe): before `wait` it reads only
+constant memory (weights, norm weights) and writes nothing; every read of an activation, cache or block table
+and every store comes after it. Dependence is then transitive: a kernel's wait returns only once the kernel
+before it has finished, and that one finished only after its own wait. A kernel launched without the attribute
+(cuBLAS, a torch op, a kernel that does not take part) is serialized as always; after it the attribute is
+harmless, and before it a trigger has no effect.
+
+Where the trigger goes: the tiny kernels trigger first thing (their dependents, e.g. the next GEMV, then start
+and ask for their weights while the tiny kernel runs); kernels with many programs trigger after their main loop,
+so a dependent's programs never take SM slots from programs that still have work.
+
+Who takes part: the small kernels (elementwise.py's RMSNorm and SiLU-and-mul, rope_kv_store.py), the MHA/GQA decode
+attention and the split merge (triton_paged_attention.py), the int4 TMA GEMV (int4_tma_gemv.py, mode 3: with this
+switch every one-token GEMV of groups of 128 takes it) and the FP8 tensor-core GEMV (fp8_mma_gemv.py). Measured on
+one H200 (bench/pdl_chain_probe.py and same-machine A/Bs, bench/RESULTS.md): an LLM-7B-like int4 step 1.984 ->
+1.793 ms; W2 TPOT LLM-7B AWQ 2.24 -> 2.05 ms, `-q fp8` 2.78 -> 2.56, V2-Lite AWQ 2.32 -> 2.25, V3 slice FP8 2.47
+-> 2.42, bf16 LLM-7B 4.37 -> 4.34. The small kernels alone, beside GEMVs that do not take part, were 2 % slower:
+hence MAX_ROWS.
+
+Switch: DEEPSERVE_PDL (read at import; on by default). Triton's interpreter runs no inline PTX, so on CPU the
+kernels always compile the plain path (PDL is a constexpr, False there).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from deepserve import envs
+
+# Read once, when the module is imported (a launch must not reread the environment); bench/pdl_chain_probe.py
+# flips it between variants in one process.
+ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
+
+
+# Launches of at most this many rows (tokens, or sequences for decode attention) take part: one-token decode steps,
+# where the GEMVs take part too (int4_tma_gemv.TMA_MAX_TOKENS, fp8_mma_gemv). Larger steps run GEMMs that do not,
+# and around them the small kernels' early launches only cost (bench/pdl_chain_probe.py: +2 % a step).
+MAX_ROWS = 1
+
+
+def wanted(t: torch.Tensor, rows: int) -> bool:
+    """Whether a launch of `rows` rows over t's device takes programmatic dependence: the switch is on, rows <=
+    MAX_ROWS and the GPU is sm_90+."""
+    return ON and rows <= MAX_ROWS and t.is_cuda and _capability(t.device.index) >= (9, 0)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keyword that asks for programmatic dependence (empty when off: the launch is as before)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def trigger(PDL: tl.constexpr):
+    """Let the next kernel (if it was launched with programmatic dependence) start now."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait for the kernel before to finish, its memory visible. Nothing but constants is read before this."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+

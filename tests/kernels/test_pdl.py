@@ -1,0 +1,87 @@
+"""kernels/pdl.py: programmatic dependent launch for the decode step's small kernels (DEEPSERVE_PDL).
+
+On CPU: when a launch asks for it. On a Hopper GPU: a decode-like chain of the kernels that take part (each
+layer's norm, rope + KV store, split decode attention and its merge, the FP8 tensor-core GEMV, SiLU-and-mul, with a
+cuBLAS product, which does not take part, between two of them), captured in a CUDA graph with and without it,
+gives the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_setup import DEVICE, ON_GPU, import_kernels
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monkeypatch):
+    pdl = import_kernels("deepserve.kernels.pdl")
+    monkeypatch.setattr(pdl, "ON", False)
+    assert not pdl.wanted(torch.zeros(1, device=DEVICE), 1)
+    monkeypatch.setattr(pdl, "ON", True)
+    assert not pdl.wanted(torch.zeros(1), 1)  # a CPU tensor: never
+    assert pdl.wanted(torch.zeros(1, device=DEVICE), 1) == HOPPER
+    assert not pdl.wanted(torch.zeros(1, device=DEVICE), 2)  # two rows: GEMMs around it that do not take part
+    assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+
+
+def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, keys: int = 300):
+    ew = import_kernels("deepserve.kernels.elementwise")
+    pa = import_kernels("deepserve.kernels.triton_paged_attention")
+    from deepserve.kernels.fp8_mma_gemv import fp8_mma_gemv
+    from deepserve.kernels.rope_kv_store import rope_and_store_kv
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=DEVICE, generator=g).mul(scale).to(torch.bfloat16)
+
+    page, blocks = 16, (keys + 16) // 16 + 1
+    caches = [randn(2, blocks, page, heads, dim, scale=0.5) for _ in range(layers)]
+    norms = [1 + randn(hidden, scale=0.1) for _ in range(2 * layers)]
+    w_qkv = [randn(hidden, 3 * heads * dim, scale=0.05) for _ in range(layers)]
+    # gate_up as FP8 weights (the tensor-core GEMV, which takes part) with per-channel scales
+    w_up = [(randn(2 * hidden, hidden).to(torch.float8_e4m3fn),
+             torch.rand(2 * hidden, device=DEVICE, generator=g) * 0.01 + 0.001) for _ in range(layers)]
+    positions = torch.tensor([keys], device=DEVICE)
+    slots = torch.tensor([keys], device=DEVICE, dtype=torch.int64)
+    tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32)[None]
+    lens = torch.tensor([keys + 1], device=DEVICE, dtype=torch.int32)
+    cos_sin = torch.randn(1024, dim, device=DEVICE, generator=g)
+    x0, res0 = randn(1, hidden), randn(1, hidden)
+
+    def run():
+        x, res = x0, res0
+        for i in range(layers):
+            h, res = ew.add_rms_norm(x, res, norms[2 * i], 1e-6)
+            q, k, v = (h @ w_qkv[i]).view(1, 3 * heads, dim).split(heads, dim=1)  # cuBLAS: no PDL
+            q, _ = rope_and_store_kv(positions, q, k, v, cos_sin, dim, False, caches[i], slots)
+            attn = pa.paged_decode_attention(q, caches[i], tables, lens, dim ** -0.5, max_seq_len=1024, num_splits=4)
+            h = ew.rms_norm(attn.view(1, heads * dim)[:, :hidden], norms[2 * i + 1], 1e-6)
+            x = ew.silu_and_mul(fp8_mma_gemv(h, *w_up[i], None))
+        return [x, res] + caches
+
+    return run
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
+@pytest.mark.gpu
+def test_a_decode_chain_with_it_gives_the_plain_chains_bits(monkeypatch):
+    pdl = import_kernels("deepserve.kernels.pdl")
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ON", on)
+        run = _chain()
+        eager = [t.clone() for t in run()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        for _ in range(3):  # replays rewrite the same cache slot with the same values
+            graph.replay()
+        torch.cuda.synchronize()
+        results[on] = (eager, [t.clone() for t in out])
+    plain, with_pdl = results[False], results[True]
+    for a, b in zip(plain[0] + plain[1], with_pdl[0] + with_pdl[1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.isfinite(plain[1][0].float()).all()
