@@ -47,6 +47,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                       "decode attention and its split merge) and the int4 / FP8 tensor-core GEMVs are launched "
                       "with programmatic dependence, so each launch overlaps the kernel before it "
                       "(kernels/pdl.py; one H200: LLM-7B AWQ W2 TPOT -8.4 %, `-q fp8` -8.0 %); 0: plain launches"),
+    "DEEPSERVE_PDL_MLA_MOE": (_flag("DEEPSERVE_PDL_MLA_MOE", False),
+                              "with DEEPSERVE_PDL, the MLA and MoE paths' kernels take part too (the MLA decode "
+                              "attention, the absorbed head products, the router's logits, the routing, the int4 "
+                              "routed experts' GEMV, the slot sum; kernels/pdl.py). Default 0: not yet timed"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel, and the "
                                 "router's logits by cuBLAS at decode sizes too (kernels/moe_routing.router_logits)"),

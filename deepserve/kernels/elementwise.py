@@ -30,14 +30,15 @@ INTERPRET = envs.TRITON_INTERPRET
 SILU_BLOCK = 1024  # output features per program: 2 KiB of bf16 per operand, 4 warps
 
 
-def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., 2 * I] (gate then up) -> silu(gate) * up [..., I], in fp32 and rounded to out_dtype (x's)."""
+def silu_and_mul(x: torch.Tensor, out_dtype: torch.dtype | None = None, tokens: int | None = None) -> torch.Tensor:
+    """x [..., 2 * I] (gate then up) -> silu(gate) * up [..., I], in fp32 and rounded to out_dtype (x's).
+    tokens: the step's tokens where a row is something else (a MoE's assignments), for kernels/pdl.py's rule."""
     _require(x.shape[-1] % 2 == 0 and x.stride(-1) == 1, "x must be [..., 2 * I] with a contiguous last axis")
     rows = x.reshape(-1, x.shape[-1])
     inner = x.shape[-1] // 2
     out = torch.empty(rows.shape[0], inner, dtype=out_dtype or x.dtype, device=x.device)
     if rows.shape[0]:
-        on = pdl.wanted(x, rows.shape[0])
+        on = pdl.wanted(x, rows.shape[0]) if tokens is None else pdl.wanted(x, tokens, mla_moe=True)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inner, SILU_BLOCK))](
             rows, out, inner, rows.stride(0), out.stride(0), BLOCK=SILU_BLOCK, INTERPRET=INTERPRET, PDL=on,
             num_warps=4, **pdl.launch_options(on))

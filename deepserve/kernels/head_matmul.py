@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepserve.kernels import pdl
+
 # Where it beats torch.bmm (bench/head_matmul_probe.py on one H200, both products of a layer, weights from HBM;
 # bench/RESULTS.md): V2-Lite (16 heads, 2 MB a product) at one token 4.86 against 6.41 µs, but at 2-8 tokens it
 # lost (7.25-14.04 against 6.42-7.16: each token's sums wait on the one before); V3 (128 heads, 16 MB) even at one
@@ -32,14 +34,17 @@ TILE_ELEMENTS = 8192
 
 @triton.jit
 def _head_matmul_kernel(x_ptr, w_ptr, y_ptr, tokens, N, K, stride_xb, stride_xh, stride_wh, stride_wn, stride_wk,
-                        stride_yb, stride_yh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        stride_yb, stride_yh, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
     # One program = (head h, output block n): w[h, n block, :] loaded once, then each token's row of x.
+    pdl.trigger(PDL)  # a small launch: the next one may start now (kernels/pdl.py)
     h = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok, k_ok = offs_n < N, offs_k < K
     w = tl.load(w_ptr + h * stride_wh + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
                 mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    pdl.wait(PDL)  # the weights are a constant, asked for before the previous kernel has finished; x is not
     for b in range(tokens):
         x = tl.load(x_ptr + b * stride_xb + h * stride_xh + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         y = tl.sum(w * x[None, :], axis=1)
@@ -77,7 +82,8 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[1]
     y = torch.empty(tokens, heads, n, dtype=x.dtype, device=x.device)
     block_n = min(triton.next_power_of_2(n), TILE_ELEMENTS // k)
+    on = pdl.wanted(x, tokens, mla_moe=True)
     _head_matmul_kernel[(heads, triton.cdiv(n, block_n))](
         x, w, y, tokens, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
-        y.stride(1), BLOCK_N=block_n, BLOCK_K=k, num_warps=4)
+        y.stride(1), BLOCK_N=block_n, BLOCK_K=k, PDL=on, num_warps=4, **pdl.launch_options(on))
     return y

@@ -24,9 +24,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from deepserve import envs
-from deepserve.kernels import int4_mma_gemv
+from deepserve.kernels import int4_mma_gemv, pdl
 from deepserve.kernels.elementwise import silu_and_mul
 from deepserve.kernels.int4_mma_gemv import BLOCK_INPUTS, TILE_ROWS, gemv_tile
+from deepserve.kernels.mma_gemv_common import LAUNCH_DEPENDENTS, WAIT, grid_dependency
 from deepserve.kernels.moe_sum import sum_slots
 
 # Which path a call takes: this one streams an expert's weight once per assignment (token, slot), fused_moe's tiles once
@@ -87,33 +88,38 @@ def int4_moe_mma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     assignments = t * top_k
     ids = topk_ids.reshape(-1)
     gu = torch.empty(assignments, two_i, dtype=torch.float32, device=x.device)
-    _launch(x, w13, operands13, ids, gu, top_k, num_experts)
-    act = silu_and_mul(gu, out_dtype=x.dtype)  # [A, I]
+    _launch(x, w13, operands13, ids, gu, top_k, num_experts, t)
+    act = silu_and_mul(gu, out_dtype=x.dtype, tokens=t)  # [A, I]
     y = torch.empty(assignments, h, dtype=torch.float32, device=x.device)
-    _launch(act, w2, operands2, ids, y, 1, num_experts)
+    _launch(act, w2, operands2, ids, y, 1, num_experts, t)
     return sum_slots(y, top_k, topk_weights, topk_ids, num_experts, out_dtype=x.dtype)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, operands: tuple, ids: torch.Tensor, out: torch.Tensor,
-            rows_per_a: int, num_experts: int) -> None:
+            rows_per_a: int, num_experts: int, tokens: int) -> None:
     # out [A, N] fp32: row a = a's row a // rows_per_a @ expert ids[a]'s weight^T
     scales, zeros, _, group = operands
     n, k = w.shape[1], a.shape[1]
+    on = pdl.wanted(a, tokens, mla_moe=True)
     _int4_moe_mma_kernel[(triton.cdiv(n, TILE_ROWS), out.shape[0])](
         a, w, scales, zeros, out, ids, num_experts, n, k, rows_per_a, a.stride(0), w.stride(0), w.stride(1),
         scales.stride(0), scales.stride(1), GROUP=group, F16=a.dtype == torch.float16, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS)
+        PDL=on, num_warps=NUM_WARPS, **pdl.launch_options(on))
 
 
 @gluon.jit
 def _int4_moe_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, E, N, K, rows_per_a, stride_xm, stride_qe,
                          stride_qn, stride_se, stride_sn, GROUP: gl.constexpr, F16: gl.constexpr,
-                         NUM_WARPS: gl.constexpr):
+                         NUM_WARPS: gl.constexpr, PDL: gl.constexpr = False):
     # Program (row tile, assignment): out[assignment, tile rows] = x[assignment // rows_per_a] @ w[expert]^T
     # in fp32 (gemv_tile with one split: its "workspace" is the output row; M = 1, as a runtime value).
     # A skipped assignment (another rank's expert) does nothing: its output row stays unwritten, and neither
     # the SiLU's row of it nor sum_slots (which leaves id E out) reads anything into the result.
     tile, slot = gl.program_id(0), gl.program_id(1)
+    if PDL:  # kernels/pdl.py: the next launch may start now (at decode sizes every program is resident at once);
+        # the expert's weights depend on the routing, so nothing is read before the wait
+        grid_dependency(tile, LAUNCH_DEPENDENTS)
+        grid_dependency(tile, WAIT)
     expert = gl.load(ids_ptr + slot)
     if expert < E:
         e64 = expert.to(gl.int64)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
@@ -60,8 +61,10 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride
                   X: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, BIAS: tl.constexpr, TOP2_GROUPS: tl.constexpr,
                   NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     # GROUPS == 1 means no group limit (the wrapper folds every such config into it).
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     BLOCK_X: tl.constexpr = BLOCK_G * BLOCK_S
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     row_ok = rows < num_tokens
@@ -198,6 +201,7 @@ def fused_route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | N
     group_size = cfg.num_experts // groups
     noaux = cfg.topk_method == "noaux_tc"
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(group_size)
+    on = pdl.wanted(logits, t, mla_moe=True)
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, bias if noaux else logits, weights, ids, t, logits.stride(0), float(cfg.routed_scaling_factor),
         X=cfg.num_experts, K=k, GROUPS=groups, GROUP_SIZE=group_size, TOPK_GROUP=cfg.topk_group,
@@ -206,7 +210,7 @@ def fused_route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | N
         BLOCK_K=triton.next_power_of_2(k),
         # One warp up to 256 slots per program: every reduction stays inside the warp (shuffles, no
         # shared memory round trips), which is what the K + topk_group serial argmaxes are bound by.
-        num_warps=max(1, min(4, block_t * block_g * block_s // 256)),
+        num_warps=max(1, min(4, block_t * block_g * block_s // 256)), PDL=on, **pdl.launch_options(on),
     )
     return weights, ids
 
@@ -227,13 +231,18 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (t, h), experts = x.shape, weight.shape[0]
     out = torch.empty(t, experts, dtype=torch.float32, device=x.device)
     if t and experts:
+        on = pdl.wanted(x, t, mla_moe=True)
         _router_logits_kernel[(experts,)](x, weight, out, t, h, x.stride(0), experts,
-                                          BLOCK_H=min(2048, triton.next_power_of_2(h)), num_warps=4)
+                                          BLOCK_H=min(2048, triton.next_power_of_2(h)), PDL=on, num_warps=4,
+                                          **pdl.launch_options(on))
     return out
 
 
 @triton.jit(do_not_specialize=["T"])
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, H, stride_x, X, BLOCK_H: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, H, stride_x, X, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     e = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     for t in range(T):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
+from deepserve.kernels import pdl
 from deepserve.kernels.elementwise import _cast
 
 BLOCK = 1024  # features a program
@@ -33,15 +34,19 @@ def sum_slots(y: torch.Tensor, top_k: int, weights: torch.Tensor | None = None, 
     if t == 0 or h == 0:
         return out
     weighted = weights is not None
+    on = pdl.wanted(y, t, mla_moe=True)
     _sum_slots_kernel[(t, triton.cdiv(h, BLOCK))](
         y, weights.reshape(-1) if weighted else y, ids.reshape(-1) if weighted else y, out, h, y.stride(0),
-        num_experts, TOP_K=top_k, WEIGHTED=weighted, BLOCK=BLOCK, INTERPRET=envs.TRITON_INTERPRET, num_warps=4)
+        num_experts, TOP_K=top_k, WEIGHTED=weighted, BLOCK=BLOCK, INTERPRET=envs.TRITON_INTERPRET, PDL=on,
+        num_warps=4, **pdl.launch_options(on))
     return out
 
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, H, stride_y, E, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
-                      BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H

@@ -27,6 +27,11 @@ one H200 (bench/pdl_chain_probe.py and same-machine A/Bs, bench/RESULTS.md): an 
 -> 2.42, bf16 LLM-7B 4.37 -> 4.34. The small kernels alone, beside GEMVs that do not take part, were 2 % slower:
 hence MAX_ROWS.
 
+With DEEPSERVE_PDL_MLA_MOE (off by default: written to the same rule and tested, not yet timed) the MLA and MoE
+paths' kernels take part too: the MLA decode attention (triton_paged_attention.py), the absorbed head products
+(head_matmul.py, weights loaded before the wait), the router's logits and the routing (moe_routing.py), the int4
+routed experts' GEMV and its SiLU (int4_moe_mma.py) and the slot sum (moe_sum.py).
+
 Switch: DEEPSERVE_PDL (read at import; on by default). Triton's interpreter runs no inline PTX, so on CPU the
 kernels always compile the plain path (PDL is a constexpr, False there).
 """
@@ -44,6 +49,9 @@ from deepserve import envs
 # Read once, when the module is imported (a launch must not reread the environment); bench/pdl_chain_probe.py
 # flips it between variants in one process.
 ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
+# The MLA and MoE paths' kernels (MLA decode, head_matmul, router logits, routing, the int4 routed experts' GEMV,
+# the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: written to the same rule, not yet timed.
+MLA_MOE = bool(envs.DEEPSERVE_PDL_MLA_MOE)
 
 
 # Launches of at most this many rows (tokens, or sequences for decode attention) take part: one-token decode steps,
@@ -52,10 +60,11 @@ ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
 MAX_ROWS = 1
 
 
-def wanted(t: torch.Tensor, rows: int) -> bool:
-    """Whether a launch of `rows` rows over t's device takes programmatic dependence: the switch is on, rows <=
-    MAX_ROWS and the GPU is sm_90+."""
-    return ON and rows <= MAX_ROWS and t.is_cuda and _capability(t.device.index) >= (9, 0)
+def wanted(t: torch.Tensor, rows: int, mla_moe: bool = False) -> bool:
+    """Whether a launch of `rows` rows over t's device takes programmatic dependence: the switch is on (and
+    MLA_MOE for the kernels of those paths), rows <= MAX_ROWS and the GPU is sm_90+."""
+    return (ON and rows <= MAX_ROWS and (MLA_MOE or not mla_moe) and t.is_cuda
+            and _capability(t.device.index) >= (9, 0))
 
 
 @functools.cache

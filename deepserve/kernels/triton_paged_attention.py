@@ -330,10 +330,11 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
-    RELOAD_VALUES: tl.constexpr,
+    RELOAD_VALUES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
     # sharing a sequence run side by side and the latent rows they all read come from L2.
+    pdl.wait(PDL)  # everything read here is written by earlier kernels (kernels/pdl.py)
     ht = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -384,6 +385,7 @@ def _mla_decode_kernel(
         acc = _mma(p.to(v_kv.dtype), v_kv, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
+    pdl.trigger(PDL)  # after the loop: the merge's programs take no slot from a program with keys left
     if KV_FP8:  # the values (v_kv, the latent's first RANK columns) carry the same scale
         acc = acc * tl.load(kv_scale_ptr)
     _store_result(acc, m_i, l_i, out_ptr + b * stride_ob + head[:, None] * stride_oh + offs_r[None, :],
@@ -600,6 +602,7 @@ def paged_mla_decode_attention(
     splits = _num_splits(batch * head_tiles, max_seq_len or block_tables.shape[1] * page, cfg.block_n, num_splits,
                          MLA_TARGET_PROGRAMS)
     part_out, part_lse = _partials(batch, heads, splits, rank, out)
+    on = pdl.wanted(q_latent, batch, mla_moe=True)
     _mla_decode_kernel[(head_tiles, batch, splits)](
         q_latent, q_rope, latent_cache, block_tables, seq_lens, out, part_out, part_lse, kv_scale,
         scale * LOG2E, heads,
@@ -609,8 +612,8 @@ def paged_mla_decode_attention(
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), ROPE=rope, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
         **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8,
-        WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), RELOAD_VALUES=cfg.reload_values,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), RELOAD_VALUES=cfg.reload_values, PDL=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(on),
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

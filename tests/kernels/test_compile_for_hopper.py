@@ -537,7 +537,7 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
     fused = import_kernels("deepserve.kernels.rope_kv_store")
     from deepserve.kernels import pdl
 
-    monkeypatch.setattr(pdl, "wanted", lambda t, rows: True)
+    monkeypatch.setattr(pdl, "wanted", lambda t, rows, mla_moe=False: True)
     for module in (ew, fused):
         monkeypatch.setattr(module, "INTERPRET", False)
 
@@ -561,10 +561,27 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
         tables, lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
         pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
                                   num_splits=2)
+        # DEEPSERVE_PDL_MLA_MOE's kernels: MLA decode, the absorbed head product, router logits, routing, slot sum
+        latent = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+        pa.paged_mla_decode_attention(torch.randn(1, 16, 512, dtype=torch.bfloat16),
+                                      torch.randn(1, 16, 64, dtype=torch.bfloat16), latent, tables, lens, 0.1)
+        hm.head_matmul(torch.randn(1, 16, 128, dtype=torch.bfloat16), torch.randn(16, 512, 128, dtype=torch.bfloat16))
+        logits = routing.router_logits(torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(16, 256))
+        routing.fused_route(logits, RoutingConfig(num_experts=16, top_k=4, topk_method="greedy",
+                                                  scoring_func="softmax", n_group=1, topk_group=1,
+                                                  norm_topk_prob=True, routed_scaling_factor=1.0))
+        moe_sum.sum_slots(torch.randn(4, 256, dtype=torch.bfloat16), 4)
 
-    launches = _record(monkeypatch, (ew, pa, fused), run, execute=False)
+    hm = import_kernels("deepserve.kernels.head_matmul")
+    routing = import_kernels("deepserve.kernels.moe_routing")
+    moe_sum = import_kernels("deepserve.kernels.moe_sum")
+    from deepserve.layers.moe import RoutingConfig
+
+    launches = _record(monkeypatch, (ew, pa, fused, hm, routing, moe_sum), run, execute=False)
     assert {j["kernel"] for j in launches} == {"_silu_and_mul_kernel", "_rms_norm_kernel", "_rope_kv_store_kernel",
-                                              "_mla_rope_store_kernel", "_gqa_decode_kernel", "_merge_splits_kernel"}
+                                              "_mla_rope_store_kernel", "_gqa_decode_kernel", "_merge_splits_kernel",
+                                              "_mla_decode_kernel", "_head_matmul_kernel", "_router_logits_kernel",
+                                              "_route_kernel", "_sum_slots_kernel"}
     for job in launches:
         assert job["constexprs"]["PDL"] is True and job["launch_pdl"] is True, job["kernel"]
         job["expect_ptx"] = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]

@@ -31,9 +31,11 @@ def experts(num: int, hidden: int, inter: int, group: int = 128) -> tuple:
     return w13, w2, fm.Int4Experts(4, s13, z13, s2, z2, group, group)
 
 
-def emulated_launch(a, w, operands, ids, out, rows_per_a, num_experts):
+def emulated_launch(a, w, operands, ids, out, rows_per_a, num_experts, tokens):
     """_launch's contract in torch: out[i] = a[i // rows_per_a] @ dequant(w[ids[i]])^T in fp32; a skipped id's
-    row is not written (NaN here: whatever the empty row holds must be selected away, never summed)."""
+    row is not written (NaN here: whatever the empty row holds must be selected away, never summed). tokens: the
+    call's, for kernels/pdl.py's rule only."""
+    assert ids.numel() % tokens == 0 and a.shape[0] in (tokens, ids.numel())  # the tokens, not the assignments
     scales, zeros, _, group = operands
     for i, e in enumerate(ids.tolist()):
         if e >= num_experts:
@@ -163,13 +165,15 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "o
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "out_ptr", "ids_ptr", "N", "K", "stride_xm", "stride_qe", "stride_qn",
            "stride_se", "stride_sn"]
 # the down product's launch passes rows_per_a = 1, which Triton specializes into a constant
-for f16, rows_per_a in ((False, None), (True, None), (False, 1)):
-    ce = dict(GROUP=128, F16=f16, NUM_WARPS=1) | ({} if rows_per_a is None else dict(rows_per_a=rows_per_a))
+for f16, rows_per_a, pdl in ((False, None, False), (True, None, False), (False, 1, False), (False, None, True)):
+    ce = dict(GROUP=128, F16=f16, NUM_WARPS=1, PDL=pdl) | ({} if rows_per_a is None else dict(rows_per_a=rows_per_a))
     s = dict(sig, x_ptr="*fp16") if f16 else sig
     src = GluonASTSource(fn=K, signature=s | dict.fromkeys(ce, "constexpr"), constexprs=ce,
                          attrs={(K.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=1)).asm["ptx"]
-    print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"), ptx.count("atom."))
+    wait = ptx.find("griddepcontrol.wait")
+    print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("ld.global.v4"), ptx.count("atom."), int(pdl),
+          int(0 <= ptx.find("griddepcontrol.launch_dependents") < wait < ptx.find("ld.global")))
 """
 
 
@@ -178,10 +182,12 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 3
-    for mmas, vector_loads, atomics in lines:
+    assert len(lines) == 4
+    for mmas, vector_loads, atomics, pdl, pdl_first in lines:
         # 8 mmas a 128-input round; one split, so no split-K counter (no atomics)
         assert int(mmas) >= 8 and int(vector_loads) >= 2 and int(atomics) == 0, (mmas, vector_loads, atomics)
+        # programmatic dependence (DEEPSERVE_PDL_MLA_MOE): trigger, then wait, before any load (the ids too)
+        assert pdl_first == pdl, (pdl, pdl_first)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on a GPU only")

@@ -111,7 +111,7 @@ def test_with_pdl_every_one_token_gemv_of_groups_of_128_takes_it_in_mode_3(monke
     monkeypatch.setattr(int4_mma_gemv, "tma_launch", launches)
     monkeypatch.setattr(int4_mma_gemv, "_int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(int4_mma_gemv, "sm_count", lambda device: 132)
-    monkeypatch.setattr(int4_mma_gemv.pdl, "wanted", lambda t, rows: True)
+    monkeypatch.setattr(int4_mma_gemv.pdl, "wanted", lambda t, rows, mla_moe=False: True)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     qweight, scales = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n // 16, k // group, 8, 4).half()
     int4_mma_gemv.w4a16_mma_gemv(x, qweight, scales, None, group, None, int4_mma_gemv.TILED_CONFIG, tiled=True)

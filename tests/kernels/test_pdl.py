@@ -65,14 +65,70 @@ def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, k
     return run
 
 
+def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128,
+                   hidden: int = 1024, experts: int = 16, keys: int = 300):
+    """A V2-Lite-like layer's MLA and routing kernels (DEEPSERVE_PDL_MLA_MOE's), between norms and cuBLAS products."""
+    ew = import_kernels("deepserve.kernels.elementwise")
+    pa = import_kernels("deepserve.kernels.triton_paged_attention")
+    from deepserve.kernels.head_matmul import head_matmul
+    from deepserve.kernels.moe_routing import fused_route, router_logits
+    from deepserve.kernels.moe_sum import sum_slots
+    from deepserve.kernels.rope_kv_store import mla_rope_and_store
+    from deepserve.layers.moe import RoutingConfig
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=DEVICE, generator=g).mul(scale).to(dtype)
+
+    page, blocks = 16, (keys + 16) // 16 + 1
+    caches = [randn(blocks, page, rank + rope, scale=0.5) for _ in range(layers)]
+    norms = [1 + randn(hidden, scale=0.1) for _ in range(layers)]
+    w_q = [randn(hidden, heads * (nope + rope), scale=0.03) for _ in range(layers)]
+    w_kv = [randn(hidden, rank + rope, scale=0.03) for _ in range(layers)]
+    w_uk = [randn(heads, rank, nope, scale=0.05) for _ in range(layers)]
+    w_uv = [randn(heads, nope, rank, scale=0.05) for _ in range(layers)]
+    w_router = [randn(experts, hidden, scale=0.05, dtype=torch.float32) for _ in range(layers)]
+    cfg = RoutingConfig(num_experts=experts, top_k=4, topk_method="greedy", scoring_func="softmax", n_group=1,
+                        topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    positions = torch.tensor([keys], device=DEVICE)
+    slots = torch.tensor([keys], device=DEVICE, dtype=torch.int64)
+    tables = torch.arange(blocks, device=DEVICE, dtype=torch.int32)[None]
+    lens = torch.tensor([keys + 1], device=DEVICE, dtype=torch.int32)
+    cos_sin = torch.randn(1024, rope, device=DEVICE, generator=g)
+    x0 = randn(1, hidden)
+
+    def run():
+        x, outs = x0, []
+        for i in range(layers):
+            h = ew.rms_norm(x, norms[i], 1e-6)
+            q = (h @ w_q[i]).view(1, heads, nope + rope)  # cuBLAS: no PDL
+            kv = h @ w_kv[i]
+            q_pe, _ = mla_rope_and_store(positions, q[..., nope:], kv[:, rank:], kv[:, :rank].contiguous(), cos_sin,
+                                         True, caches[i], slots)
+            q_latent = head_matmul(q[..., :nope], w_uk[i])  # [1, H, R]
+            latents = pa.paged_mla_decode_attention(q_latent, q_pe, caches[i], tables, lens, 0.1, max_seq_len=1024,
+                                                    num_splits=4)
+            o = head_matmul(latents, w_uv[i])  # [1, H, nope]
+            weights, ids = fused_route(router_logits(h, w_router[i]), cfg)
+            mixed = sum_slots(o.view(1, heads * nope)[:, :hidden].repeat(4, 1), 4, weights, ids, experts)
+            x = ew.silu_and_mul(torch.cat([mixed, h], dim=-1))
+            outs += [weights, ids, o]
+        return [x] + outs + caches
+
+    return run
+
+
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
 @pytest.mark.gpu
-def test_a_decode_chain_with_it_gives_the_plain_chains_bits(monkeypatch):
+@pytest.mark.parametrize("chain", ["gqa-fp8-gemv", "mla-moe"])
+def test_a_decode_chain_with_it_gives_the_plain_chains_bits(monkeypatch, chain):
     pdl = import_kernels("deepserve.kernels.pdl")
+    monkeypatch.setattr(pdl, "MLA_MOE", True)  # DEEPSERVE_PDL_MLA_MOE: with ON, those kernels take part too
     results = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "ON", on)
-        run = _chain()
+        run = _chain() if chain == "gqa-fp8-gemv" else _mla_moe_chain()
         eager = [t.clone() for t in run()]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
