@@ -267,10 +267,15 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     blocks_per_split = triton.cdiv(k // BLOCK_INPUTS, splits)
     tiles = triton.cdiv(n, TILE_ROWS)
     ws, locks, consts = split_buffers(out, splits, tiles)
-    chained = pdl.wanted(x, m)  # the small kernels around it take programmatic dependence (kernels/pdl.py)
-    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m, chained):  # weights by the copy engine
+    # The small kernels around it take programmatic dependence (kernels/pdl.py): mode 3, and any size takes the
+    # copy engine, but only inside a graph capture: an eager launch encodes its copy descriptors on the host
+    # (int4_tma_gemv), which a one-token step without graphs (--enforce-eager, tensor parallelism) would pay for
+    # every small GEMV.
+    chained = pdl.wanted(x, m)
+    any_size = chained and torch.cuda.is_current_stream_capturing()
+    if tiled and cfg.tma_stages > 0 and tma_supported(group, n, k, m, any_size):  # weights by the copy engine
         tma_launch(x, qweight, scales, out, bias, warps, splits, cfg.tma_stages, ws, locks, consts,
-                   3 if chained else cfg.tma_pdl)
+                   cfg.tma_pdl or (3 if chained else 0))
     else:
         _int4_mma_gemv_kernel[(tiles, splits)](
             x, qweight, scales, scales if tiled else zeros, ws, out, out if bias is None else bias, locks, m, n, k,

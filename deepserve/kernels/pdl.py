@@ -62,14 +62,16 @@ MAX_ROWS = 1
 
 def wanted(t: torch.Tensor, rows: int, mla_moe: bool = False) -> bool:
     """Whether a launch of `rows` rows over t's device takes programmatic dependence: the switch is on (and
-    MLA_MOE for the kernels of those paths), rows <= MAX_ROWS and the GPU is sm_90+."""
-    return (ON and rows <= MAX_ROWS and (MLA_MOE or not mla_moe) and t.is_cuda
-            and _capability(t.device.index) >= (9, 0))
+    MLA_MOE for the kernels of those paths), rows <= MAX_ROWS and t is on a Hopper GPU."""
+    return ON and rows <= MAX_ROWS and (MLA_MOE or not mla_moe) and _hopper(t.get_device())
 
 
 @functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _hopper(index: int) -> bool:
+    # Hopper only (sm_90), not merely sm_90+: the GEMVs that take part are Hopper kernels (mma_gemv_common.is_hopper),
+    # and beside GEMVs that do not, the small kernels' early launches cost (MAX_ROWS). Not ROCm: torch reports an
+    # MI300 as 9.4, and griddepcontrol is PTX. index: t.get_device(), -1 for a CPU tensor.
+    return index >= 0 and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
 def launch_options(on: bool) -> dict:

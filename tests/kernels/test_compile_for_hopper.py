@@ -115,6 +115,9 @@ for job in json.load(sys.stdin):
     assert "ptx" in compiled.asm
     for needle in job.get("expect_ptx", ()):  # what a test asks the code to contain
         assert needle in compiled.asm["ptx"], (job["kernel"], needle)
+    for first, then in job.get("expect_order", ()):  # `then` nowhere before `first`'s first place
+        at, later = compiled.asm["ptx"].find(first), compiled.asm["ptx"].find(then)
+        assert later < 0 or 0 <= at < later, (job["kernel"], first, then)
     print("compiled", job["kernel"], job["constexprs"])
     if fingerprints:  # the code without its source positions (.loc / .file) and debug sections
         code = compiled.asm["ptx"].split(".section\\t.debug")[0]
@@ -582,9 +585,15 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
                                               "_mla_rope_store_kernel", "_gqa_decode_kernel", "_merge_splits_kernel",
                                               "_mla_decode_kernel", "_head_matmul_kernel", "_router_logits_kernel",
                                               "_route_kernel", "_sum_slots_kernel"}
+    # Only these read anything before the wait: their weights (constants), by design
+    weights_first = {"_rms_norm_kernel", "_head_matmul_kernel"}
     for job in launches:
         assert job["constexprs"]["PDL"] is True and job["launch_pdl"] is True, job["kernel"]
         job["expect_ptx"] = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+        # nothing stored, counted or copied asynchronously before the wait; nothing loaded either but weights
+        after_wait = ["st.global", "atom.", "red.", "cp.async"] + ([] if job["kernel"] in weights_first
+                                                                  else ["ld.global"])
+        job["expect_order"] = [["griddepcontrol.wait", then] for then in after_wait]
         del job["launch_pdl"]
     _compile_all(launches)
 

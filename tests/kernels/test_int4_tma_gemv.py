@@ -99,19 +99,23 @@ def test_it_is_launched_for_tiled_weights_with_groups_of_128(monkeypatch, m, n, 
         assert [c[0] for c in launches.calls] == ["registers"]
 
 
-@pytest.mark.parametrize("m, n, k, group, taken", [
-    (1, 4096, 4096, 128, True),  # LLM-7B's o (8 MB): without PDL the register kernel
-    (1, 32, 256, 128, True),  # any size
-    (2, 4096, 4096, 128, False),  # 2 tokens: the register kernel
-    (1, 4096, 4096, 256, False),  # a scale row serves two blocks: the register kernel
+@pytest.mark.parametrize("m, n, k, group, capturing, taken", [
+    (1, 4096, 4096, 128, True, True),  # LLM-7B's o (8 MB): without PDL the register kernel
+    (1, 32, 256, 128, True, True),  # any size
+    (1, 4096, 4096, 128, False, False),  # eager: small weights stay (no copy descriptors encoded a launch)
+    (1, 22016, 4096, 128, False, True),  # eager: 45 MB takes it anyway, in mode 3
+    (2, 4096, 4096, 128, True, False),  # 2 tokens: the register kernel
+    (1, 4096, 4096, 256, True, False),  # a scale row serves two blocks: the register kernel
 ])
-def test_with_pdl_every_one_token_gemv_of_groups_of_128_takes_it_in_mode_3(monkeypatch, m, n, k, group, taken):
+def test_with_pdl_every_one_token_gemv_of_groups_of_128_takes_it_in_mode_3(monkeypatch, m, n, k, group, capturing,
+                                                                           taken):
     # DEEPSERVE_PDL (kernels/pdl.py): weights asked for before the wait, the next launch allowed after the loop
     launches = _Launches()
     monkeypatch.setattr(int4_mma_gemv, "tma_launch", launches)
     monkeypatch.setattr(int4_mma_gemv, "_int4_mma_gemv_kernel", launches)
     monkeypatch.setattr(int4_mma_gemv, "sm_count", lambda device: 132)
     monkeypatch.setattr(int4_mma_gemv.pdl, "wanted", lambda t, rows, mla_moe=False: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     qweight, scales = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n // 16, k // group, 8, 4).half()
     int4_mma_gemv.w4a16_mma_gemv(x, qweight, scales, None, group, None, int4_mma_gemv.TILED_CONFIG, tiled=True)
@@ -170,8 +174,10 @@ def test_the_kernel_compiles_for_hopper():
     (8, 576, 7168, torch.bfloat16, True, 0, 0, 2, 2),  # split-K by the launch rule
     (4, 1024, 4096, torch.bfloat16, False, 3, 2, 2, 1),  # an explicit 3 splits: the last one short
     (1, 1024, 4096, torch.bfloat16, False, 2, 1, 2, 0),  # 1-warp programs: the scales' 2-row box
+    (1, 4096, 4096, torch.bfloat16, False, 0, 0, 2, 3),  # DEEPSERVE_PDL's mode (trigger after the loop)
 ])
 def test_on_the_gpu_it_equals_the_register_kernel(monkeypatch, m, n, k, dtype, bias, split_k, warps, stages, pdl):
+    monkeypatch.setattr(int4_mma_gemv.pdl, "ON", False)  # each case's mode as given (DEEPSERVE_PDL would make 0 a 3)
     monkeypatch.setattr(int4_tma_gemv, "TMA_MIN_BYTES", 0)  # small weights too, for a quick test
     monkeypatch.setattr(int4_tma_gemv, "TMA_MAX_TOKENS", 8)  # and every token count the kernel takes
     qweight, scales, zeros, _ = random_weights(n, k, 4, 128, False, seed=n + k)

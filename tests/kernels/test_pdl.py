@@ -26,6 +26,50 @@ def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monk
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
 
 
+def test_each_launch_counts_the_rows_the_rule_is_about(monkeypatch):
+    # kernels/pdl.py's MAX_ROWS is about one-token steps: each wrapper passes its tokens (sequences for decode
+    # attention, whose rows are the batch), never its assignments or heads; the MLA / MoE kernels say so
+    pdl = import_kernels("deepserve.kernels.pdl")
+    ew = import_kernels("deepserve.kernels.elementwise")
+    pa = import_kernels("deepserve.kernels.triton_paged_attention")
+    from deepserve.kernels import head_matmul, moe_routing, moe_sum, rope_kv_store
+    from deepserve.layers.moe import RoutingConfig
+
+    seen: list = []
+    monkeypatch.setattr(pdl, "wanted", lambda t, rows, mla_moe=False: seen.append((rows, mla_moe)) and False)
+
+    def rows_of(fn) -> set:
+        seen.clear()
+        fn()
+        return set(seen)
+
+    bf16 = torch.bfloat16
+    assert rows_of(lambda: ew.rms_norm(torch.randn(3, 64, dtype=bf16), torch.ones(64, dtype=bf16), 1e-6)) == \
+        {(3, False)}
+    assert rows_of(lambda: ew.silu_and_mul(torch.randn(2, 64, dtype=bf16))) == {(2, False)}
+    assert rows_of(lambda: ew.silu_and_mul(torch.randn(6, 64, dtype=bf16), tokens=1)) == {(1, True)}  # MoE slots
+    qkv = torch.randn(2, 4 * 64, dtype=bf16)
+    cache = torch.zeros(2, 8, 16, 1, 64, dtype=bf16)
+    assert rows_of(lambda: rope_kv_store.rope_and_store_kv(
+        torch.tensor([3, 4]), qkv[:, :128].reshape(2, 2, 64), qkv[:, 128:192].reshape(2, 1, 64),
+        qkv[:, 192:].reshape(2, 1, 64), torch.randn(16, 64), 64, False, cache, torch.tensor([3, 20]))) == {(2, False)}
+    tables, lens = torch.arange(8, dtype=torch.int32).view(2, 4), torch.tensor([50, 60], dtype=torch.int32)
+    assert rows_of(lambda: pa.paged_decode_attention(torch.randn(2, 2, 64, dtype=bf16), cache, tables, lens, 0.1,
+                                                     num_splits=2)) == {(2, False)}  # with its merge
+    latent = torch.zeros(8, 16, 96, dtype=bf16)
+    assert rows_of(lambda: pa.paged_mla_decode_attention(torch.randn(2, 16, 64, dtype=bf16),
+                                                         torch.randn(2, 16, 32, dtype=bf16), latent, tables, lens,
+                                                         0.1, num_splits=2)) == {(2, True), (2, False)}
+    assert rows_of(lambda: head_matmul.head_matmul(torch.randn(1, 4, 64, dtype=bf16),
+                                                   torch.randn(4, 32, 64, dtype=bf16))) == {(1, True)}
+    assert rows_of(lambda: moe_routing.router_logits(torch.randn(3, 64, dtype=bf16), torch.randn(8, 64))) == \
+        {(3, True)}
+    cfg = RoutingConfig(num_experts=8, top_k=2, topk_method="greedy", scoring_func="softmax", n_group=1,
+                        topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    assert rows_of(lambda: moe_routing.fused_route(torch.randn(3, 8), cfg)) == {(3, True)}
+    assert rows_of(lambda: moe_sum.sum_slots(torch.randn(6, 64), 3)) == {(2, True)}  # 6 slots of 2 tokens
+
+
 def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, keys: int = 300):
     ew = import_kernels("deepserve.kernels.elementwise")
     pa = import_kernels("deepserve.kernels.triton_paged_attention")
@@ -62,7 +106,7 @@ def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, k
             x = ew.silu_and_mul(fp8_mma_gemv(h, *w_up[i], None))
         return [x, res] + caches
 
-    return run
+    return run, x0
 
 
 def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128,
@@ -116,28 +160,42 @@ def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int 
             outs += [weights, ids, o]
         return [x] + outs + caches
 
-    return run
+    return run, x0
+
+
+def _fill_freed_memory_with_nans() -> None:
+    # Freed blocks of torch's caching allocator keep their bytes: a run that read a buffer before the kernel
+    # writing it had finished would read these NaNs, not the plain run's values left in the same blocks.
+    junk = [torch.full((n,), float("nan"), device=DEVICE) for n in [1 << 10] * 256 + [1 << 18] * 64 + [1 << 23] * 8]
+    del junk
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("chain", ["gqa-fp8-gemv", "mla-moe"])
 def test_a_decode_chain_with_it_gives_the_plain_chains_bits(monkeypatch, chain):
+    # Eagerly, then in a CUDA graph replayed with a new input each time (a read that raced ahead of its
+    # producer would see the previous replay's values), with and without PDL: the same bits every time.
     pdl = import_kernels("deepserve.kernels.pdl")
     monkeypatch.setattr(pdl, "MLA_MOE", True)  # DEEPSERVE_PDL_MLA_MOE: with ON, those kernels take part too
     results = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "ON", on)
-        run = _chain() if chain == "gqa-fp8-gemv" else _mla_moe_chain()
-        eager = [t.clone() for t in run()]
+        run, x0 = _chain() if chain == "gqa-fp8-gemv" else _mla_moe_chain()
+        g = torch.Generator(device=DEVICE).manual_seed(7)  # the same inputs for both
+        inputs = [torch.randn(x0.shape, device=DEVICE, generator=g).to(x0.dtype) for _ in range(4)]
+        _fill_freed_memory_with_nans()
+        x0.copy_(inputs[0])
+        got = [t.clone() for t in run()]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run()
-        for _ in range(3):  # replays rewrite the same cache slot with the same values
+        for new in inputs[1:]:
+            x0.copy_(new)
             graph.replay()
+            got += [t.clone() for t in out]
         torch.cuda.synchronize()
-        results[on] = (eager, [t.clone() for t in out])
-    plain, with_pdl = results[False], results[True]
-    for a, b in zip(plain[0] + plain[1], with_pdl[0] + with_pdl[1], strict=True):
+        results[on] = got
+    for a, b in zip(results[False], results[True], strict=True):
         assert torch.equal(a, b)
-    assert torch.isfinite(plain[1][0].float()).all()
+    assert torch.isfinite(results[False][0].float()).all()
