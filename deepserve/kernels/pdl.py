@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, sm_90+) for the decode step's chain of small kernels.
+"""Programmatic dependent launch (PDL, Hopper) for the decode step's chain of small kernels.
 
 Why: at one token a decode step is a chain of a few hundred kernels, most of them tiny (RMSNorm of one row,
 SiLU-and-mul, the split merge), each of which costs about 1-2 µs on the H200 even inside a CUDA graph
