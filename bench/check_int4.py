@@ -23,6 +23,7 @@ on LLM-7B's and V2-Lite's shapes at M = 1 .. 8192, against bf16 cuBLAS; it ends 
 DEEPSERVE_INT4_CUBLAS_MIN_M. Budgeted to stay under about 4 min on the H200 (later timings are skipped and
 listed past VARIANTS_DEADLINE_S).
     python bench/check_int4.py --variants --json OUT.json
+    python bench/check_int4.py --variants --smoke --one-of-each   # tests/kernels/test_int4_variants.py's run
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -325,6 +327,19 @@ def variant_configs(m: int, n: int, k: int, every: bool = True) -> dict:
     return out
 
 
+def one_of_each_kind(every: dict, some: dict) -> dict:
+    """--one-of-each: `some` (one variant of each kind, as --smoke times them) and the first of every kind
+    in `every` that `some` lacks (a kind: the name without its tile sizes, e.g. "gemv n k pf pps w"), so
+    each code path the variants take is still checked once, not once per tile."""
+    out = dict(some)
+    kinds = {re.sub(r"\d+", "", v) for v in out}
+    for variant, cfg in every.items():
+        if re.sub(r"\d+", "", variant) not in kinds:
+            kinds.add(re.sub(r"\d+", "", variant))
+            out[variant] = cfg
+    return out
+
+
 MOE_VARIANT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 MOE_VARIANT_CHECK_TOKENS = (1, 5, 33)
 
@@ -344,14 +359,18 @@ def moe_variant_configs(t: int, cfg: dict, every: bool = True) -> dict:
 
 
 def run_moe_variants(cfg: dict, check_tokens: tuple, tokens: tuple, device,
-                     time_every: bool = True) -> tuple[list, list]:
+                     time_every: bool = True, one_of_each: bool = False) -> tuple[list, list]:
     """Each MoE variant against fused_moe_int4_ref at check_tokens, then timed (with bf16) at tokens (with
-    time_every False one variant of each kind: --smoke, where the interpreter's times mean nothing)."""
+    time_every False one variant of each kind: --smoke, where the interpreter's times mean nothing;
+    one_of_each: check one variant of each kind too, one_of_each_kind)."""
     checks, speed = [], []
     for t in check_tokens:
         x, w13, w2, tw, ids, experts = moe_case(t, cfg, device)
         want = fm.fused_moe_int4_ref(x, w13, w2, tw, ids, experts)
-        for variant, mcfg in moe_variant_configs(t, cfg).items():
+        configs = moe_variant_configs(t, cfg)
+        if one_of_each:
+            configs = one_of_each_kind(configs, moe_variant_configs(t, cfg, every=False))
+        for variant, mcfg in configs.items():
             row = dict(shape="V2-Lite experts", variant=f"{variant} g128", m=t)
             try:
                 row |= errors(fm.fused_moe(x, w13, w2, tw, ids, mcfg, int4=experts), want)
@@ -383,8 +402,9 @@ def run_moe_variants(cfg: dict, check_tokens: tuple, tokens: tuple, device,
     return checks, speed
 
 
-def run_variant_correctness(shapes: dict, ms: tuple, device) -> list[dict]:
-    """Every variant at every (shape, M) it is timed at, groups of 128; act order and 8-bit on one shape."""
+def run_variant_correctness(shapes: dict, ms: tuple, device, one_of_each: bool = False) -> list[dict]:
+    """Every variant at every (shape, M) it is timed at, groups of 128; act order and 8-bit on one shape
+    (one_of_each: one variant of each kind in groups of 128 too, one_of_each_kind)."""
     rows = []
     formats = [("g128", 4, 128, False)]
     for i, (name, (n, k)) in enumerate(shapes.items()):
@@ -395,7 +415,10 @@ def run_variant_correctness(shapes: dict, ms: tuple, device) -> list[dict]:
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=DTYPE)
                 want = torch.nn.functional.linear(x.float(), w)
-                for variant, cfg in variant_configs(m, n, k, every=fmt == "g128").items():
+                configs = variant_configs(m, n, k, every=fmt == "g128")
+                if one_of_each:
+                    configs = one_of_each_kind(configs, variant_configs(m, n, k, every=False))
+                for variant, cfg in configs.items():
                     row = dict(shape=name, variant=f"{variant} {fmt}", m=m)
                     try:
                         row |= errors(int4.w4a16_matmul(x, qw, s, z, bits, group, g, config=cfg), want)
@@ -522,10 +545,11 @@ def run_variants(args, device) -> int:
     time_ms = args.ms or (SMOKE_VARIANTS["ms"] if args.smoke else VARIANT_MS)
     moe_tokens = args.moe_tokens or ((1,) if args.smoke else MOE_VARIANT_TOKENS)
     report = dict(env=bench_env.environment(device))
-    report["variant_checks"] = run_variant_correctness(shapes, check_ms, device)
+    report["variant_checks"] = run_variant_correctness(shapes, check_ms, device, args.one_of_each)
     report["variant_graph"] = run_variant_graphs(device)
     moe_checks, moe_speed = run_moe_variants(SMOKE["moe"] if args.smoke else MOE, args.moe_tokens or (
-        (1, 3) if args.smoke else MOE_VARIANT_CHECK_TOKENS), moe_tokens, device, time_every=not args.smoke)
+        (1, 3) if args.smoke else MOE_VARIANT_CHECK_TOKENS), moe_tokens, device, time_every=not args.smoke,
+        one_of_each=args.one_of_each)
     report["variant_checks"] += moe_checks
     report["variant_speed"] = run_variant_speed(shapes, time_ms, device, every=not args.smoke)
     report["variant_speed"] += moe_speed
@@ -549,6 +573,9 @@ def main() -> int:
                         help="with --variants: only these token counts, e.g. 1,2")
     parser.add_argument("--moe-tokens", type=lambda v: tuple(int(m) for m in v.split(",")),
                         help="with --variants: only these token counts for the fused MoE")
+    parser.add_argument("--one-of-each", action="store_true",
+                        help="with --variants: check one variant of each kind (not each tile of a kind); the "
+                             "CPU smoke test's budget, as the interpreter runs every config")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False

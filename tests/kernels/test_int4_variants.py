@@ -241,11 +241,23 @@ def test_bench_variants_script_runs_on_tiny_shapes(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parents[2]
     out = tmp_path / "variants.json"
-    done = subprocess.run([sys.executable, "bench/check_int4.py", "--variants", "--smoke", "--json", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    # --one-of-each: the interpreter runs every config it is given (~0.6 s each at M = 1, ~2.5 s for an
+    # expert GEMV at T = 3), and checking each tile size of a kind ran 54 checks (60 s); one variant of each
+    # kind (asserted below) takes each code path of the script and of the kernels it drives (35 s). The
+    # kernels' tile sizes are checked one by one above and in tests/kernels/test_fused_moe_int4.py.
+    done = subprocess.run([sys.executable, "bench/check_int4.py", "--variants", "--smoke", "--one-of-each",
+                           "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "ALL CORRECT" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     variants = {r["variant"] for r in report["variant_speed"]}
     assert {"tile", "gemv n32 k256", "gemv-factored n32 k256", "dequant+cublas", "bf16", "moe tiles",
             "moe gemv n32 k256"} <= variants
     assert all(r["ok"] for r in report["variant_checks"])
+    checked = {(r["variant"], r["m"]) for r in report["variant_checks"]}
+    assert {(v + " g128", 1) for v in ("tile", "tile other-unpack", "gemv n32 k256", "gemv-factored n32 k256",
+                                       "gemv n64 k128 pf pps8 w4", "gemv n64 k128 pps8",
+                                       "gemv-factored n64 k128 pf pps8 w4")} <= checked
+    assert {(v, 64) for v in ("tile g128", "tile other-unpack g128", "dequant+cublas g128", "tile act-order",
+                              "dequant+cublas act-order", "tile 8-bit", "dequant+cublas 8-bit")} <= checked
+    assert {(f"moe {v} g128", t) for t in (1, 3) for v in ("tiles", "gemv n32 k256", "gemv-factored n32 k256",
+                                                          "gemv n32 k128 pf", "gemv-factored n32 k128 pf")} <= checked
