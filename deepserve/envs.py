@@ -51,6 +51,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "with DEEPSERVE_PDL, the MLA and MoE paths' kernels take part too (the MLA decode "
                               "attention, the absorbed head products, the router's logits, the routing, the int4 "
                               "routed experts' GEMV, the slot sum; kernels/pdl.py). Default 0: not yet timed"),
+    "DEEPSERVE_SHARED_EXPERTS_FUSION": (_flag("DEEPSERVE_SHARED_EXPERTS_FUSION", False),
+                                        "1: DeepSeek's shared experts run as n_shared_experts more routed experts "
+                                        "every token picks with weight 1, inside the fused MoE's launches "
+                                        "(layers/moe.py DeepseekMoE; not under expert parallelism). Default 0: not "
+                                        "yet timed"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel, and the "
                                 "router's logits by cuBLAS at decode sizes too (kernels/moe_routing.router_logits)"),

@@ -110,7 +110,8 @@ def weight_bytes_read_per_step(model) -> float:
     top_k = getattr(model.config, "num_experts_per_tok", None)
     for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
         size = sum(p.numel() * p.element_size() for p in experts.parameters())
-        total -= size * (1 - top_k / experts.num_local)  # any storage: bf16, FP8 or int4
+        read = top_k + experts.num_shared_fused  # fused shared experts are read every step
+        total -= size * (1 - read / experts.num_local)  # any storage: bf16, FP8 or int4
     return total
 
 

@@ -26,7 +26,11 @@ may pick different, equally good experts. The ids come out in selection order: b
 The weights are the scores of the picked experts, recomputed from their logits (one gathered load of
 K values) with the same formula as the full row, so no per-pick reduction is spent extracting them.
 
-Shapes: T tokens, X routed experts, K experts per token, G groups.
+Shared experts fused as experts (layers/moe.py, DEEPSERVE_SHARED_EXPERTS_FUSION): with `shared` S > 0 each token's
+row gets S more columns after its K picks, ids X .. X + S - 1 with weight 1.0 (not renormalized, not scaled: a shared
+expert's output is added as it is).
+
+Shapes: T tokens, X routed experts, K experts per token, S shared experts fused, G groups.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ MAX_TOP_K = 16  # the selection loop is unrolled K times
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def fits(cfg: RoutingConfig) -> bool:
-    """Whether the kernel takes this config (otherwise callers use the torch `route`)."""
-    return cfg.num_experts <= MAX_EXPERTS and cfg.top_k <= MAX_TOP_K
+def fits(cfg: RoutingConfig, shared: int = 0) -> bool:
+    """Whether the kernel takes this config, with `shared` fused shared experts (otherwise callers use the torch
+    `route`)."""
+    return cfg.num_experts <= MAX_EXPERTS and cfg.top_k + shared <= MAX_TOP_K
 
 
 @triton.jit
@@ -61,7 +66,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride
                   X: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, SOFTMAX: tl.constexpr, BIAS: tl.constexpr, TOP2_GROUPS: tl.constexpr,
                   NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, SHARED: tl.constexpr = 0, PDL: tl.constexpr = False):
     # GROUPS == 1 means no group limit (the wrapper folds every such config into it).
     pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
     pdl.wait(PDL)
@@ -91,14 +96,18 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride
     # Slot -> expert id. Only non-finite logits could make a padding slot win; the clamp keeps even
     # that id inside [0, X), since the expert kernels index weights with it unchecked.
     ids = tl.minimum((picked // BLOCK_S) * GROUP_SIZE + picked % BLOCK_S, X - 1)
-    kk = tl.arange(0, BLOCK_K)
-    out_ok = row_ok[:, None] & (kk[None, :] < K)
-    picked_logit = tl.load(row_ptr[:, None] + ids, mask=out_ok, other=0.0).to(tl.float32)
-    weights = tl.where(kk[None, :] < K, _score(picked_logit, row_max, denom, SOFTMAX), 0.0)
+    kk = tl.arange(0, BLOCK_K)  # BLOCK_K >= K + SHARED
+    routed = kk[None, :] < K
+    picked_logit = tl.load(row_ptr[:, None] + ids, mask=row_ok[:, None] & routed, other=0.0).to(tl.float32)
+    weights = tl.where(routed, _score(picked_logit, row_max, denom, SOFTMAX), 0.0)
     if NORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scale
-    out = rows.to(tl.int64)[:, None] * K + kk[None, :]  # [BLOCK_T, BLOCK_K] offsets into [T, K]
+    if SHARED > 0:  # columns K .. K + SHARED - 1: the fused shared experts X .. X + SHARED - 1, weight 1
+        weights = tl.where(routed, weights, 1.0)
+        ids = tl.where(routed, ids, X + kk[None, :] - K)
+    out_ok = row_ok[:, None] & (kk[None, :] < K + SHARED)
+    out = rows.to(tl.int64)[:, None] * (K + SHARED) + kk[None, :]  # [BLOCK_T, BLOCK_K] offsets into [T, K + S]
     tl.store(weights_ptr + out, weights, mask=out_ok)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=out_ok)
 
@@ -182,15 +191,17 @@ def default_block_t(num_tokens: int) -> int:
 
 
 def fused_route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None,
-                block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, X] (fp32, bf16 or fp16; rows may be strided) -> (weights [T, K] float32,
-    expert ids [T, K] int64), both contiguous: what `route(logits.float(), cfg, bias)` returns, ids in
-    selection order (best first). `bias` [X] is read only under noaux_tc, as by `route`.
-    block_t: tokens per program (a power of two), by default `default_block_t`."""
+                block_t: int | None = None, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, X] (fp32, bf16 or fp16; rows may be strided) -> (weights [T, K + shared] float32,
+    expert ids [T, K + shared] int64), both contiguous: what `route(logits.float(), cfg, bias, shared)` returns,
+    ids in selection order (best first), then the shared experts'. `bias` [X] is read only under noaux_tc, as
+    by `route`. block_t: tokens per program (a power of two), by default `default_block_t`."""
     _check_inputs(logits, cfg, bias)
+    _require(0 <= shared and cfg.top_k + shared <= MAX_TOP_K,
+             f"top_k {cfg.top_k} + {shared} shared experts is more than {MAX_TOP_K} columns")
     t, k = logits.shape[0], cfg.top_k
-    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, k + shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, k + shared, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     block_t = block_t or default_block_t(t)
@@ -207,7 +218,7 @@ def fused_route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | N
         X=cfg.num_experts, K=k, GROUPS=groups, GROUP_SIZE=group_size, TOPK_GROUP=cfg.topk_group,
         SOFTMAX=cfg.scoring_func == "softmax", BIAS=noaux, TOP2_GROUPS=noaux and group_size > 1,
         NORM=cfg.norm_topk_prob, BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
-        BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_K=triton.next_power_of_2(k + shared), SHARED=shared,
         # One warp up to 256 slots per program: every reduction stays inside the warp (shuffles, no
         # shared memory round trips), which is what the K + topk_group serial argmaxes are bound by.
         num_warps=max(1, min(4, block_t * block_g * block_s // 256)), PDL=on, **pdl.launch_options(on),

@@ -22,6 +22,7 @@ as under tensor parallelism sums the ranks' partial outputs. Shared experts stay
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, I
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,10 @@ class RoutingConfig:
         )
 
 
-def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None
+def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = None, shared: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, X] (float32) -> (weights [T, K] float32, expert ids [T, K] int64)."""
+    """Router logits [T, X] (float32) -> (weights [T, K + shared] float32, expert ids [T, K + shared] int64):
+    the K picks, then `shared` fused shared experts (ids X .. X + shared - 1, weight 1; DeepseekMoE)."""
     scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()  # [T, X]
     choice = scores + bias if cfg.topk_method == "noaux_tc" else scores  # the bias picks, never weighs
     if cfg.topk_method != "greedy" and cfg.n_group > 1:
@@ -116,7 +120,13 @@ def route(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None = 
     weights = scores.gather(1, ids)  # [T, K]
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    weights = weights * cfg.routed_scaling_factor
+    if shared:
+        t = logits.shape[0]
+        ids = torch.cat([ids, torch.arange(cfg.num_experts, cfg.num_experts + shared, device=ids.device).expand(t, -1)],
+                        dim=1)
+        weights = torch.cat([weights, weights.new_ones(t, shared)], dim=1)
+    return weights, ids
 
 
 def _keep_best_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
@@ -145,15 +155,16 @@ class MoEGate(nn.Module):
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
             self.e_score_correction_bias.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """On CUDA the Triton routing kernel (kernels/moe_routing.py: one launch, CUDA-graph safe;
-        DEEPSERVE_FUSED_ROUTING=0 turns it off), elsewhere `route`; both return (weights [T, K] float32,
-        ids [T, K] int64). The logits stay fp32: bf16 logits change about 1-2% of the tokens' experts."""
+        DEEPSERVE_FUSED_ROUTING=0 turns it off), elsewhere `route`; both return (weights [T, K + shared]
+        float32, ids [T, K + shared] int64), `shared` fused shared experts last. The logits stay fp32: bf16
+        logits change about 1-2% of the tokens' experts."""
         logits = _router_logits(x, self.weight)  # [T, E] -> [T, X]
-        fused = _fused_router(self.cfg) if logits.is_cuda else None
+        fused = _fused_router(self.cfg, shared) if logits.is_cuda else None
         if fused is not None:
-            return fused(logits, self.cfg, self.e_score_correction_bias)
-        return route(logits, self.cfg, self.e_score_correction_bias)
+            return fused(logits, self.cfg, self.e_score_correction_bias, shared=shared)
+        return route(logits, self.cfg, self.e_score_correction_bias, shared)
 
 
 class MLP(nn.Module):
@@ -209,6 +220,7 @@ class RoutedExperts(nn.Module):
             self.num_local, self.expert_start = num_experts, 0
             self.inter_rank, self.inter_ranks = self.tp_rank, self.tp_size
         self.inter = intermediate_size // self.inter_ranks
+        self.num_shared_fused = 0  # shared experts appended after the routed ones (absorb_shared)
         self.hidden = hidden_size
         self.quant = quant
         self.dtype = torch.get_default_dtype()  # the model dtype, for unquantize
@@ -423,6 +435,29 @@ class RoutedExperts(nn.Module):
         h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [n, I]
         return int4_linear(h, *self.int4_weights("w2", e)[:3], bits, self.group2, self.int4_weights("w2", e)[3])
 
+    def absorb_shared(self, mlp: MLP, count: int) -> str | None:
+        """Append the shared experts' MLP as `count` more experts, ids X .. X + count - 1 (after loading, before
+        any re-layout or quantization at load). An MLP of intermediate size count x I is the sum of `count`
+        MLPs of size I: chunk j is gate and up rows [jI, (j+1)I) and down columns [jI, (j+1)I) (this rank's
+        I under tensor parallelism: any split of the intermediate units sums to the same output). Returns None
+        once absorbed, else why it cannot be (nothing changed): another storage, group or block layout."""
+        chunks = _shared_chunks(self, mlp, count)
+        if isinstance(chunks, str):
+            return chunks
+        for name, extra in chunks.items():
+            old = getattr(self, name)
+            if extra.shape[1:] != old.shape[1:] or extra.dtype != old.dtype:
+                return (f"the shared experts' {name} chunks are {tuple(extra.shape[1:])} {extra.dtype}, the routed "
+                        f"experts' {tuple(old.shape[1:])} {old.dtype}")
+        for name, extra in chunks.items():
+            old = getattr(self, name)
+            param = nn.Parameter(torch.cat([old.data, extra.to(old.device)]), requires_grad=False)
+            param.weight_loader = getattr(old, "weight_loader", None)
+            setattr(self, name, param)
+        self.num_local += count
+        self.num_shared_fused = count
+        return None
+
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global expert ids [T, K] -> (local ids [T, K], mine [T, K] bool); local ids of others' are garbage."""
         local = ids - self.expert_start
@@ -502,6 +537,54 @@ class RoutedExperts(nn.Module):
         return tp_all_reduce(out.to(x.dtype))
 
 
+def _shared_chunks(experts: RoutedExperts, mlp: MLP, count: int) -> dict[str, torch.Tensor] | str:
+    """RoutedExperts.absorb_shared's chunks: for each expert parameter the shared MLP's `count` chunks stacked,
+    [count, ...], or why the MLP cannot be cut so."""
+    c, up, down = experts.inter, mlp.w13, mlp.w2
+    if up.member_rows != [count * c] * 2:
+        return (f"the shared experts' intermediate size on this rank ({up.member_rows[0]}) is not "
+                f"n_shared_experts ({count}) x the routed experts' ({c})")
+    # expert parameter -> (the MLP's tensor, "rows" of w13 / "cols" of w2, checkpoint units a tensor index holds)
+    if experts.int4 is not None:
+        if up.int4 is None or down.int4 is None or up.int4_tiled or down.int4_tiled:
+            return "the shared experts are not in the routed experts' int4 storage"
+        if up.g_idx is not None or down.g_idx is not None or getattr(experts, "w13_g_idx", None) is not None:
+            return "act order (g_idx)"
+        if (up.int4_group, down.int4_group) != (experts.group13, experts.group2) or down.int4_all_groups \
+                or experts.w2_all_groups:
+            return "the shared and routed experts' int4 groups differ"
+        pack = 32 // experts.int4.bits
+        parts = {"w13_qweight": (up.qweight, "rows", 1), "w13_scales": (up.scales, "rows", 1),
+                 "w13_qzeros": (up.qzeros, "rows", 1), "w2_qweight": (down.qweight, "cols", pack),
+                 "w2_scales": (down.scales, "cols", experts.group2), "w2_qzeros": (down.qzeros, "cols", experts.group2)}
+    else:
+        if up.weight is None or down.weight is None or up.weight_scale is not None or down.weight_scale is not None:
+            return "the shared experts are not in the routed experts' storage"
+        parts = {"w13": (up.weight, "rows", 1), "w2": (down.weight, "cols", 1)}
+        if experts.w13_scale_inv is not None:
+            if up.weight_scale_inv is None or down.weight_scale_inv is None or up.block != experts.block \
+                    or down.block != experts.block:
+                return "the shared experts' FP8 blocks differ from the routed experts'"
+            bn, bk = experts.block
+            parts |= {"w13_scale_inv": (up.weight_scale_inv, "rows", bn), "w2_scale_inv": (down.weight_scale_inv,
+                                                                                          "cols", bk)}
+        elif up.weight_scale_inv is not None or down.weight_scale_inv is not None:
+            return "the shared experts are FP8, the routed experts are not"
+    out = {}
+    for name, (tensor, axis, unit) in parts.items():
+        # One shared expert is the whole MLP, whatever its blocks; several must be cut on block / group boundaries.
+        if count > 1 and c % unit:
+            return f"the routed experts' intermediate size on this rank ({c}) is not a multiple of {unit} ({name})"
+        n, up_start = -(-c // unit), -(-count * c // unit)  # a chunk's units; the up member's first unit
+        if axis == "rows":  # gate rows of chunk j, then its up rows
+            pieces = [torch.cat([tensor.narrow(0, j * n, n), tensor.narrow(0, up_start + j * n, n)])
+                      for j in range(count)]
+        else:
+            pieces = [tensor.narrow(1, j * n, n) for j in range(count)]
+        out[name] = torch.stack(pieces)
+    return out
+
+
 @functools.cache
 def _fused_moe_kernel() -> Callable[..., torch.Tensor] | None:
     """kernels.fused_moe.fused_moe, or None where Triton is not installed (looked up once)."""
@@ -536,19 +619,29 @@ def _router_gemv() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @functools.cache
-def _fused_router(cfg: RoutingConfig) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def _fused_router(cfg: RoutingConfig, shared: int = 0) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """kernels.moe_routing.fused_route (`route`'s signature), or None where Triton is not installed,
-    the config is past the kernel's limits, or DEEPSERVE_FUSED_ROUTING=0 (looked up once per config)."""
+    the config (with `shared` fused shared experts) is past the kernel's limits, or DEEPSERVE_FUSED_ROUTING=0
+    (looked up once per config)."""
     if not envs.DEEPSERVE_FUSED_ROUTING:
         return None
     try:
         from deepserve.kernels.moe_routing import fits, fused_route
     except ImportError:
         return None
-    return fused_route if fits(cfg) else None
+    return fused_route if fits(cfg, shared) else None
 
 
 class DeepseekMoE(nn.Module):
+    """Router, routed experts and shared experts of one layer.
+
+    Shared experts fused (DEEPSERVE_SHARED_EXPERTS_FUSION, off by default: not yet timed): after loading, the
+    shared MLP becomes n_shared_experts more routed experts (RoutedExperts.absorb_shared) that every token picks
+    with weight 1, so the fused MoE computes them in its own launches: at one token the shared MLP's GEMVs, its
+    SiLU and the add (four launches a layer) go. Not under expert parallelism (the shared experts are split by
+    tensor parallelism there, the routed ones are not); where the storage does not allow it (act order,
+    differing groups or blocks) the layer keeps its MLP and says why in the log."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_shared: int, cfg: RoutingConfig,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -558,10 +651,29 @@ class DeepseekMoE(nn.Module):
         # Unreduced: the routed and shared partial sums are added first and all-reduced once.
         self.shared_experts = (MLP(hidden_size, intermediate_size * num_shared, reduce_results=False, quant=quant)
                                if num_shared else None)
+        self.num_shared = num_shared
+        self.fuse_shared = (bool(num_shared) and envs.DEEPSERVE_SHARED_EXPERTS_FUSION
+                            and not self.experts.expert_parallel)
+
+    def fuse_loaded_weights(self) -> None:
+        """After loading (layers/quantization.quantize_after_loading, before the re-layouts and quantization at
+        load of this module's children): the shared experts into the routed ones, when fuse_shared."""
+        if not self.fuse_shared or self.shared_experts is None:
+            return
+        why = self.experts.absorb_shared(self.shared_experts, self.num_shared)
+        if why is not None:
+            _warn_once(f"DEEPSERVE_SHARED_EXPERTS_FUSION: the shared experts stay an MLP: {why}")
+            return
+        self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, K] each
+        weights, ids = self.gate(x, self.experts.num_shared_fused)  # [T, K (+ fused shared experts)] each
         out = self.experts.partial(x, weights, ids)  # [T, E]: this rank's part
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out)  # one all-reduce per MoE layer under tensor parallelism
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)

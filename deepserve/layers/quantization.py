@@ -136,8 +136,10 @@ def fp8_config(hf_config: Any, quantization: str | None) -> QuantConfig | None:
 def quantize_after_loading(model: nn.Module) -> None:
     """Per-channel FP8 (`--quantization fp8` on an unquantized checkpoint): every layer built with a
     quantize-at-load config converts its loaded weights; int4 linears on a Hopper GPU take the tensor-core
-    GEMV's tiled layout (layers/int4.tiled_for_mma_gemv). Works on meta tensors too (the planner)."""
-    for module in model.modules():
-        convert = getattr(module, "quantize_loaded_weights", None)
-        if convert is not None:
-            convert()
+    GEMV's tiled layout (layers/int4.tiled_for_mma_gemv); first, a module's fusion of loaded weights (layers/moe.py
+    DeepseekMoE's shared experts under DEEPSERVE_SHARED_EXPERTS_FUSION). Works on meta tensors too (the planner)."""
+    for module in model.modules():  # parents before children: a parent's fusion comes before its parts' re-layout
+        for hook in ("fuse_loaded_weights", "quantize_loaded_weights"):
+            convert = getattr(module, hook, None)
+            if convert is not None:
+                convert()

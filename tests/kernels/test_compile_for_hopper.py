@@ -186,7 +186,8 @@ def test_routing_kernel_compiles(monkeypatch):
     cfg = RoutingConfig(num_experts=16, top_k=4, topk_method="noaux_tc", scoring_func="sigmoid", n_group=4,
                         topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
     logits, bias = torch.randn(3, 16), torch.randn(16)
-    _compile_all(_record(monkeypatch, routing, lambda: routing.fused_route(logits, cfg, bias)))
+    _compile_all(_record(monkeypatch, routing, lambda: (routing.fused_route(logits, cfg, bias),
+                                                        routing.fused_route(logits, cfg, bias, shared=2))))
 
 
 def test_router_logits_and_slot_sum_kernels_compile(monkeypatch):

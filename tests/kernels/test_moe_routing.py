@@ -143,6 +143,25 @@ def test_exact_ties_go_to_the_lowest_expert():
     assert ids.tolist() == [[8, 4]]
 
 
+@pytest.mark.parametrize("name, shared", [("v3", 1), ("v2-lite", 2), ("greedy-sigmoid-norm", 3)])
+def test_fused_shared_experts_follow_the_picks(name, shared):
+    # Shared experts fused as experts (layers/moe.py DeepseekMoE): S more columns after the K picks, ids
+    # X .. X + S - 1 with weight 1, the picks' weights unchanged (renormalized and scaled without them).
+    cfg = CONFIGS[name]
+    logits, bias = inputs(7, cfg, seed=shared)
+    weights, ids = mr.fused_route(logits, cfg, bias, shared=shared)
+    plain_w, plain_ids = mr.fused_route(logits, cfg, bias)
+    assert weights.shape == ids.shape == (7, cfg.top_k + shared) and weights.is_contiguous()
+    assert torch.equal(ids[:, : cfg.top_k], plain_ids) and torch.equal(weights[:, : cfg.top_k], plain_w)
+    assert ids[:, cfg.top_k:].tolist() == [list(range(cfg.num_experts, cfg.num_experts + shared))] * 7
+    assert torch.equal(weights[:, cfg.top_k:], torch.ones(7, shared, device=DEVICE))
+    want_w, want_ids = route(logits.float(), cfg, bias, shared)
+    assert torch.equal(want_ids[:, cfg.top_k:].to(ids.device), ids[:, cfg.top_k:])
+    assert torch.equal(want_w[:, cfg.top_k:], weights[:, cfg.top_k:])
+    with pytest.raises(ValueError, match="shared experts is more than 16"):
+        mr.fused_route(logits, cfg, bias, shared=17 - cfg.top_k)
+
+
 def test_no_tokens():
     weights, ids = mr.fused_route(torch.zeros(0, 64, device=DEVICE), CONFIGS["v2-lite"], None)
     assert weights.shape == ids.shape == (0, 6)
@@ -185,6 +204,7 @@ def test_router_selection(monkeypatch):
     try:
         assert moe._fused_router(CONFIGS["v3"]) is mr.fused_route
         assert moe._fused_router(RC(1024, 8)) is None
+        assert moe._fused_router(CONFIGS["v3"], 8) is mr.fused_route and moe._fused_router(CONFIGS["v3"], 9) is None
         monkeypatch.setenv("DEEPSERVE_FUSED_ROUTING", "0")
         assert moe._fused_router(CONFIGS["v2"]) is None
     finally:

@@ -9,6 +9,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from deepserve.layers import moe as moe_module
 from deepserve.layers.moe import DeepseekMoE, MoEGate, RoutedExperts, RoutingConfig, route
 
 ROUTINGS = {
@@ -115,6 +116,90 @@ def test_shared_experts_add_to_routed():
     weights, ids = moe.gate(x)
     want = moe.experts.forward_reference(x, weights, ids) + moe.shared_experts(x)
     torch.testing.assert_close(moe(x), want)
+
+
+def random_moe(num_shared: int, inter: int = 8, quant=None) -> DeepseekMoE:
+    torch.manual_seed(num_shared)
+    moe = DeepseekMoE(16, inter, num_shared, RoutingConfig(4, 2, routed_scaling_factor=2.5), quant)
+    for p in moe.parameters():
+        if p.is_floating_point() and p.dtype != torch.float8_e4m3fn:
+            p.data.normal_(0, 0.3)
+    return moe
+
+
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_fused_shared_experts_equal_the_shared_mlp(num_shared, monkeypatch):
+    # DEEPSERVE_SHARED_EXPERTS_FUSION: after loading, the shared MLP becomes num_shared more experts every
+    # token picks with weight 1 (ids 4 .. 4 + num_shared - 1); the layer's output does not change.
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    moe = random_moe(num_shared)
+    x = torch.randn(5, 16)
+    want = moe(x)
+    weights, ids = moe.gate(x)
+    moe.fuse_loaded_weights()
+    assert moe.shared_experts is None and moe.experts.num_shared_fused == num_shared
+    assert moe.experts.w13.shape == (4 + num_shared, 16, 16) and moe.experts.w2.shape == (4 + num_shared, 16, 8)
+    fused_w, fused_ids = moe.gate(x, num_shared)
+    assert torch.equal(fused_ids[:, :2], ids) and torch.equal(fused_w[:, :2], weights)
+    assert fused_ids[:, 2:].tolist() == [list(range(4, 4 + num_shared))] * 5
+    assert torch.equal(fused_w[:, 2:], torch.ones(5, num_shared))
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe.experts.forward_reference(x, fused_w, fused_ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_experts_stay_an_mlp_without_the_switch(monkeypatch):
+    monkeypatch.delenv("DEEPSERVE_SHARED_EXPERTS_FUSION", raising=False)
+    moe = random_moe(2)
+    moe.fuse_loaded_weights()
+    assert moe.shared_experts is not None and moe.experts.w13.shape[0] == 4
+
+
+@pytest.mark.parametrize("num_shared, inter", [(1, 96), (2, 128), (2, 96)])
+def test_fused_shared_fp8_experts_equal_the_shared_mlp(num_shared, inter, monkeypatch, caplog):
+    # DeepSeek-V3's FP8 blocks: the shared MLP's 128 x 128 blocks and scales cut into experts (one shared expert
+    # of partial blocks is taken whole; several are cut on block boundaries, and where 128 does not divide the
+    # experts' size the layer keeps its MLP and says why).
+    from deepserve.kernels import fp8_ref
+    from deepserve.layers.quantization import Fp8Config
+
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    block, hidden = (128, 128), 16
+    moe = DeepseekMoE(hidden, inter, num_shared, RoutingConfig(4, 2), Fp8Config(weight_block=block))
+    torch.manual_seed(inter)
+    moe.gate.weight.data.normal_(0, 0.3)
+
+    def quantized(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_ref.quantize_weight_block(torch.randn(rows, cols) * 0.3, block)
+
+    for e in range(4):
+        for member in (0, 1):
+            q, sc = quantized(inter, hidden)
+            moe.experts.w13.weight_loader(moe.experts.w13, q, (e, member))
+            moe.experts.w13_scale_inv.weight_loader(moe.experts.w13_scale_inv, sc, (e, member))
+        q, sc = quantized(hidden, inter)
+        moe.experts.w2.weight_loader(moe.experts.w2, q, e)
+        moe.experts.w2_scale_inv.weight_loader(moe.experts.w2_scale_inv, sc, e)
+    up, down = moe.shared_experts.w13, moe.shared_experts.w2
+    members = [quantized(num_shared * inter, hidden) for _ in range(2)]  # gate_proj, up_proj as shipped
+    up.weight.data.copy_(torch.cat([q for q, _ in members]))
+    up.weight_scale_inv.data.copy_(torch.cat([sc for _, sc in members]))
+    q, sc = quantized(hidden, num_shared * inter)
+    down.weight.data.copy_(q)
+    down.weight_scale_inv.data.copy_(sc)
+    x = torch.randn(5, hidden)
+    want = moe(x)
+    moe_module._warn_once.cache_clear()  # said once a process: clear what earlier tests said
+    with caplog.at_level("WARNING", logger="deepserve.layers.moe"):
+        moe.fuse_loaded_weights()
+    if inter % 128 and num_shared > 1:
+        assert moe.shared_experts is not None and moe.experts.w13.shape[0] == 4
+        assert "not a multiple of 128" in caplog.text
+        torch.testing.assert_close(moe(x), want)
+        return
+    assert moe.shared_experts is None and moe.experts.w13.dtype == torch.float8_e4m3fn
+    assert moe.experts.w13_scale_inv.shape[0] == moe.experts.w2_scale_inv.shape[0] == 4 + num_shared
+    got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_one_all_reduce_per_moe_layer(monkeypatch):

@@ -111,6 +111,31 @@ def test_logits_match_transformers(checkpoint):
         torch.testing.assert_close(got, hf_logits(hf_model, ids), atol=2e-5, rtol=1e-4)
 
 
+def test_fused_shared_experts_match_transformers(checkpoint, monkeypatch):
+    # DEEPSERVE_SHARED_EXPERTS_FUSION: every MoE layer's shared MLP runs as n_shared_experts more experts.
+    from deepserve.layers.moe import DeepseekMoE
+
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    path, hf_model = checkpoint
+    runner = make_runner(path)
+    layers = [m for m in runner.model.modules() if isinstance(m, DeepseekMoE)]
+    assert layers and all(m.shared_experts is None for m in layers)
+    experts = hf_model.config.n_routed_experts + hf_model.config.n_shared_experts
+    assert {m.experts.w13.shape[0] for m in layers} == {experts}
+    runner.allocate_kv_cache(64)
+    requests = with_blocks(runner, PROMPTS)
+    logits = run_step(runner, [(r, 0, len(r.prompt_token_ids)) for r in requests])
+    for ids, got in zip(PROMPTS, logits.split([len(p) for p in PROMPTS]), strict=True):
+        torch.testing.assert_close(got, hf_logits(hf_model, ids), atol=2e-5, rtol=1e-4)
+    # W2's bandwidth figure: a step reads the fused shared experts every time, as it read their MLP
+    from deepserve.bench.latency import weight_bytes_read_per_step
+
+    monkeypatch.delenv("DEEPSERVE_SHARED_EXPERTS_FUSION")
+    plain = make_runner(path).model
+    assert any(m.shared_experts is not None for m in plain.modules() if isinstance(m, DeepseekMoE))
+    assert weight_bytes_read_per_step(runner.model) == pytest.approx(weight_bytes_read_per_step(plain))
+
+
 def test_cached_prefix_and_mixed_step_match_transformers(checkpoint):
     """Step 1 prefills the first part of every prompt; step 2 mixes sequences that continue over
     their cached latents (absorbed form) with a fresh one (expanded form)."""
