@@ -50,7 +50,8 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_PDL_MLA_MOE": (_flag("DEEPSERVE_PDL_MLA_MOE", False),
                               "with DEEPSERVE_PDL, the MLA and MoE paths' kernels take part too (the MLA decode "
                               "attention, the absorbed head products, the router's logits, the routing, the int4 "
-                              "routed experts' GEMV, the slot sum; kernels/pdl.py). Default 0: not yet timed"),
+                              "routed experts' GEMV, the fused MoE's kernels, the slot sum; kernels/pdl.py). "
+                              "Default 0: not yet timed"),
     "DEEPSERVE_SHARED_EXPERTS_FUSION": (_flag("DEEPSERVE_SHARED_EXPERTS_FUSION", False),
                                         "1: DeepSeek's shared experts run as n_shared_experts more routed experts "
                                         "every token picks with weight 1, inside the fused MoE's launches "

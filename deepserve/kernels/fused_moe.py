@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from deepserve import envs
-from deepserve.kernels import fp8_ref, int4_ref, int4_tile
+from deepserve.kernels import fp8_ref, int4_ref, int4_tile, pdl
 from deepserve.kernels.int4_gemv import Int4GemvConfig, default_moe_gemv_config
 from deepserve.kernels.int4_moe_gemv import int4_moe_gemv
 from deepserve.kernels.int4_moe_mma import int4_moe_mma, mma_moe_supported
@@ -153,6 +153,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_ids = torch.empty(size, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    on = pdl.wanted(ids, topk_ids.shape[0], mla_moe=True)  # kernels/pdl.py, DEEPSERVE_PDL_MLA_MOE
     _moe_align_kernel[(1,)](
         ids, sorted_ids, expert_ids, num_padded, n, size, num_experts,
         BLOCK_N=block_n, BLOCK_E=max(triton.next_power_of_2(num_experts), 16), BLOCK_M=block_m,
@@ -160,7 +161,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
         # the runtime size: one compile per bucket (and Triton 3.6's interpreter cannot range over a
         # runtime int, triton-lang/triton#9171).
         SLOT_TILES=triton.cdiv(max_size, block_n), BLOCK_TILES=triton.cdiv(max_size // block_m, block_n),
-        num_warps=8 if n > 1024 else 4,
+        PDL=on, num_warps=8 if n > 1024 else 4, **pdl.launch_options(on),
     )
     return sorted_ids, expert_ids, num_padded
 
@@ -171,9 +172,11 @@ ALIGN_KERNEL_MAX = 4096  # one program sorts at most this many assignments in re
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assign, size, num_experts,
                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                      SLOT_TILES: tl.constexpr, BLOCK_TILES: tl.constexpr):
+                      SLOT_TILES: tl.constexpr, BLOCK_TILES: tl.constexpr, PDL: tl.constexpr = False):
     # One program; phases that write a slot another thread wrote or reads are separated by barriers
     # (a barrier also orders the block's global memory accesses).
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     offs = tl.arange(0, BLOCK_N)
     num_blocks = size // BLOCK_M
     for tile in range(SLOT_TILES):  # SLOT_TILES * BLOCK_N >= size
@@ -255,6 +258,7 @@ def _fused_moe_gemm_kernel(
     DOT_UPCAST: tl.constexpr, FP8: tl.constexpr, QUANTIZE_A: tl.constexpr, QUANTIZE_C: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROUND_C: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr,
     INT4: tl.constexpr, BITS: tl.constexpr, GROUP_Q: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # c[r] = f(a[r // rows_per_a] @ b[e].T) for the block's valid assignments r, e its expert.
     # Gate-up: a = x [T, H], rows_per_a = K, b = w13 [E, 2N, H], f = silu(gate) * up over b's row halves.
@@ -267,6 +271,9 @@ def _fused_moe_gemm_kernel(
     # ROUND_C: x's dtype, which c's values are rounded to (before their quantization under QUANTIZE_C).
     # INT4 (W4A16, int4_ref's layout): b holds packed codes [E, rows, K / (32 / BITS)], b_scale and b_zero
     # [E, rows, groups] fp16 (GROUP_Q inputs a group), g_idx [E, K] under act order (HAS_G_IDX).
+    # PDL (kernels/pdl.py): every read, the alignment's outputs first, comes after the wait; the trigger after
+    # the main loop. A program past the real total returns at once, which counts as its trigger.
+    pdl.wait(PDL)
     pid_m, pid_n = _tile_ids(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the real total: the worst-case grid's spare blocks
         return
@@ -291,6 +298,7 @@ def _fused_moe_gemm_kernel(
     else:
         acc = _expert_tile(a_rows, b_cols, row_ok, N * stride_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED,
                            DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] fp32
+    pdl.trigger(PDL)
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + assign, mask=row_ok, other=0.0)[:, None]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -446,8 +454,11 @@ def _store_fp8_groups(c_ptrs, scale_ptrs, acc, row_ok, col_ok, ROUND_C: tl.const
 
 @triton.jit(do_not_specialize=["rows"])
 def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, rows, stride_xm, stride_qm, stride_sm, K: tl.constexpr,
-                            GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr):
+                            GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, FP8_ROUND_IN_FP32: tl.constexpr,
+                            PDL: tl.constexpr = False):
     # One program per BLOCK_ROWS rows and one group of GROUP columns of x [rows, K].
+    pdl.trigger(PDL)  # a small kernel: the next one may start now (kernels/pdl.py)
+    pdl.wait(PDL)
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -627,12 +638,13 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: tor
     if int4 is not None:  # the int4 scales take the weight-scale slot (pointer and strides)
         scale_ptrs[1] = int4_ptrs[0]
         scale_strides[1:3] = [int4_ptrs[0].stride(0), int4_ptrs[0].stride(1)]
+    on = pdl.wanted(a, topk_weights.shape[0], mla_moe=True)  # the step's tokens (kernels/pdl.py)
     _fused_moe_gemm_kernel[grid](
         a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, *scale_ptrs, *int4_ptrs[1:],
         c.shape[0], rows_per_a, num_m_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0), *scale_strides,
         stride_ge, N=n, K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         GATED=gated, MUL_WEIGHT=not gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_dot_options(a.dtype), **fp8_options, **int4_options,
+        **_dot_options(a.dtype), **fp8_options, **int4_options, PDL=on, **pdl.launch_options(on),
     )
 
 
@@ -646,9 +658,11 @@ def _quantize_groups(x: torch.Tensor, group: int, like_q: torch.Tensor, like_sca
     m, k = x.shape
     groups = triton.cdiv(k, group)
     x_q, scale = _workspace(m, k, like_q), _workspace(m, groups, like_scale)
+    on = pdl.wanted(x, m, mla_moe=True)  # kernels/pdl.py: x's rows are the step's tokens
     _quantize_groups_kernel[(triton.cdiv(m, QUANTIZE_BLOCK_ROWS), groups)](
         x, x_q, scale, m, x.stride(0), x_q.stride(0), scale.stride(0), K=k, GROUP=group,
-        BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, FP8_ROUND_IN_FP32=INTERPRET, num_warps=4)
+        BLOCK_ROWS=QUANTIZE_BLOCK_ROWS, FP8_ROUND_IN_FP32=INTERPRET, PDL=on, num_warps=4,
+        **pdl.launch_options(on))
     return x_q, scale
 
 

@@ -575,17 +575,24 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
                                                   scoring_func="softmax", n_group=1, topk_group=1,
                                                   norm_topk_prob=True, routed_scaling_factor=1.0))
         moe_sum.sum_slots(torch.randn(4, 256, dtype=torch.bfloat16), 4)
+        # the fused MoE's FP8 path at one token: alignment, activation quantization, both grouped GEMMs
+        w13 = torch.randn(4, 512, 256).to(torch.float8_e4m3fn)
+        w2 = torch.randn(4, 256, 256).to(torch.float8_e4m3fn)
+        fm.fused_moe(torch.randn(1, 256, dtype=torch.bfloat16), w13, w2, torch.rand(1, 2), torch.tensor([[0, 3]]),
+                     w13_scale=torch.rand(4, 4, 2), w2_scale=torch.rand(4, 2, 2))
 
     hm = import_kernels("deepserve.kernels.head_matmul")
+    fm = import_kernels("deepserve.kernels.fused_moe")
     routing = import_kernels("deepserve.kernels.moe_routing")
     moe_sum = import_kernels("deepserve.kernels.moe_sum")
     from deepserve.layers.moe import RoutingConfig
 
-    launches = _record(monkeypatch, (ew, pa, fused, hm, routing, moe_sum), run, execute=False)
+    launches = _record(monkeypatch, (ew, pa, fused, hm, routing, moe_sum, fm), run, execute=False)
     assert {j["kernel"] for j in launches} == {"_silu_and_mul_kernel", "_rms_norm_kernel", "_rope_kv_store_kernel",
                                               "_mla_rope_store_kernel", "_gqa_decode_kernel", "_merge_splits_kernel",
                                               "_mla_decode_kernel", "_head_matmul_kernel", "_router_logits_kernel",
-                                              "_route_kernel", "_sum_slots_kernel"}
+                                              "_route_kernel", "_sum_slots_kernel", "_moe_align_kernel",
+                                              "_quantize_groups_kernel", "_fused_moe_gemm_kernel"}
     # Only these read anything before the wait: their weights (constants), by design
     weights_first = {"_rms_norm_kernel", "_head_matmul_kernel"}
     for job in launches:

@@ -68,6 +68,16 @@ def test_each_launch_counts_the_rows_the_rule_is_about(monkeypatch):
                         topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
     assert rows_of(lambda: moe_routing.fused_route(torch.randn(3, 8), cfg)) == {(3, True)}
     assert rows_of(lambda: moe_sum.sum_slots(torch.randn(6, 64), 3)) == {(2, True)}  # 6 slots of 2 tokens
+    # the fused MoE's FP8 path (alignment, activation quantization, both grouped GEMMs, slot sum): its tokens
+    from deepserve.kernels import fp8_ref
+    from deepserve.kernels.fused_moe import fused_moe
+
+    w13, s13 = fp8_ref.quantize_weight_block(torch.randn(4 * 256, 128), (128, 128))
+    w2, s2 = fp8_ref.quantize_weight_block(torch.randn(4 * 128, 128), (128, 128))
+    ids = torch.tensor([[0, 2], [1, 3], [2, 0]])
+    assert rows_of(lambda: fused_moe(torch.randn(3, 128, dtype=bf16), w13.view(4, 256, 128), w2.view(4, 128, 128),
+                                     torch.rand(3, 2), ids, w13_scale=s13.view(4, 2, 1),
+                                     w2_scale=s2.view(4, 1, 1))) == {(3, True)}
 
 
 def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, keys: int = 300):
@@ -111,9 +121,12 @@ def _chain(layers: int = 4, hidden: int = 512, heads: int = 4, dim: int = 128, k
 
 def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128,
                    hidden: int = 1024, experts: int = 16, keys: int = 300):
-    """A V2-Lite-like layer's MLA and routing kernels (DEEPSERVE_PDL_MLA_MOE's), between norms and cuBLAS products."""
+    """A V2-Lite-like layer's MLA and routing kernels and FP8 routed experts (DEEPSERVE_PDL_MLA_MOE's), between norms
+    and cuBLAS products."""
     ew = import_kernels("deepserve.kernels.elementwise")
     pa = import_kernels("deepserve.kernels.triton_paged_attention")
+    from deepserve.kernels.fp8_ref import quantize_weight_block
+    from deepserve.kernels.fused_moe import fused_moe
     from deepserve.kernels.head_matmul import head_matmul
     from deepserve.kernels.moe_routing import fused_route, router_logits
     from deepserve.kernels.moe_sum import sum_slots
@@ -133,6 +146,15 @@ def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int 
     w_uk = [randn(heads, rank, nope, scale=0.05) for _ in range(layers)]
     w_uv = [randn(heads, nope, rank, scale=0.05) for _ in range(layers)]
     w_router = [randn(experts, hidden, scale=0.05, dtype=torch.float32) for _ in range(layers)]
+
+    def fp8_experts(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_weight_block(randn(experts * rows, cols, dtype=torch.float32), (128, 128))
+        return q.view(experts, rows, cols), scale.view(experts, rows // 128, cols // 128) * 0.02
+
+    w_experts = []
+    for _ in range(layers):
+        (w13, s13), (w2, s2) = fp8_experts(2 * 256, hidden), fp8_experts(hidden, 256)
+        w_experts.append((w13, w2, dict(w13_scale=s13, w2_scale=s2)))
     cfg = RoutingConfig(num_experts=experts, top_k=4, topk_method="greedy", scoring_func="softmax", n_group=1,
                         topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
     positions = torch.tensor([keys], device=DEVICE)
@@ -156,8 +178,10 @@ def _mla_moe_chain(layers: int = 3, heads: int = 16, rank: int = 512, rope: int 
             o = head_matmul(latents, w_uv[i])  # [1, H, nope]
             weights, ids = fused_route(router_logits(h, w_router[i]), cfg)
             mixed = sum_slots(o.view(1, heads * nope)[:, :hidden].repeat(4, 1), 4, weights, ids, experts)
-            x = ew.silu_and_mul(torch.cat([mixed, h], dim=-1))
-            outs += [weights, ids, o]
+            w13, w2, scales = w_experts[i]
+            routed = fused_moe(h, w13, w2, weights, ids, block=(128, 128), **scales)  # FP8 experts, V3's format
+            x = ew.silu_and_mul(torch.cat([mixed + routed, h], dim=-1))
+            outs += [weights, ids, o, routed]
         return [x] + outs + caches
 
     return run, x0
