@@ -57,6 +57,11 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                         "every token picks with weight 1, inside the fused MoE's launches "
                                         "(layers/moe.py DeepseekMoE; not under expert parallelism). Default 0: not "
                                         "yet timed"),
+    "DEEPSERVE_FUSED_QKV_A": (_flag("DEEPSERVE_FUSED_QKV_A", False),
+                              "1: an MLA layer's first query projection (q_a_proj, or q_proj without a q LoRA) and "
+                              "kv_a_proj_with_mqa, which read the same input, are stacked into one linear after "
+                              "loading: one GEMV launch instead of two at decode (models/deepseek_v2.py; q_proj "
+                              "only at tensor parallelism 1). Default 0: not yet timed"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel, and the "
                                 "router's logits by cuBLAS at decode sizes too (kernels/moe_routing.router_logits)"),

@@ -343,3 +343,44 @@ class RowParallelLinear(LinearBase):
         out = tp_all_reduce(out)
         # The bias is added once, after the sum, not once per rank.
         return out + self.bias if self.bias is not None else out
+
+
+def stacked_rows(first: LinearBase, second: LinearBase) -> ReplicatedLinear | str:
+    """One linear computing [first(x), second(x)] from the two loaded ones (after loading, before any re-layout
+    or quantization at load), its rows the first's then the second's, or why the two cannot be stacked. Both
+    must read the whole input x (replicated, or column-parallel at tensor parallelism 1: the caller says) and
+    hold the same storage: bf16, FP8 blocks (the first's rows whole blocks, so the scale rows stack too), or
+    int4 words, scales and zeros of the same groups (no act order)."""
+    why = _stack_problem(first, second)
+    if why is not None:
+        return why
+    names = LinearBase.INT4_PARAMS[:3] if first.int4 is not None else ("weight", "weight_scale_inv")
+    rows = [getattr(m, names[0]).shape[0] for m in (first, second)]
+    in_features = first.int4_full_in if first.int4 is not None else first.weight.shape[1]
+    with torch.device("meta"):
+        merged = ReplicatedLinear(in_features, sum(rows), first.bias is not None, first.quant)
+    merged.dtype = first.dtype
+    for name in (*names, "bias"):
+        a, b = getattr(first, name), getattr(second, name)
+        setattr(merged, name, None if a is None else nn.Parameter(torch.cat([a.data, b.data]), requires_grad=False))
+    return merged
+
+
+def _stack_problem(first: LinearBase, second: LinearBase) -> str | None:
+    if type(first.quant) is not type(second.quant) or first.block != second.block or (first.int4 is None) != (
+            second.int4 is None) or (first.bias is None) != (second.bias is None):
+        return "the two projections are stored differently"
+    if first.weight_scale is not None or second.weight_scale is not None:
+        return "the projections are already quantized per channel"
+    if first.int4 is not None:
+        if first.int4_tiled or second.int4_tiled or first.g_idx is not None or second.g_idx is not None:
+            return "act order (g_idx)"
+        if (first.int4_group, first.int4.bits, first.int4_full_in) != (second.int4_group, second.int4.bits,
+                                                                          second.int4_full_in):
+            return "the two projections' int4 groups differ"
+        return None
+    if first.weight.shape[1] != second.weight.shape[1] or first.weight.dtype != second.weight.dtype:
+        return "the two projections' inputs or dtypes differ"
+    if first.block and (first.split_members or second.split_members or first.weight.shape[0] % first.block[0]):
+        return f"the first projection's rows are not whole FP8 blocks of {first.block[0]}"
+    return None

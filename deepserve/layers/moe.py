@@ -22,7 +22,6 @@ as under tensor parallelism sums the ranks' partial outputs. Shared experts stay
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +41,10 @@ from deepserve.layers.linear import (
     check_extent,
     default_weight_loader,
 )
-from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, Int4Config, QuantConfig
+from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, Int4Config, QuantConfig, warn_once
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -662,7 +659,7 @@ class DeepseekMoE(nn.Module):
             return
         why = self.experts.absorb_shared(self.shared_experts, self.num_shared)
         if why is not None:
-            _warn_once(f"DEEPSERVE_SHARED_EXPERTS_FUSION: the shared experts stay an MLP: {why}")
+            warn_once(f"DEEPSERVE_SHARED_EXPERTS_FUSION: the shared experts stay an MLP: {why}")
             return
         self.shared_experts = None
 
@@ -672,8 +669,3 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out)  # one all-reduce per MoE layer under tensor parallelism
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)

@@ -23,6 +23,7 @@ quantized one is dequantized at load).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -143,3 +144,10 @@ def quantize_after_loading(model: nn.Module) -> None:
             convert = getattr(module, hook, None)
             if convert is not None:
                 convert()
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """A load-time message said once a process, not once per layer (e.g. why a fusion after loading did not
+    apply: every layer of a model has the same reason)."""
+    logger.warning(message)

@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepserve import envs
 from deepserve.distributed.parallel_state import get_tp_world_size, is_first_stage, is_last_stage, stage_layers
 from deepserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from deepserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, stacked_rows
 from deepserve.layers.mla import MLAAttention
 from deepserve.layers.moe import MLP, DeepseekMoE, RoutingConfig
 from deepserve.layers.norm import RMSNorm
-from deepserve.layers.quantization import QuantConfig, fp8_config
+from deepserve.layers.quantization import QuantConfig, fp8_config, warn_once
 from deepserve.layers.rotary import RotaryEmbedding, rope_parameters, softmax_scale_correction
 from deepserve.loader.checkpoint import load_tensor, param_for, stage_weights
 from deepserve.loader.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, fp8_block_size, skip_mtp_layers
@@ -78,13 +79,43 @@ class MultiHeadLatentAttention(nn.Module):
         scale = self.qk_head_dim**-0.5 * softmax_scale_correction(rope_parameters(config))
         self.mla = MLAAttention(heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                                 config.v_head_dim, scale)
+        # DEEPSERVE_FUSED_QKV_A: after loading, wq_a (or wq) and wkv_a, which both read x, become one linear
+        # (fuse_loaded_weights): one GEMV launch instead of two at decode.
+        self.wqkv_a: nn.Module | None = None
+        self.q_a_rows = 0
+
+    def fuse_loaded_weights(self) -> None:
+        """After loading (layers/quantization.quantize_after_loading, before its children's re-layout): the
+        query's first projection and wkv_a stacked into one linear, under DEEPSERVE_FUSED_QKV_A. wq is
+        column-parallel, so without a q LoRA only at tensor parallelism 1."""
+        if not envs.DEEPSERVE_FUSED_QKV_A or self.wqkv_a is not None:
+            return
+        if not self.q_lora_rank and get_tp_world_size() > 1:
+            return
+        first = self.wq_a if self.q_lora_rank else self.wq
+        merged = stacked_rows(first, self.wkv_a)
+        if isinstance(merged, str):
+            warn_once(f"DEEPSERVE_FUSED_QKV_A: the q and kv_a projections stay apart: {merged}")
+            return
+        self.q_a_rows = (first.qweight if first.int4 is not None else first.weight).shape[0]
+        self.wqkv_a = merged
+        self.wkv_a = None
+        if self.q_lora_rank:
+            self.wq_a = None
+        else:
+            self.wq = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T], x: [T, E] -> [T, E]
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)  # [T, H * Dk]
+        if self.wqkv_a is not None:  # [T, q_a_rows + C + Dr]: views of one product
+            q, kv = self.wqkv_a(x).split([self.q_a_rows, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+            q = self.wq_b(self.q_norm(q)) if self.q_lora_rank else q  # [T, H * Dk]
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)  # [T, H * Dk]
+            kv = self.wkv_a(x)
         q_nope, q_pe = q.view(-1, self.num_heads, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, Dn], [T, H, Dr]
-        kv_c, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [T, C], [T, Dr]
+        kv_c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # [T, C], [T, Dr]
         # q_pe and k_pe rotated inside (on GPUs in the latent store's launch)
         out = self.mla(q_nope, q_pe, self.kv_norm(kv_c), k_pe, rope=(positions, self.rotary))  # [T, H * Dv]
         return self.wo(out)

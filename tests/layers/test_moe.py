@@ -9,8 +9,8 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from deepserve.layers import moe as moe_module
 from deepserve.layers.moe import DeepseekMoE, MoEGate, RoutedExperts, RoutingConfig, route
+from deepserve.layers.quantization import warn_once
 
 ROUTINGS = {
     "greedy-softmax": RoutingConfig(16, 4),
@@ -188,7 +188,7 @@ def test_fused_shared_fp8_experts_equal_the_shared_mlp(num_shared, inter, monkey
     down.weight_scale_inv.data.copy_(sc)
     x = torch.randn(5, hidden)
     want = moe(x)
-    moe_module._warn_once.cache_clear()  # said once a process: clear what earlier tests said
+    warn_once.cache_clear()  # said once a process: clear what earlier tests said
     with caplog.at_level("WARNING", logger="deepserve.layers.moe"):
         moe.fuse_loaded_weights()
     if inter % 128 and num_shared > 1:

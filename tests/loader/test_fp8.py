@@ -176,15 +176,19 @@ def test_fp8_checkpoint_dequantized_matches_reference(fp8_checkpoint, caplog):
 def test_fp8_checkpoint_served_in_fp8(fp8_checkpoint, monkeypatch, fused):
     # The default: the checkpoint's FP8 weights stay FP8 (wkv_b excepted) and activations are quantized
     # per token and 128-column group on the fly (as DeepSeek's own inference code does). fused:
-    # DEEPSERVE_SHARED_EXPERTS_FUSION, the shared expert's FP8 weights and block scales one more routed expert.
+    # DEEPSERVE_SHARED_EXPERTS_FUSION, the shared expert's FP8 weights and block scales one more routed expert,
+    # and DEEPSERVE_FUSED_QKV_A, which keeps q_a_proj and kv_a_proj_with_mqa apart here: q_lora_rank 24 is not
+    # whole 128-row blocks (tests/layers/test_stacked_rows.py stacks FP8 blocks).
     if fused:
         monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
     hf_model, fp8_dir, ref_dir = fp8_checkpoint
     runner = make_runner(fp8_dir)
     params = dict(runner.model.named_parameters())
     fp8 = {n for n, p in params.items() if p.dtype == torch.float8_e4m3fn}
-    assert "layers.0.attn.wq_a.weight" in fp8 and "layers.1.ffn.experts.w13" in fp8 and "layers.0.ffn.w13.weight" in fp8
+    assert "layers.1.ffn.experts.w13" in fp8 and "layers.0.ffn.w13.weight" in fp8
     assert ("layers.1.ffn.shared_experts.w2.weight" in fp8) != fused
+    assert "layers.0.attn.wq_a.weight" in fp8 and "layers.0.attn.wqkv_a.weight" not in fp8
     experts = hf_model.config.n_routed_experts + (hf_model.config.n_shared_experts if fused else 0)
     assert params["layers.1.ffn.experts.w2"].shape[0] == params["layers.1.ffn.experts.w2_scale_inv"].shape[0] == experts
     assert params["layers.0.attn.mla.wkv_b.weight"].dtype == torch.float32

@@ -136,6 +136,26 @@ def test_fused_shared_experts_match_transformers(checkpoint, monkeypatch):
     assert weight_bytes_read_per_step(runner.model) == pytest.approx(weight_bytes_read_per_step(plain))
 
 
+def test_fused_qkv_a_matches_transformers(checkpoint, monkeypatch):
+    # DEEPSERVE_FUSED_QKV_A: q_a_proj (or q_proj) and kv_a_proj_with_mqa stacked into one linear after loading;
+    # the query and the latent are views of its one product.
+    from deepserve.models.deepseek_v2 import MultiHeadLatentAttention
+
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    path, hf_model = checkpoint
+    runner = make_runner(path)
+    layers = [m for m in runner.model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    c = hf_model.config
+    q_rows = c.q_lora_rank or c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    assert layers and all(m.wqkv_a is not None and m.wkv_a is None for m in layers)
+    assert {m.wqkv_a.weight.shape for m in layers} == {(q_rows + c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)}
+    runner.allocate_kv_cache(64)
+    requests = with_blocks(runner, PROMPTS)
+    logits = run_step(runner, [(r, 0, len(r.prompt_token_ids)) for r in requests])
+    for ids, got in zip(PROMPTS, logits.split([len(p) for p in PROMPTS]), strict=True):
+        torch.testing.assert_close(got, hf_logits(hf_model, ids), atol=2e-5, rtol=1e-4)
+
+
 def test_cached_prefix_and_mixed_step_match_transformers(checkpoint):
     """Step 1 prefills the first part of every prompt; step 2 mixes sequences that continue over
     their cached latents (absorbed form) with a fresh one (expanded form)."""

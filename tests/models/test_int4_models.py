@@ -124,11 +124,13 @@ def test_deepseek_int4_equals_transformers_on_the_dequantized_weights(tmp_path, 
                                                                       monkeypatch):
     # Attention projections, the dense MLP, shared and routed experts int4; the router and wkv_b (MLA
     # folds it: dequantized at load) in the model dtype. fused: DEEPSERVE_SHARED_EXPERTS_FUSION, the shared
-    # experts' int4 words, scales and zeros cut into experts (act order keeps its MLP: g_idx is not cut).
+    # experts' int4 words, scales and zeros cut into experts, and DEEPSERVE_FUSED_QKV_A, the q and kv_a
+    # projections' stacked (act order keeps both apart: g_idx is not cut).
     from tests.models.test_deepseek import PROMPTS as DS_PROMPTS
 
     if fused:
         monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
     hf_model = make_hf_model(*DEEPSEEK[family])
     path, ref = int4_checkpoint(tmp_path, hf_model, tokenizer, fmt)
     runner = make_runner(path)
@@ -138,8 +140,11 @@ def test_deepseek_int4_equals_transformers_on_the_dequantized_weights(tmp_path, 
     if fused and fmt == "awq":
         assert "layers.1.ffn.shared_experts.w2.qweight" not in params
         assert params["layers.1.ffn.experts.w2_qzeros"].shape[0] == hf_model.config.n_routed_experts + shared
+        assert "layers.0.attn.wkv_a.qweight" not in params
+        assert params["layers.0.attn.wqkv_a.qweight"].dtype == torch.int32
     else:
         assert params["layers.1.ffn.shared_experts.w2.qweight"].dtype == torch.int32
+        assert "layers.0.attn.wqkv_a.qweight" not in params
     assert params["layers.0.attn.wo.qweight"].dtype == torch.int32
     assert params["layers.0.attn.mla.wkv_b.weight"].dtype == torch.float32
     assert params["layers.1.ffn.gate.weight"].dtype == torch.float32
