@@ -168,10 +168,16 @@ def _gqa_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
     # tl.dot with the group padded to BLOCK_G >= 16 rows (the tensor-core minimum; pad rows are never stored).
+    if PREFETCH:  # with PDL: the first tile's keys and values asked into L2 before the wait (_prefetch_tile)
+        seq = tl.program_id(0).to(tl.int64)
+        first, last = _split_range(tl.load(seq_lens_ptr + seq), tl.program_id(2), tl.num_programs(2), BLOCK_N)
+        _prefetch_tile(kv_ptr, block_tables_ptr + seq * stride_bt, first + tl.arange(0, BLOCK_N), last,
+                       tl.program_id(1) * stride_head, stride_kv, stride_blk, stride_tok, PAGE_SIZE, HEAD_DIM)
     pdl.wait(PDL)  # everything read here is written by earlier kernels (kernels/pdl.py)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -230,6 +236,32 @@ def _gqa_decode_kernel(
                   part_out_ptr + b * stride_pb + head[:, None] * stride_ph + s * stride_ps + offs_d[None, :],
                   part_lse_ptr + (b * num_heads + head) * tl.num_programs(2) + s,
                   g_mask[:, None] & d_mask[None, :], g_mask, SPLIT)
+
+
+@triton.jit
+def _prefetch_tile(kv_ptr, table_row, offs_n, end, head_off, stride_kv, stride_blk, stride_tok,
+                   PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """DEEPSERVE_PDL_KV_PREFETCH (kernels/pdl.py KV_PREFETCH), before the PDL wait: one L2 prefetch per 128-byte
+    line of the keys and values offs_n (< end) of one kv head, so the loop after the wait finds them in L2.
+    A prefetch returns nothing to the kernel, so it cannot read a value early: the newest key, which the kernel
+    before may still be writing, is read after the wait like every other. What it does read before the wait,
+    seq_lens and the block table, the step wrote before its first kernel started (kernels/pdl.py)."""
+    LINE: tl.constexpr = 128 // (kv_ptr.dtype.element_ty.primitive_bitwidth // 8)  # values a line
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    valid = offs_n < end
+    # Keys past the end take block 0 (every cache has one): a harmless prefetch, no branch.
+    page = tl.load(table_row + offs_n // PAGE_SIZE, mask=valid, other=0)
+    row = page.to(tl.int64) * stride_blk + (offs_n % PAGE_SIZE) * stride_tok + head_off
+    lines = row[:, None] + (tl.arange(0, LINES) * LINE)[None, :]  # [BLOCK_N, LINES]
+    _prefetch_l2(kv_ptr + lines)
+    _prefetch_l2(kv_ptr + stride_kv + lines)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    # PTX prefetch.global.L2: the line at each address into L2; the dummy output only gives the asm a result.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -562,7 +594,8 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
         KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), PDL=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(on),
+        PREFETCH=on and pdl.KV_PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(on),
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

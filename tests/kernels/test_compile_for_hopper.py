@@ -565,6 +565,10 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
         tables, lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
         pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
                                   num_splits=2)
+        with monkeypatch.context() as m:  # DEEPSERVE_PDL_KV_PREFETCH: the first tile asked into L2 before the wait
+            m.setattr(pdl, "KV_PREFETCH", True)
+            pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
+                                      num_splits=2)
         # DEEPSERVE_PDL_MLA_MOE's kernels: MLA decode, the absorbed head product, router logits, routing, slot sum
         latent = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
         pa.paged_mla_decode_attention(torch.randn(1, 16, 512, dtype=torch.bfloat16),
@@ -593,15 +597,19 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
                                               "_mla_decode_kernel", "_head_matmul_kernel", "_router_logits_kernel",
                                               "_route_kernel", "_sum_slots_kernel", "_moe_align_kernel",
                                               "_quantize_groups_kernel", "_fused_moe_gemm_kernel"}
-    # Only these read anything before the wait: their weights (constants), by design
+    # Only these read anything before the wait: their weights (constants), by design, and with KV prefetch the
+    # decode attention its block table and seq_lens (written before the step's first kernel), to prefetch
     weights_first = {"_rms_norm_kernel", "_head_matmul_kernel"}
+    prefetching = [j for j in launches if j["constexprs"].get("PREFETCH")]
+    assert len(prefetching) == 1
+    prefetching[0]["expect_order"] = [["prefetch.global.L2", "griddepcontrol.wait"]]  # the prefetch comes first
     for job in launches:
         assert job["constexprs"]["PDL"] is True and job["launch_pdl"] is True, job["kernel"]
         job["expect_ptx"] = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
         # nothing stored, counted or copied asynchronously before the wait; nothing loaded either but weights
-        after_wait = ["st.global", "atom.", "red.", "cp.async"] + ([] if job["kernel"] in weights_first
-                                                                  else ["ld.global"])
-        job["expect_order"] = [["griddepcontrol.wait", then] for then in after_wait]
+        reads_first = job["kernel"] in weights_first or job["constexprs"].get("PREFETCH", False)
+        after_wait = ["st.global", "atom.", "red.", "cp.async"] + ([] if reads_first else ["ld.global"])
+        job["expect_order"] = job.get("expect_order", []) + [["griddepcontrol.wait", then] for then in after_wait]
         del job["launch_pdl"]
     _compile_all(launches)
 
