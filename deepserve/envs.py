@@ -53,9 +53,9 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "routed experts' GEMV, the fused MoE's kernels, the slot sum; kernels/pdl.py). "
                               "Default 0: not yet timed"),
     "DEEPSERVE_PDL_KV_PREFETCH": (_flag("DEEPSERVE_PDL_KV_PREFETCH", False),
-                                  "with DEEPSERVE_PDL, a one-token MHA/GQA decode attention launch asks its first "
-                                  "tile of keys and values into L2 before waiting for the kernel before it "
-                                  "(kernels/pdl.py). Default 0: not yet timed"),
+                                  "with DEEPSERVE_PDL, a one-token decode attention launch (MLA: with "
+                                  "DEEPSERVE_PDL_MLA_MOE) asks its first tile of cache rows into L2 before "
+                                  "waiting for the kernel before it (kernels/pdl.py). Default 0: not yet timed"),
     "DEEPSERVE_SHARED_EXPERTS_FUSION": (_flag("DEEPSERVE_SHARED_EXPERTS_FUSION", False),
                                         "1: DeepSeek's shared experts run as n_shared_experts more routed experts "
                                         "every token picks with weight 1, inside the fused MoE's launches "

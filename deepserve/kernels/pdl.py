@@ -54,9 +54,10 @@ ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
 # The MLA and MoE paths' kernels (MLA decode, head_matmul, router logits, routing, the int4 routed experts' GEMV,
 # the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: written to the same rule, not yet timed.
 MLA_MOE = bool(envs.DEEPSERVE_PDL_MLA_MOE)
-# With PDL, the MHA/GQA decode attention asks its first tile of keys and values into L2 before the wait (a prefetch
-# brings nothing into the kernel's registers, so no value is read early; the block table and seq_lens it reads to
-# find the tile were written before the step's first kernel): DEEPSERVE_PDL_KV_PREFETCH, not yet timed.
+# With PDL, the decode attention (MHA/GQA; MLA with MLA_MOE) asks its first tile of cache rows into L2 before the
+# wait (a prefetch brings nothing into the kernel's registers, so no value is read early; the block table and
+# seq_lens it reads to find the tile were written before the step's first kernel): DEEPSERVE_PDL_KV_PREFETCH, not
+# yet timed.
 KV_PREFETCH = bool(envs.DEEPSERVE_PDL_KV_PREFETCH)
 
 

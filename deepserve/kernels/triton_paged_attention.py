@@ -168,16 +168,19 @@ def _gqa_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     # One program = (sequence b, kv head, split s); it serves the G query heads of the kv head, so each
     # K/V row is read once per group. BLOCK_G == 1 (MHA only) uses broadcast-multiply-sum; otherwise
     # tl.dot with the group padded to BLOCK_G >= 16 rows (the tensor-core minimum; pad rows are never stored).
-    if PREFETCH:  # with PDL: the first tile's keys and values asked into L2 before the wait (_prefetch_tile)
+    if PREFETCH:  # with PDL: the first tile's keys and values asked into L2 before the wait (_tile_lines)
         seq = tl.program_id(0).to(tl.int64)
         first, last = _split_range(tl.load(seq_lens_ptr + seq), tl.program_id(2), tl.num_programs(2), BLOCK_N)
-        _prefetch_tile(kv_ptr, block_tables_ptr + seq * stride_bt, first + tl.arange(0, BLOCK_N), last,
-                       tl.program_id(1) * stride_head, stride_kv, stride_blk, stride_tok, PAGE_SIZE, HEAD_DIM)
+        lines = _tile_lines(block_tables_ptr + seq * stride_bt, first + tl.arange(0, BLOCK_N), last,
+                            tl.program_id(1) * stride_head, stride_blk, stride_tok, PAGE_SIZE, HEAD_DIM,
+                            128 // (kv_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH)
+        _prefetch_l2(kv_ptr + lines)  # keys
+        _prefetch_l2(kv_ptr + stride_kv + lines)  # values
     pdl.wait(PDL)  # everything read here is written by earlier kernels (kernels/pdl.py)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -239,22 +242,21 @@ def _gqa_decode_kernel(
 
 
 @triton.jit
-def _prefetch_tile(kv_ptr, table_row, offs_n, end, head_off, stride_kv, stride_blk, stride_tok,
-                   PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """DEEPSERVE_PDL_KV_PREFETCH (kernels/pdl.py KV_PREFETCH), before the PDL wait: one L2 prefetch per 128-byte
-    line of the keys and values offs_n (< end) of one kv head, so the loop after the wait finds them in L2.
-    A prefetch returns nothing to the kernel, so it cannot read a value early: the newest key, which the kernel
-    before may still be writing, is read after the wait like every other. What it does read before the wait,
-    seq_lens and the block table, the step wrote before its first kernel started (kernels/pdl.py)."""
-    LINE: tl.constexpr = 128 // (kv_ptr.dtype.element_ty.primitive_bitwidth // 8)  # values a line
-    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+def _tile_lines(table_row, offs_n, end, head_off, stride_blk, stride_tok, PAGE_SIZE: tl.constexpr,
+                WIDTH: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+    """DEEPSERVE_PDL_KV_PREFETCH (kernels/pdl.py KV_PREFETCH), before the PDL wait: [BLOCK_N, LINES] offsets, one
+    in each 128-byte line (LINE values) of the WIDTH values cached for the keys offs_n (< end; LINES: the lines
+    rounded up to a power of two, _prefetch_lines), for _prefetch_l2,
+    so the loop after the wait finds them in L2. A prefetch returns nothing to the kernel, so it cannot read a
+    value early: the newest key, which the kernel before may still be writing, is read after the wait like every
+    other. What this does read before the wait, seq_lens and the block table, the step wrote before its first
+    kernel started (kernels/pdl.py)."""
     valid = offs_n < end
     # Keys past the end take block 0 (every cache has one): a harmless prefetch, no branch.
     page = tl.load(table_row + offs_n // PAGE_SIZE, mask=valid, other=0)
     row = page.to(tl.int64) * stride_blk + (offs_n % PAGE_SIZE) * stride_tok + head_off
-    lines = row[:, None] + (tl.arange(0, LINES) * LINE)[None, :]  # [BLOCK_N, LINES]
-    _prefetch_l2(kv_ptr + lines)
-    _prefetch_l2(kv_ptr + stride_kv + lines)
+    line_starts = tl.minimum(tl.arange(0, LINES) * LINE, WIDTH - 1)  # the power-of-two padding repeats the last
+    return row[:, None] + line_starts[None, :]
 
 
 @triton.jit
@@ -362,10 +364,16 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr, WIDEN_F16: tl.constexpr,
-    RELOAD_VALUES: tl.constexpr, PDL: tl.constexpr = False,
+    RELOAD_VALUES: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     # One program = (head tile, sequence b, split s). The head tile is grid axis 0, so the programs
     # sharing a sequence run side by side and the latent rows they all read come from L2.
+    if PREFETCH:  # with PDL: the first tile's latent rows asked into L2 before the wait (_tile_lines)
+        seq = tl.program_id(1).to(tl.int64)
+        first, last = _split_range(tl.load(seq_lens_ptr + seq), tl.program_id(2), tl.num_programs(2), BLOCK_N)
+        _prefetch_l2(cache_ptr + _tile_lines(block_tables_ptr + seq * stride_bt, first + tl.arange(0, BLOCK_N), last,
+                                             0, stride_blk, stride_tok, PAGE_SIZE, RANK + ROPE,
+                                             128 // (cache_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH))
     pdl.wait(PDL)  # everything read here is written by earlier kernels (kernels/pdl.py)
     ht = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -594,12 +602,20 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=cfg.block_h, HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1, **_dot_options(query.dtype),
         KV_FP8=kv_cache.dtype == FP8, WIDEN_F16=_widen_f16(cfg, kv_cache, query.dtype), PDL=on,
-        PREFETCH=on and pdl.KV_PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=_prefetch_lines(on, dim, kv_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_options(on),
     )
     if splits > 1:
         _merge(part_out, part_lse, out)
     return out
+
+
+def _prefetch_lines(chained: bool, width: int, cache: torch.Tensor) -> int:
+    """The kernels' PREFETCH: 0 (no prefetch), or, for a launch with programmatic dependence under
+    DEEPSERVE_PDL_KV_PREFETCH, the 128-byte lines a key's `width` cached values span, rounded up to a power of two."""
+    if not (chained and pdl.KV_PREFETCH):
+        return 0
+    return triton.next_power_of_2(triton.cdiv(width * cache.element_size(), 128))
 
 
 def paged_mla_decode_attention(
@@ -646,7 +662,8 @@ def paged_mla_decode_attention(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE_SIZE=page, SPLIT=splits > 1,
         **_dot_options(q_latent.dtype), KV_FP8=latent_cache.dtype == FP8,
         WIDEN_F16=_widen_f16(cfg, latent_cache, q_latent.dtype), RELOAD_VALUES=cfg.reload_values, PDL=on,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(on),
+        PREFETCH=_prefetch_lines(on, rank + rope, latent_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(on),
     )
     if splits > 1:
         _merge(part_out, part_lse, out)

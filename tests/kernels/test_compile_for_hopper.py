@@ -565,14 +565,17 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
         tables, lens = torch.arange(8, dtype=torch.int32)[None], torch.tensor([100], dtype=torch.int32)
         pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
                                   num_splits=2)
-        with monkeypatch.context() as m:  # DEEPSERVE_PDL_KV_PREFETCH: the first tile asked into L2 before the wait
-            m.setattr(pdl, "KV_PREFETCH", True)
-            pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
-                                      num_splits=2)
         # DEEPSERVE_PDL_MLA_MOE's kernels: MLA decode, the absorbed head product, router logits, routing, slot sum
         latent = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
         pa.paged_mla_decode_attention(torch.randn(1, 16, 512, dtype=torch.bfloat16),
                                       torch.randn(1, 16, 64, dtype=torch.bfloat16), latent, tables, lens, 0.1)
+        with monkeypatch.context() as m:  # DEEPSERVE_PDL_KV_PREFETCH: the first tile asked into L2 before the wait
+            m.setattr(pdl, "KV_PREFETCH", True)
+            pa.paged_decode_attention(torch.randn(1, 4, 128, dtype=torch.bfloat16), cache, tables, lens, 0.1,
+                                      num_splits=2)
+            pa.paged_mla_decode_attention(torch.randn(1, 16, 512, dtype=torch.bfloat16),
+                                          torch.randn(1, 16, 64, dtype=torch.bfloat16), latent.to(torch.float8_e4m3fn),
+                                          tables, lens, 0.1, kv_scale=torch.ones(1))
         hm.head_matmul(torch.randn(1, 16, 128, dtype=torch.bfloat16), torch.randn(16, 512, 128, dtype=torch.bfloat16))
         logits = routing.router_logits(torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(16, 256))
         routing.fused_route(logits, RoutingConfig(num_experts=16, top_k=4, topk_method="greedy",
@@ -601,8 +604,11 @@ def test_pdl_launches_compile_with_the_grid_dependency_instructions(monkeypatch)
     # decode attention its block table and seq_lens (written before the step's first kernel), to prefetch
     weights_first = {"_rms_norm_kernel", "_head_matmul_kernel"}
     prefetching = [j for j in launches if j["constexprs"].get("PREFETCH")]
-    assert len(prefetching) == 1
-    prefetching[0]["expect_order"] = [["prefetch.global.L2", "griddepcontrol.wait"]]  # the prefetch comes first
+    # GQA bf16: 256 bytes a key, 2 lines; MLA FP8: 576, 5 lines rounded up to 8
+    assert [(j["kernel"], j["constexprs"]["PREFETCH"]) for j in prefetching] == [("_gqa_decode_kernel", 2),
+                                                                                 ("_mla_decode_kernel", 8)]
+    for job in prefetching:
+        job["expect_order"] = [["prefetch.global.L2", "griddepcontrol.wait"]]  # the prefetch comes first
     for job in launches:
         assert job["constexprs"]["PDL"] is True and job["launch_pdl"] is True, job["kernel"]
         job["expect_ptx"] = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]

@@ -196,19 +196,19 @@ def _fill_freed_memory_with_nans() -> None:
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs an sm_90+ GPU")
 @pytest.mark.gpu
-@pytest.mark.parametrize("chain", ["gqa-fp8-gemv", "gqa-kv-prefetch", "mla-moe"])
+@pytest.mark.parametrize("chain", ["gqa-fp8-gemv", "gqa-kv-prefetch", "mla-moe", "mla-moe-kv-prefetch"])
 def test_a_decode_chain_with_it_gives_the_plain_chains_bits(monkeypatch, chain):
     # Eagerly, then in a CUDA graph replayed with a new input each time (a read that raced ahead of its
     # producer would see the previous replay's values), with and without PDL: the same bits every time.
-    # gqa-kv-prefetch: DEEPSERVE_PDL_KV_PREFETCH too, the decode attention's first tile asked into L2 before the
+    # *-kv-prefetch: DEEPSERVE_PDL_KV_PREFETCH too, the decode attention's first tile asked into L2 before the
     # wait, while the rope + KV store before it may still be writing the newest key.
     pdl = import_kernels("deepserve.kernels.pdl")
     monkeypatch.setattr(pdl, "MLA_MOE", True)  # DEEPSERVE_PDL_MLA_MOE: with ON, those kernels take part too
-    monkeypatch.setattr(pdl, "KV_PREFETCH", chain == "gqa-kv-prefetch")
+    monkeypatch.setattr(pdl, "KV_PREFETCH", chain.endswith("kv-prefetch"))
     results = {}
     for on in (False, True):
         monkeypatch.setattr(pdl, "ON", on)
-        run, x0 = _mla_moe_chain() if chain == "mla-moe" else _chain()
+        run, x0 = _mla_moe_chain() if chain.startswith("mla") else _chain()
         g = torch.Generator(device=DEVICE).manual_seed(7)  # the same inputs for both
         inputs = [torch.randn(x0.shape, device=DEVICE, generator=g).to(x0.dtype) for _ in range(4)]
         _fill_freed_memory_with_nans()
