@@ -80,6 +80,16 @@ def fp8_channel_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return fp8_ref.channel_fp8_linear_ref(x, weight, scale, bias)
 
 
+def parameter_like(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    """A new parameter holding `data` (made after loading, e.g. by a fusion) with the attributes the loader and
+    the planner read on the one it replaces: its weight_loader and an int4 tensor's quant_bits."""
+    param = nn.Parameter(data, requires_grad=False)
+    for attribute in ("weight_loader", "quant_bits"):
+        if hasattr(like, attribute):
+            setattr(param, attribute, getattr(like, attribute))
+    return param
+
+
 def _no_loading_after_tiling(param: nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
     # a checkpoint tensor has the row layout: copied into a tiled parameter it would give wrong products
     raise RuntimeError("this int4 layer took the tensor-core GEMV's tiled layout after loading "
@@ -362,7 +372,7 @@ def stacked_rows(first: LinearBase, second: LinearBase) -> ReplicatedLinear | st
     merged.dtype = first.dtype
     for name in (*names, "bias"):
         a, b = getattr(first, name), getattr(second, name)
-        setattr(merged, name, None if a is None else nn.Parameter(torch.cat([a.data, b.data]), requires_grad=False))
+        setattr(merged, name, None if a is None else parameter_like(torch.cat([a.data, b.data]), a))
     return merged
 
 

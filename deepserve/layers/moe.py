@@ -40,6 +40,7 @@ from deepserve.layers.linear import (
     RowParallelLinear,
     check_extent,
     default_weight_loader,
+    parameter_like,
 )
 from deepserve.layers.quantization import PER_CHANNEL_EXPERT_BLOCK, Fp8Config, Int4Config, QuantConfig, warn_once
 
@@ -448,9 +449,7 @@ class RoutedExperts(nn.Module):
                         f"experts' {tuple(old.shape[1:])} {old.dtype}")
         for name, extra in chunks.items():
             old = getattr(self, name)
-            param = nn.Parameter(torch.cat([old.data, extra.to(old.device)]), requires_grad=False)
-            param.weight_loader = getattr(old, "weight_loader", None)
-            setattr(self, name, param)
+            setattr(self, name, parameter_like(torch.cat([old.data, extra.to(old.device)]), old))
         self.num_local += count
         self.num_shared_fused = count
         return None
@@ -649,13 +648,18 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (MLP(hidden_size, intermediate_size * num_shared, reduce_results=False, quant=quant)
                                if num_shared else None)
         self.num_shared = num_shared
-        self.fuse_shared = (bool(num_shared) and envs.DEEPSERVE_SHARED_EXPERTS_FUSION
-                            and not self.experts.expert_parallel)
+        self.fuse_shared = bool(num_shared) and envs.DEEPSERVE_SHARED_EXPERTS_FUSION
 
     def fuse_loaded_weights(self) -> None:
         """After loading (layers/quantization.quantize_after_loading, before the re-layouts and quantization at
-        load of this module's children): the shared experts into the routed ones, when fuse_shared."""
+        load of this module's children): the shared experts into the routed ones, when fuse_shared. Tried once:
+        a refusal is said once a process and not retried (a later pass would see re-laid-out weights)."""
         if not self.fuse_shared or self.shared_experts is None:
+            return
+        self.fuse_shared = False
+        if self.experts.expert_parallel:
+            warn_once("DEEPSERVE_SHARED_EXPERTS_FUSION: the shared experts stay an MLP under expert parallelism "
+                      "(they are split by tensor parallelism there, the routed experts are not)")
             return
         why = self.experts.absorb_shared(self.shared_experts, self.num_shared)
         if why is not None:

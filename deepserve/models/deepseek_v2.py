@@ -83,14 +83,19 @@ class MultiHeadLatentAttention(nn.Module):
         # (fuse_loaded_weights): one GEMV launch instead of two at decode.
         self.wqkv_a: nn.Module | None = None
         self.q_a_rows = 0
+        self.fuse_qkv_a = envs.DEEPSERVE_FUSED_QKV_A
 
     def fuse_loaded_weights(self) -> None:
         """After loading (layers/quantization.quantize_after_loading, before its children's re-layout): the
         query's first projection and wkv_a stacked into one linear, under DEEPSERVE_FUSED_QKV_A. wq is
-        column-parallel, so without a q LoRA only at tensor parallelism 1."""
-        if not envs.DEEPSERVE_FUSED_QKV_A or self.wqkv_a is not None:
+        column-parallel, so without a q LoRA only at tensor parallelism 1. Tried once: a refusal is said once a
+        process and not retried (a later pass would see re-laid-out weights)."""
+        if not self.fuse_qkv_a:
             return
+        self.fuse_qkv_a = False
         if not self.q_lora_rank and get_tp_world_size() > 1:
+            warn_once("DEEPSERVE_FUSED_QKV_A: q_proj and kv_a_proj_with_mqa stay apart under tensor parallelism "
+                      "(q_proj is split by it, kv_a_proj_with_mqa is not)")
             return
         first = self.wq_a if self.q_lora_rank else self.wq
         merged = stacked_rows(first, self.wkv_a)

@@ -253,3 +253,15 @@ def test_expert_parallel_plans_what_only_expert_parallelism_fits(tmp_path, capsy
     assert main(["plan", model, "--gpu", "24", "-tp", "8", "--enable-expert-parallel"]) == 0
     out = capsys.readouterr().out
     assert "experts whole across the TP ranks (EP)" in out and "--enable-expert-parallel" in out
+
+
+@pytest.mark.parametrize("quantization", [None, "awq", "fp8"])
+def test_the_load_time_fusions_plan_the_same_model(quantization, monkeypatch):
+    # DEEPSERVE_SHARED_EXPERTS_FUSION and DEEPSERVE_FUSED_QKV_A rearrange loaded weights (the planner builds the
+    # model on the meta device and runs the same after-load pass): the same parameters and bytes.
+    request = PlanRequest("deepseek-v2-lite", max_model_len=4096, quantization=quantization)
+    plain = plan(request)
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    fused = plan(request)
+    assert (fused.num_params, fused.weights_bytes) == (plain.num_params, plain.weights_bytes)

@@ -147,6 +147,24 @@ def test_fused_shared_experts_equal_the_shared_mlp(num_shared, monkeypatch):
     torch.testing.assert_close(moe.experts.forward_reference(x, fused_w, fused_ids), want, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_shared_experts_through_the_kernels(monkeypatch):
+    # What a GPU runs, in Triton's interpreter: the routing kernel's shared columns and the fused MoE kernel over
+    # the routed and shared experts together equal the layer with its shared MLP.
+    pytest.importorskip("triton")
+    from deepserve.kernels.fused_moe import fused_moe
+    from deepserve.kernels.moe_routing import fused_route
+
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    moe = random_moe(2, inter=32)
+    x = torch.randn(3, 16)
+    want = moe(x)
+    moe.fuse_loaded_weights()
+    weights, ids = fused_route(torch.nn.functional.linear(x, moe.gate.weight), moe.gate.cfg, shared=2)
+    assert ids[:, 2:].tolist() == [[4, 5]] * 3
+    got = moe.experts.forward_fused(fused_moe, x, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_shared_experts_stay_an_mlp_without_the_switch(monkeypatch):
     monkeypatch.delenv("DEEPSERVE_SHARED_EXPERTS_FUSION", raising=False)
     moe = random_moe(2)
@@ -189,7 +207,7 @@ def test_fused_shared_fp8_experts_equal_the_shared_mlp(num_shared, inter, monkey
     x = torch.randn(5, hidden)
     want = moe(x)
     warn_once.cache_clear()  # said once a process: clear what earlier tests said
-    with caplog.at_level("WARNING", logger="deepserve.layers.moe"):
+    with caplog.at_level("WARNING", logger="deepserve.layers.quantization"):
         moe.fuse_loaded_weights()
     if inter % 128 and num_shared > 1:
         assert moe.shared_experts is not None and moe.experts.w13.shape[0] == 4

@@ -206,6 +206,26 @@ def test_fp8_checkpoint_served_in_fp8(fp8_checkpoint, monkeypatch, fused):
     assert exact["argmax_agreement"] == 1.0 and exact["max_top_logprob_gap"] < 1e-4, exact
 
 
+def test_fp8_q_a_and_kv_a_projections_stacked_are_exact(tmp_path, tokenizer, monkeypatch):
+    # DEEPSERVE_FUSED_QKV_A on FP8 as shipped: q_lora_rank 128 is one whole block, so q_a_proj's blocks and then
+    # kv_a_proj_with_mqa's (40 rows: a partial block) stack, scale rows too; with the activation rounding
+    # replaced, exactly the reference (as the unstacked model in the test above).
+    hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, dict(TINY_V3, q_lora_rank=128))
+    src = save_checkpoint(hf_model, tokenizer, str(tmp_path / "f32"))
+    fp8_dir, ref_dir = str(tmp_path / "fp8"), str(tmp_path / "ref")
+    write_fp8_checkpoint(src, fp8_dir, ref_dir, hf_model.config.num_hidden_layers)
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    monkeypatch.setattr(fp8_ref, "quantize_per_token_group_ref", lossless_group_quantization)
+    runner = make_runner(fp8_dir)
+    params = dict(runner.model.named_parameters())
+    rows = 128 + hf_model.config.kv_lora_rank + hf_model.config.qk_rope_head_dim
+    assert params["layers.0.attn.wqkv_a.weight"].dtype == torch.float8_e4m3fn
+    assert "layers.0.attn.wq_a.weight" not in params
+    assert params["layers.0.attn.wqkv_a.weight_scale_inv"].shape[0] == -(-rows // 128) == 2
+    exact = fp8_agreement(torch.cat(prompt_logits(runner)), torch.cat(reference_logits(ref_dir)))
+    assert exact["argmax_agreement"] == 1.0 and exact["max_top_logprob_gap"] < 1e-4, exact
+
+
 def lossless_group_quantization(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Stands in for the FP8 activation quantizer: float32 "codes" with unit scales, so a dequantized
     # activation is the activation itself.

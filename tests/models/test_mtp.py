@@ -116,10 +116,24 @@ def reference_drafts(hf_model, tensors: dict[str, torch.Tensor], prompt: list[in
     return [first, second]
 
 
-def test_drafts_equal_a_reference_from_transformers_parts(random_mtp):
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused"])
+def test_drafts_equal_a_reference_from_transformers_parts(random_mtp, fused, monkeypatch):
+    # fused: DEEPSERVE_SHARED_EXPERTS_FUSION and DEEPSERVE_FUSED_QKV_A reach the MTP module's layer too
     path, hf_model, tensors = random_mtp
+    if fused:
+        monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
     runner = ModelRunner(EngineArgs(model=path, dtype="float32", device="cpu", speculative_config=mtp(2))
                          .create_engine_config())
+    if fused:
+        from deepserve.layers.moe import DeepseekMoE
+        from deepserve.models.deepseek_v2 import MultiHeadLatentAttention
+
+        layers = list(runner.model.mtp.modules())
+        assert any(isinstance(m, DeepseekMoE) for m in layers) and any(isinstance(m, MultiHeadLatentAttention)
+                                                                        for m in layers)
+        assert all(m.shared_experts is None for m in layers if isinstance(m, DeepseekMoE))
+        assert all(m.wqkv_a is not None for m in layers if isinstance(m, MultiHeadLatentAttention))
     runner.allocate_kv_cache(64)
     requests = with_blocks(runner, PROMPTS)
     result = runner.execute(SchedulerOutput([ScheduledRequest(r, len(p), 0) for r, p in zip(requests, PROMPTS,
