@@ -4,6 +4,8 @@ fused_moe's int4 tiles, on one H200. Correctness against fused_moe_int4_ref (the
 HBM (V2-Lite's 6 experts are 26 MB of codes: one routing alone would sit in the 50 MB L2); also as one rank of
 EP_RANKS under expert parallelism sees them (the other ranks' assignments left out, id E).
     python bench/int4_moe_mma_probe.py --json OUT.json
+    python bench/int4_moe_mma_probe.py --warps 1,2,4,8 --json OUT.json   # DEEPSERVE_INT4_MOE_MMA_WARPS's choice:
+        # the tensor-core path alone with programs of each warp count, checked, then timed at WARP_TOKENS
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ TOKENS = (1, 2, 4, 8, 16)
 TIMED_TOKENS = (1, 2, 4, 8, 16, 32)
 CASES = 8
 EP_RANKS = 8  # the "ep" timings: one rank's share of the assignments (ep_ids)
+WARP_TOKENS = (1, 2, 4)  # --warps: the decode sizes the path takes
 TOLERANCE = dict(max_rel=2e-2, norm_rel=1e-2)
 
 
@@ -91,6 +94,28 @@ def timing(name: str, cfg: dict, t: int, device, w13, w2, experts) -> dict:
     return row
 
 
+def warp_rows(name: str, cfg: dict, device, w13, w2, experts, warps: tuple[int, ...], checked: bool) -> list[dict]:
+    """--warps: the mma path with programs of each warp count (int4_moe_mma.NUM_WARPS, read at each launch), checked
+    against fused_moe_int4_ref where `checked`, and µs a call in CUDA graphs at WARP_TOKENS."""
+    rows = []
+    for t in WARP_TOKENS:
+        cases = [routing(t, cfg, device) for _ in range(CASES)]
+        row = dict(shape=name, tokens=t)
+        for w in warps:
+            int4_moe_mma.NUM_WARPS = w
+            routed(False)
+            if checked:
+                x, tw, ids = cases[0]
+                err = errors(call(False, x, w13, w2, tw, ids, experts), fm.fused_moe_int4_ref(x, w13, w2, tw, ids,
+                                                                                              experts))
+                row[f"ok w{w}"] = err["max_rel"] <= TOLERANCE["max_rel"] and err["norm_rel"] <= TOLERANCE["norm_rel"]
+            fns = [partial(fm.fused_moe, x, w13, w2, tw, ids, int4=experts) for (x, tw, ids) in cases]
+            row[f"w{w}"] = bench_env.graph_per_call_us(fns, min_calls=4 * CASES, repeats=20)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def experts_on_gpu(cfg: dict, device) -> tuple:
     # (w13, w2, Int4Experts) in fused_moe's int4 layout: random code words, scales 10^-3 .. 10^-1, zero points
     # 0 .. 15, all drawn on the device (V3's 256 experts: ~5.6 GB of codes)
@@ -108,9 +133,13 @@ def experts_on_gpu(cfg: dict, device) -> tuple:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--warps", type=lambda v: tuple(int(w) for w in v.split(",")),
+                        help="only the mma path, with programs of these warp counts (e.g. 1,2,4,8)")
     args = parser.parse_args()
     device = torch.device("cuda")
     report = dict(env=bench_env.environment(device), checks=[], timings=[])
+    if args.warps:
+        return warps_only(args, device, report)
     for name, cfg in SHAPES.items():
         if cfg.get("on_gpu"):
             w13, w2, experts = experts_on_gpu(cfg, device)
@@ -137,6 +166,26 @@ def main() -> int:
               f"({r['tiles'] / r['mma']:.2f}x)   one rank of {EP_RANKS} (expert parallelism): "
               f"tiles {r['tiles ep']:8.1f}  mma {r['mma ep']:8.1f}")
     return 0
+
+
+def warps_only(args, device, report: dict) -> int:
+    for name, cfg in SHAPES.items():
+        on_gpu = bool(cfg.get("on_gpu"))
+        if on_gpu:
+            w13, w2, experts = experts_on_gpu(cfg, device)
+        else:
+            _, w13, w2, _, _, experts = moe_case(1, cfg, device)
+        report["timings"] += warp_rows(name, cfg, device, w13, w2, experts, args.warps, checked=not on_gpu)
+        del w13, w2, experts
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    bad = [(r["shape"], r["tokens"], k) for r in report["timings"] for k, v in r.items()
+           if k.startswith("ok") and not v]
+    print(f"\n== the mma path by warps a program: µs a call in a CUDA graph ({'ALL CORRECT' if not bad else bad}) ==")
+    for r in report["timings"]:
+        print(f"{r['shape']:>8} T={r['tokens']:<3} " + "  ".join(f"w{w} {r[f'w{w}']:7.1f}" for w in args.warps))
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -166,6 +166,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
                                            "0: never (the default: with 1 and the tiles then, n32 k128, V2-Lite AWQ "
                                            "W2 TPOT 4.25 ms against 4.08, one H200)"),
+    "DEEPSERVE_INT4_MOE_MMA_WARPS": (_float("DEEPSERVE_INT4_MOE_MMA_WARPS", 1),
+                                     "warps a program of the int4 routed experts' tensor-core GEMV (1, 2, 4 or 8), "
+                                     "splitting each assignment's inputs among them (kernels/int4_moe_mma.py); 1 "
+                                     "until timed otherwise"),
     "DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS": (_float("DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS", 24),
                                               "int4 routed experts with at most this many assignments (tokens x "
                                               "experts a token) run the tensor-core GEMV once per assignment on "
