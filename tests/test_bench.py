@@ -71,7 +71,7 @@ def test_bench_throughput_runs_and_reports_vllm_fields(tmp_path, capsys):
     assert "Throughput:" in capsys.readouterr().out
 
 
-def test_bench_latency_reports_ttft_and_tpot(tmp_path):
+def test_bench_latency_reports_ttft_and_tpot(tmp_path, capsys):
     out = tmp_path / "w2.json"
     rc = main(["bench", "latency", *TINY_7B, "--input-len", "32", "--output-len", "6", "--iters", "2",
                "--output-json", str(out)])
@@ -79,6 +79,9 @@ def test_bench_latency_reports_ttft_and_tpot(tmp_path):
     result = json.loads(out.read_text())
     assert 0 < result["ttft_ms_median"] and 0 < result["tpot_ms_median"] <= result["tpot_ms_p99"]
     assert result["input_len"] == 32 and result["output_len"] == 6
+    # The share is of the H200's HBM bandwidth: on the CPU it is not given, as with speculation (it read 0 %).
+    assert result["device"] == "cpu" and result["bandwidth_utilization"] is None
+    assert "bandwidth n/a (cpu)" in capsys.readouterr().out
 
 
 def test_energy_meter_sums_the_visible_gpus_by_their_nvml_numbers(monkeypatch):
@@ -346,3 +349,88 @@ def test_check_grammar_overlap_passes_and_restores_the_switch(monkeypatch, capsy
     out = capsys.readouterr().out
     assert "48/48 outputs equal" in out and "0 invalid constrained outputs" in out and "PASS" in out
     assert os.environ["DEEPSERVE_GRAMMAR_OVERLAP"] == "0"
+
+
+def test_check_grammar_overlap_help_prints_usage_without_running_the_check():
+    # `--help` used to run the whole check (two engines) and print its result instead of the usage.
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "check_grammar_overlap.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stdout + done.stderr[-2000:]
+    assert "DEEPSERVE_GRAMMAR_OVERLAP" in done.stdout and "outputs equal" not in done.stdout
+    done = subprocess.run([sys.executable, str(script), "--no-such-flag"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--no-such-flag" in done.stderr
+
+
+def test_bench_serve_defaults_stay_within_a_default_servers_queue(capsys):
+    """`deepserve bench serve` with its defaults against a stand-in server that admits as `deepserve serve`
+    does by default (server/ratelimit.py's WaitQueue at ServerSettings' max_waiting_requests, 503 "server
+    overloaded" beyond it): every request completes. With vLLM's default of no concurrency limit, 300
+    prompts at once overflowed the 256 places and 44 failed."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from deepserve.bench import serve
+    from deepserve.entrypoints.cli import build_parser
+    from deepserve.server.errors import APIError
+    from deepserve.server.ratelimit import WaitQueue
+    from deepserve.server.settings import ServerSettings
+
+    queue = WaitQueue(ServerSettings().max_waiting_requests, ServerSettings().max_waiting_tokens)
+    most = [0]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        try:
+            queue.enter(len(body["prompt"]))
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        most[0] = max(most[0], queue.requests)
+        await asyncio.sleep(0.3)  # the first token comes later: requests overlap in the queue
+        queue.leave(len(body["prompt"]))
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for chunk in ({"choices": [{"text": "x"}]}, {"choices": [], "usage": {"completion_tokens": 1}}):
+            await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        ns = build_parser().parse_args(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m",
+                                        "--num-prompts", "300", "--random-input-len", "4", "--random-output-len", "1"])
+        result = serve.main(ns)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+    assert (result["completed"], result["failed"]) == (300, 0), result["errors"][:3]
+    assert most[0] == ServerSettings().max_waiting_requests == ns.max_concurrency  # saturated, never over
+    assert "Failed requests:" in capsys.readouterr().out
+
+
+def test_bench_serve_names_the_flags_when_the_server_is_overloaded(capsys):
+    from deepserve.bench import serve
+
+    body = '{"error": {"message": "server overloaded: 256 requests (262144 prompt tokens) are already waiting; ' \
+           'retry shortly", "type": "server_error", "code": "overloaded"}}'
+    outcomes = [serve.Outcome(input_len=4, ok=True, output_len=2, ttft=0.1, latency=0.2),
+                serve.Outcome(input_len=4, error=f"HTTP 503: {body}")]
+    serve.print_result(serve.summarize(outcomes, 1.0, {}, [99.0]), [99.0])
+    out = capsys.readouterr().out
+    hints = [line for line in out.splitlines() if line.startswith("hint:")]
+    assert len(hints) == 1 and "--max-concurrency" in hints[0] and "--max-waiting-requests" in hints[0]

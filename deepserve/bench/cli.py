@@ -80,24 +80,36 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_serve_parser(kinds)
 
 
+# `--max-concurrency` by default: `deepserve serve`'s default --max-waiting-requests (ServerSettings). A server
+# answers 503 to requests beyond that many waiting for their first token, so vLLM's default of no limit sent
+# 1,000 prompts at once and 743 of them failed against a default server. At most this many in flight never
+# overflows its queue, and with --request-rate inf it still measures the server at saturation.
+DEFAULT_MAX_CONCURRENCY = 256
+
+
 def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+    from deepserve.entrypoints.cli import DefaultsHelp
+
     sv = kinds.add_parser("serve", help="W3: the online serving benchmark against a running server or router "
-                          "(vLLM bench serve's fields)")
+                          "(vLLM bench serve's fields)", formatter_class=DefaultsHelp)
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (a server or a router)")
-    sv.add_argument("--endpoint", default="/v1/completions")
+    sv.add_argument("--endpoint", default="/v1/completions", help="the path requests are streamed from")
     sv.add_argument("--model", required=True, help="the served model name")
     sv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, then $DEEPSERVE_API_KEY")
-    sv.add_argument("--num-prompts", type=positive_int, default=1000)
+    sv.add_argument("--num-prompts", type=positive_int, default=1000, help="requests to send")
     sv.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="requests per second, Poisson arrivals (inf: all at once)")
+                    help="requests per second, Poisson arrivals (inf: all at once, up to --max-concurrency)")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    sv.add_argument("--max-concurrency", type=positive_int, default=DEFAULT_MAX_CONCURRENCY,
+                    help="requests in flight at most; the default is a default server's --max-waiting-requests, "
+                         "beyond which it answers 503 (raise both together to load a server harder)")
     sv.add_argument("--dataset", choices=["random", "w1"], default="random",
                     help="w1: BENCHMARKS.md's W1 prompts and lengths (token ids < 10,000); random: "
                          "--random-input-len/--random-output-len")
-    sv.add_argument("--random-input-len", type=positive_int, default=1024)
-    sv.add_argument("--random-output-len", type=positive_int, default=128)
-    sv.add_argument("--random-range-ratio", type=float, default=0.0)
+    sv.add_argument("--random-input-len", type=positive_int, default=1024, help="prompt tokens (random dataset)")
+    sv.add_argument("--random-output-len", type=positive_int, default=128, help="output tokens (random dataset)")
+    sv.add_argument("--random-range-ratio", type=float, default=0.0,
+                    help="lengths drawn from [len * (1 - r), len * (1 + r)] (random dataset)")
     sv.add_argument("--random-vocab-size", type=positive_int, default=None,
                     help="prompt token ids below this, at most the served model's vocabulary (the demo model: "
                          "1000, which leaves out its 11 special and marker ids); random draws below it (default: "
@@ -107,7 +119,7 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (KEY: ttft, tpot, e2el)")
     sv.add_argument("--metric-percentiles", type=percentiles, default="99", help="comma-separated, e.g. 50,90,99")
-    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
     sv.add_argument("--output-json", default=None)
     sv.set_defaults(func=cmd_serve)
 

@@ -70,15 +70,18 @@ def measure_latency(llm, input_len: int = 1024, output_len: int = 512, warmups: 
     speculative = spec_decode_summary(engine, before)
     per_request_median = statistics.median(per_request) if per_request else None
     bytes_per_step = _weight_bytes(engine) + _kv_bytes_per_token(engine) * (input_len + output_len / 2)
+    on_cpu = engine.config.model.device == "cpu"
     return {
-        "device": device_name(),
+        "device": "cpu" if on_cpu else device_name(),
         "input_len": input_len,
         "output_len": output_len,
         "ttft_ms_median": 1e3 * statistics.median(ttfts),
         "tpot_ms_median": 1e3 * tpot_median,
         "tpot_ms_p99": 1e3 * sorted(tpots)[int(0.99 * (len(tpots) - 1))],
         "tpot_ms_per_request_median": 1e3 * per_request_median if per_request_median is not None else None,
-        "bandwidth_utilization": None if speculative else bandwidth_utilization(bytes_per_step, tpot_median),
+        # The share is of the H200's HBM bandwidth: meaningless for an engine on the CPU (it read "0 %").
+        "bandwidth_utilization": None if speculative or on_cpu else bandwidth_utilization(bytes_per_step,
+                                                                                         tpot_median),
         "async_scheduling": engine.core.async_scheduling,
         "speculative": speculative,
     }
@@ -88,7 +91,8 @@ def bandwidth_utilization(bytes_per_step: float, tpot_median_s: float) -> float 
     """Share of HBM bandwidth a decode step uses reading its bytes, a step taking the median gap between
     tokens. Not given with speculative decoding (measure_latency): a step hands out several tokens, most
     gaps are 0 (the median was, on the H200, and this divided by it) and a per-token time would read
-    above 100 %. None for a gap that is not positive."""
+    above 100 %. Nor for an engine on the CPU, whose memory is not the HBM this divides by. None for a gap
+    that is not positive."""
     return bytes_per_step / tpot_median_s / HBM_BYTES_PER_S if tpot_median_s > 0 else None
 
 

@@ -1,7 +1,9 @@
 """`deepserve bench serve`: the online serving benchmark against any OpenAI-compatible endpoint.
 
 Requests arrive as a Poisson process (--request-rate, gamma-distributed gaps with --burstiness, as
-vLLM's `bench serve`), at most --max-concurrency at a time, each streamed from /v1/completions with
+vLLM's `bench serve`), at most --max-concurrency at a time (default 256, a default server's
+--max-waiting-requests: vLLM's default is no limit, but a deepserve server answers 503 "server overloaded"
+beyond its bounded queue, where vLLM's queues without bound), each streamed from /v1/completions with
 token-id prompts (no tokenizer needed on the client). The result JSON uses the field names of
 vLLM's `bench serve`, so the two tools' outputs compare directly:
     duration, completed, failed, total_input_tokens, total_output_tokens, request_throughput,
@@ -237,6 +239,10 @@ def _print_errors(r: dict) -> None:
         if any("outside the vocabulary" in e for e in errors):
             print("hint: the server's vocabulary is smaller than the prompt ids: pass --random-vocab-size N "
                   "(N at most its size; the demo model: 1000)")
+        if any(e.startswith("HTTP 503") and "overloaded" in e for e in errors):
+            print("hint: the server's queue was full (its --max-waiting-requests, default 256, or "
+                  "--max-waiting-tokens): send fewer at once with --max-concurrency (default 256) or "
+                  "--request-rate, or start the server with a larger --max-waiting-requests")
         if any(e.startswith("HTTP 401") and "invalid API key" in e for e in errors):
             print("hint: the server refused the key: check --api-key (or OPENAI_API_KEY) against the server's "
                   "--api-key or key file")

@@ -32,9 +32,27 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             "use the folder of the original Hugging Face checkpoint, which ships them"
         )
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load the tokenizer in {path!r}: {e}") from e
+    _quiet_length_warning(tokenizer)
+    return tokenizer
+
+
+# transformers' key for the one-time "Token indices sequence length is longer than the specified maximum
+# sequence length" warning (tokenization_utils_base._eventual_warn_about_too_long_sequence).
+_TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def _quiet_length_warning(tokenizer: Any) -> None:
+    """Mark transformers' too-long-sequence warning as already given. Its limit is tokenizer_config.json's
+    model_max_length, not the engine's max_model_len, and the engine refuses a prompt too long for the
+    context itself with the OpenAI-style "maximum context length" error: the warning printed before that
+    error, and before prompts the engine accepts when max_model_len is larger. Only this one warning is
+    silenced; the tokenizer's other warnings and the library's log level stay as they are."""
+    given = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(given, dict):
+        given[_TOO_LONG_WARNING] = True
 
 
 def load_eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:

@@ -185,8 +185,7 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
     if backend == "nccl":
         torch.cuda.set_device(rank % local_world)
     else:
-        # Ranks share the host's cores; without this each would start one thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        set_cpu_rank_threads(local_world)
     group = init_group(rank, world, addr, port, backend, timeout_s, multinode)
     if multinode:
         threading.Thread(target=_store_beat, args=(addr, port, rank), daemon=True).start()
@@ -212,6 +211,28 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
             run_command(runner, broadcast_message(None, group), group)
             done += 1
             progress[rank] = done
+
+
+def cpu_rank_threads(local_world: int) -> int | None:
+    """Intra-op threads for a rank on the CPU, or None to leave torch's own count. Ranks share the host's
+    cores, so by default each takes its share (without it each would start one thread per core). A user's
+    OMP_NUM_THREADS is the count instead (torch's own setting, which this used to override): on a shared or
+    loaded machine more threads than free cores made runs 10-140x slower than one thread, and erratic. The
+    count is applied, not left to torch, which read the variable when it was imported: in a rank forked from
+    the fork server (rank_start.py) that was under the helper's environment, not the engine's."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return max(1, (os.cpu_count() or 1) // local_world)
+    try:
+        threads = int(value.split(",")[0])  # OpenMP's nested form "4,2": the outer level is the one torch uses
+    except ValueError:
+        return None  # not a count (OpenMP warns and ignores it): torch's own, as in rank 0
+    return threads if threads >= 1 else None
+
+
+def set_cpu_rank_threads(local_world: int) -> None:
+    if (threads := cpu_rank_threads(local_world)) is not None:
+        torch.set_num_threads(threads)
 
 
 def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,

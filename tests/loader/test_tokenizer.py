@@ -86,3 +86,28 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
     tok = load_tokenizer(str(write_tokenizer(tmp_path, "PreTrainedTokenizerFast", chat_template=None)))
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+
+
+
+def test_a_prompt_past_model_max_length_logs_no_transformers_warning(tmp_path):
+    # tokenizer_config.json's model_max_length is not the engine's limit (max_model_len, which the engine
+    # enforces with its own error): transformers' "Token indices sequence length is longer..." warning only
+    # misled. Its other warnings still reach the log: the library's logger is left as it is.
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    folder = write_tokenizer(tmp_path, "PreTrainedTokenizerFast")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 16}))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # transformers' loggers do not propagate to the root logger
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        tok = load_tokenizer(str(folder))
+        assert tok.model_max_length == 16 and len(tok.encode(TEXT * 4)) > 16
+        hf_logging.get_logger("transformers.tokenization_utils_base").warning("another warning")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning"]
