@@ -130,6 +130,33 @@ def test_too_long_prompt_is_refused_and_the_engine_keeps_serving(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+def test_a_prompt_past_the_context_gets_only_the_engines_error(llm):
+    # The demo tokenizer's model_max_length is 2048: transformers used to log its own "Token indices
+    # sequence length is longer than the specified maximum" warning before the engine's ValueError.
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # transformers' loggers do not propagate to the root logger
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with pytest.raises(ValueError, match="maximum context length is 256"):
+            llm.generate(["hi " * 3000], SamplingParams(max_tokens=8), use_tqdm=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [r for r in records if "Token indices sequence length" in r.getMessage()]
+
+
+def test_prompt_logprobs_cover_the_prompt_once_whatever_n(llm):
+    # With n = 2 each child computed the prompt and both lists were appended: 2 * len - 1 entries.
+    for n in (1, 2):
+        (out,) = llm.generate([PROMPT], SamplingParams(n=n, max_tokens=2, prompt_logprobs=1, seed=3), use_tqdm=False)
+        lps = out.prompt_logprobs
+        assert len(lps) == len(out.prompt_token_ids) and lps[0] is None
+        assert all(tid in pos and 1 <= len(pos) <= 2 for tid, pos in zip(out.prompt_token_ids[1:], lps[1:],
+                                                                           strict=True))
+
+
 def test_unknown_llm_argument_is_named():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(max_num_seq=4)

@@ -248,7 +248,9 @@ class OutputProcessor:
     def _apply(self, state: _RequestState, completion: _Completion, out: EngineCoreOutput) -> bool:
         """Fold one core output into its completion; True when a stop string ended it."""
         state.num_cached_tokens = out.num_cached_tokens
-        if out.prompt_logprobs and state.prompt_logprobs is not None:
+        # One prompt, one list: with n > 1 every child computes the prompt itself (prompt_logprobs keeps a
+        # request out of the prefix cache) and sends its entries too; the first child's are the request's.
+        if out.prompt_logprobs and state.prompt_logprobs is not None and completion.index == 0:
             state.prompt_logprobs.extend(self._logprob_dict(e) for e in out.prompt_logprobs)
         completion.token_ids.extend(out.new_token_ids)
         for entry in out.new_logprobs or []:

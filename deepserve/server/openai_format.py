@@ -9,12 +9,14 @@ Non-streaming responses are built from the same deltas, so both paths count toke
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deepserve.engine.outputs import CompletionOutput, Logprob
-from deepserve.server.reasoning import ReasoningSplitter
+from deepserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs
+from deepserve.server.reasoning import ReasoningCount, ReasoningSplitter
 from deepserve.server.tool_parsers import PARSERS, ToolCallSplitter
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -26,23 +28,31 @@ class Delta:
     content: str = ""
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    # None at a position without logprobs: the first token of an echoed prompt (nothing predicts it)
+    logprobs: list[dict[int, Logprob] | None] | None = None
     text_offset: int = 0  # characters of output before this delta's text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's streaming shape (index, id, function)
+    echo: Delta | None = None  # vLLM's echo: the prompt, sent before a completion's first delta (with_echo)
 
 
 class ChoiceTracker:
-    def __init__(self, index: int, holdback: int, reasoning: bool, tool_parser: str | None = None) -> None:
+    def __init__(self, index: int, holdback: int, reasoning: bool, tool_parser: str | None = None,
+                 think_ids: tuple[int | None, int | None] = (None, None)) -> None:
+        """think_ids: the ids of <think> and </think> when each is one token (reasoning.marker_ids)."""
         self.index = index
         self.holdback = holdback
         self.splitter = ReasoningSplitter() if reasoning else None
+        self.reasoning = ReasoningCount(think_ids)
         self.tools = ToolCallSplitter(PARSERS[tool_parser]) if tool_parser else None
         self.sent_chars = 0
         self.sent_tokens = 0
-        self.reasoning_tokens = 0
         self.done = False
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reasoning.tokens
 
     def advance(self, c: CompletionOutput) -> Delta | None:
         if self.done:
@@ -61,8 +71,7 @@ class ChoiceTracker:
             delta.logprobs = c.logprobs[self.sent_tokens:tokens]
         self.sent_chars, self.sent_tokens = end, tokens
         if self.splitter is not None:
-            if self.splitter.in_reasoning:  # the token that closes </think> still counts as thinking
-                self.reasoning_tokens += len(delta.token_ids)
+            self.reasoning.add(delta.token_ids, self.splitter.in_reasoning)
             delta.reasoning, delta.content = self.splitter.feed(delta.content)
             if final:
                 r, t = self.splitter.flush()
@@ -112,10 +121,27 @@ def chat_logprobs(delta: Delta, top_n: int) -> list[dict]:
     return out
 
 
-def completion_logprobs(delta: Delta, top_n: int) -> dict:
+def completion_logprobs(delta: Delta, top_n: int, decode: Callable[[int], str] | None = None) -> dict:
+    """OpenAI's completion logprobs; a position without logprobs (an echoed prompt's first token) has its
+    token spelled by `decode` and null logprobs, as vLLM writes it. An echoed prompt's tokens come first,
+    their offsets counted from 0; the output's then start where the output starts in the text, after the
+    prompt's text (the prompt's tokens may spell more than it: a bos token)."""
+    if delta.echo is not None:
+        head = completion_logprobs(delta.echo, top_n, decode)
+        tail = completion_logprobs(dataclasses.replace(delta, echo=None, text_offset=delta.text_offset
+                                                       + len(delta.echo.content)), top_n, decode)
+        return {key: head[key] + tail[key] for key in head}
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = delta.text_offset
     for tid, pos in zip(delta.token_ids, delta.logprobs or [], strict=False):
+        if pos is None:
+            tok = decode(tid) if decode is not None else f"<token {tid}>"
+            tokens.append(tok)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(tok)
+            continue
         sampled = pos.get(tid) or Logprob(-math.inf)
         tok = _token_str(sampled, tid)
         tokens.append(tok)
@@ -126,6 +152,26 @@ def completion_logprobs(delta: Delta, top_n: int) -> dict:
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def with_echo(prompt: Delta, delta: Delta) -> Delta:
+    """`delta` with the prompt before it (vLLM's echo): the prompt's text before the delta's, and with
+    logprobs its tokens' (completion_logprobs)."""
+    return dataclasses.replace(delta, echo=prompt)
+
+
+def completion_text(delta: Delta) -> str:
+    return delta.echo.content + delta.content if delta.echo is not None else delta.content
+
+
+def prompt_logprobs(positions: PromptLogprobs) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first: nothing predicts it) or, by token id,
+    the logprob, rank and text of the prompt's own token and of the top k there (-inf clamped, as JSON
+    has none)."""
+    return [None if pos is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in pos.items()}
+            for pos in positions]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -157,9 +203,9 @@ def chat_chunk_choice(delta: Delta, first: bool, top_n: int | None) -> dict:
             "stop_reason": delta.stop_reason}
 
 
-def completion_chunk_choice(delta: Delta, top_n: int | None) -> dict:
-    lps = completion_logprobs(delta, top_n) if top_n is not None else None
-    return {"index": delta.index, "text": delta.content, "logprobs": lps,
+def completion_chunk_choice(delta: Delta, top_n: int | None, decode: Callable[[int], str] | None = None) -> dict:
+    lps = completion_logprobs(delta, top_n, decode) if top_n is not None else None
+    return {"index": delta.index, "text": completion_text(delta), "logprobs": lps,
             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
 

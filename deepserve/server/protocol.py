@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, ValidationError
 
 from deepserve.sampling_params import SamplingParams
 from deepserve.server.errors import APIError, bad_request
@@ -40,6 +40,14 @@ def _utf8_clean(s: str) -> str:
     except UnicodeEncodeError as e:
         raise ValueError(f"contains an unpaired UTF-16 surrogate at character {e.start}") from None
     return s
+
+
+def _string_or_strings(value: Any) -> Any:
+    # Before the union's own checks: for a value of neither shape they report only one member ("stop: Input
+    # should be a valid string") and hide that a list is taken too. The message is SamplingParams' own.
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        return value
+    raise ValueError(f"must be a string or a list of strings, got {json.dumps(value, default=repr)[:80]}")
 
 
 Text = Annotated[str, AfterValidator(_utf8_clean)]
@@ -71,12 +79,14 @@ class _SamplingFields(_Strict):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0, le=10.0)] | None = None
     seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
-    stop: Text | list[Text] | None = None
+    stop: Annotated[Text | list[Text], BeforeValidator(_string_or_strings)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extra: each prompt token's logprob and the top k at its position (never streamed, as in vLLM).
+    prompt_logprobs: Annotated[int, Field(ge=-1, le=MAX_LOGPROBS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
@@ -158,6 +168,10 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (V3.1: thinking)
     thinking_token_budget: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None  # most tokens of reasoning
+    # vLLM's: the template's assistant header after the messages (a new reply), or (continue_final_message,
+    # with add_generation_prompt false) the last message left open for the output to continue.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # Rejected below with a clear message; declared so the error is not "unrecognized argument".
     chat_template: Any = None
 
@@ -177,6 +191,7 @@ class TokenizeRequest(_Strict):
     # (what a chat request gets). True with messages adds them once more, as asked (vLLM's meaning).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: as a chat request's, over the server's
 
 
@@ -226,6 +241,10 @@ def _check_tokenize(req: TokenizeRequest) -> None:
     if req.prompt is not None and not req.add_generation_prompt:
         raise bad_request("add_generation_prompt applies to messages only: a prompt is tokenized as it is; send "
                           "messages instead, or leave add_generation_prompt out", param="add_generation_prompt")
+    if req.prompt is not None and req.continue_final_message:
+        raise bad_request("continue_final_message applies to messages only: a prompt is tokenized as it is; send "
+                          "messages instead, or leave continue_final_message out", param="continue_final_message")
+    _check_continuation(req)
     _check_template_kwargs(req.chat_template_kwargs)
 
 
@@ -262,6 +281,12 @@ def _check_common(req: _SamplingFields, limits: RequestLimits) -> None:
             raise bad_request(f"each stop sequence must have 1 to {limits.max_stop_chars} characters", "stop")
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad_request("min_tokens must be <= max_tokens", param="min_tokens")
+    if req.prompt_logprobs is not None and req.prompt_logprobs < 0:
+        raise bad_request(f"prompt_logprobs must be 0 to {MAX_LOGPROBS} (vLLM's -1, the whole vocabulary, is not "
+                          "supported)", param="prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available with stream: true (as in vLLM): send the request "
+                          "without stream, or leave prompt_logprobs out", param="prompt_logprobs")
     structured_outputs_of(req)  # conflicting or malformed structured-output fields: 400 before tokenizing
 
 
@@ -277,6 +302,7 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         raise bad_request("a chat template cannot be supplied by the request; the model's own is used "
                           "(its variables can be set with chat_template_kwargs)", "chat_template")
     _check_template_kwargs(req.chat_template_kwargs)
+    _check_continuation(req)
     _check_tools(req)
     for i, m in enumerate(req.messages):
         if m.tool_calls is not None and m.role != "assistant":
@@ -292,6 +318,14 @@ def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         if req.max_tokens != req.max_completion_tokens:
             raise bad_request("set max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+
+
+def _check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    # The template either starts a new assistant reply or leaves the last message open, not both (vLLM refuses
+    # the pair the same way; transformers' apply_chat_template would raise inside the template).
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message continues the last message instead of starting a new reply: "
+                          "set add_generation_prompt to false with it", param="continue_final_message")
 
 
 def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
@@ -336,8 +370,6 @@ def tool_choice_of(req: ChatCompletionRequest) -> str:
 
 
 def _check_completion(req: CompletionRequest) -> None:
-    if req.echo:
-        raise bad_request("echo is not supported", param="echo")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
@@ -364,6 +396,19 @@ def max_tokens_of(req: _SamplingFields) -> int | None:
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         return req.max_completion_tokens
     return req.max_tokens
+
+
+def num_prompt_logprobs(req: _SamplingFields) -> int | None:
+    """The prompt logprobs the engine computes: the request's, or with echo and logprobs (vLLM's rule) as many
+    as `logprobs`, which the echoed prompt tokens carry."""
+    if isinstance(req, CompletionRequest) and req.echo and req.prompt_logprobs is None:
+        return req.logprobs
+    return req.prompt_logprobs
+
+
+def template_flags(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, bool]:
+    """What the chat template is asked to end the prompt with (apply_chat_template's own arguments)."""
+    return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message}
 
 
 def num_logprobs(req: _SamplingFields) -> int | None:
@@ -393,6 +438,7 @@ def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> 
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": num_logprobs(req),
+        "prompt_logprobs": num_prompt_logprobs(req),
         "structured_outputs": structured_outputs_of(req)[0],
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

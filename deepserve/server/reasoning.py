@@ -11,6 +11,9 @@ shows whether the tag completes, so a client never sees half a tag in either fie
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1",)
 
@@ -55,6 +58,54 @@ class ReasoningSplitter:
         """Whatever is held back, at the end of the output (an unfinished tag is just text)."""
         held, self._held = self._held, ""
         return (held, "") if self.in_reasoning else ("", held)
+
+
+def marker_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+    """The ids of `<think>` and `</think>` where each is one token of the tokenizer (DeepSeek's, the R1
+    distills' and the demo's are), else None; looked up once per tokenizer."""
+    cached = getattr(tokenizer, "_deepserve_think_ids", None)
+    if cached is None:
+        cached = tuple(_one_token(tokenizer, tag) for tag in (START, END))
+        with contextlib.suppress(AttributeError):
+            tokenizer._deepserve_think_ids = cached
+    return cached
+
+
+def _one_token(tokenizer: Any, text: str) -> int | None:
+    # An unknown token converts to the unknown token's id (or None): only an id that spells `text` back is its.
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    return token_id if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == text else None
+
+
+class ReasoningCount:
+    """usage.completion_tokens_details.reasoning_tokens, as vLLM counts them: the output tokens inside the
+    reasoning section, neither `<think>` nor `</think>` included, the same tokens a thinking_token_budget
+    bounds (server/tool_grammar.py), so a budget of N reads at most N. The output starts in the section,
+    as ReasoningSplitter reads it: a leading `<think>` token is its marker and `</think>` ends it.
+
+    Counted by token id when each marker is one token; otherwise (a tokenizer that spells them in pieces)
+    every token of an output piece that begins inside the section is counted, which includes the pieces of
+    `</think>`."""
+
+    def __init__(self, think_ids: tuple[int | None, int | None] = (None, None)) -> None:
+        self.start_id, self.end_id = think_ids
+        self.tokens = 0
+        self._seen = 0  # output tokens looked at
+        self._over = False
+
+    def add(self, token_ids: list[int], in_reasoning: bool) -> None:
+        """The piece's new token ids; `in_reasoning`: the splitter's state before the piece's text."""
+        if self.end_id is None:
+            self.tokens += len(token_ids) if in_reasoning else 0
+            return
+        for tid in token_ids:
+            first, self._seen = self._seen == 0, self._seen + 1
+            if self._over:
+                return
+            if tid == self.end_id:
+                self._over = True
+            elif not (first and tid == self.start_id):
+                self.tokens += 1
 
 
 def split_reasoning(text: str) -> tuple[str | None, str | None]:

@@ -90,8 +90,7 @@ async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
 async def tokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.TokenizeRequest)
     if req.messages is not None:  # the prompt a chat request with these messages and kwargs would get
-        kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs),
-                  "add_generation_prompt": req.add_generation_prompt}
+        kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs), **p.template_flags(req)}
         _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs,
                                    bool(req.add_special_tokens))
     else:

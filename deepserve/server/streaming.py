@@ -9,8 +9,9 @@ If the client goes away the generator is cancelled and its `finally` aborts the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deepserve.engine.outputs import RequestOutput
@@ -19,6 +20,7 @@ from deepserve.server import protocol as p
 from deepserve.server.async_llm import EngineDeadError, RequestFailedError, ServerStoppingError
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import SSE_DONE, sse
+from deepserve.server.reasoning import marker_ids
 from deepserve.server.serving import Generation, invalid_request
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,26 @@ def _trackers(gen: Generation, req: Any, chat: bool) -> list[f.ChoiceTracker]:
     longest = max((len(s) for s in p.stop_list(req)), default=0)
     holdback = 0 if req.include_stop_str_in_output else max(longest - 1, 0)
     reads = gen.reads  # completions: the default, plain text
-    return [f.ChoiceTracker(i, holdback, reads.reasoning, reads.tool_parser) for i in range(req.n)]
+    think_ids = marker_ids(gen.st.engine.tokenizer) if reads.reasoning else (None, None)
+    return [f.ChoiceTracker(i, holdback, reads.reasoning, reads.tool_parser, think_ids) for i in range(req.n)]
+
+
+def _echo(gen: Generation, req: Any, out: RequestOutput) -> f.Delta | None:
+    """What vLLM's `echo` puts before each completion: the prompt's text (a token-id prompt decoded), its
+    tokens and, with logprobs, their logprobs (the engine computed them: protocol.num_prompt_logprobs)."""
+    if not getattr(req, "echo", False):
+        return None
+    text = gen.prompt_text
+    if text is None:
+        text = gen.st.engine.tokenizer.decode(out.prompt_token_ids)
+    lps = out.prompt_logprobs if req.logprobs is not None else None
+    return f.Delta(0, text, token_ids=list(out.prompt_token_ids), logprobs=lps)
+
+
+def _decoder(gen: Generation) -> Callable[[int], str]:
+    """Spells a token that has no logprobs (an echoed prompt's first): its own text."""
+    tokenizer = gen.st.engine.tokenizer
+    return lambda token_id: tokenizer.decode([token_id])
 
 
 def _deltas(trackers: list[f.ChoiceTracker], out: RequestOutput) -> list[f.Delta]:
@@ -61,8 +82,10 @@ def _refused(e: RequestFailedError, chat: bool) -> APIError:
 async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput], chat: bool) -> dict:
     trackers = _trackers(gen, req, chat)
     acc = [f.Accumulated(i) for i in range(req.n)]
+    last: RequestOutput | None = None
     try:
         async for out in agen:
+            last = out
             gen.observe(out)
             for d in _deltas(trackers, out):
                 acc[d.index].add(d)
@@ -74,8 +97,16 @@ async def collect(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
         raise _stopping(e) from None
     top_n = p.num_logprobs(req)
     body = f.envelope("chat.completion" if chat else "text_completion", gen.request_id, gen.model)
-    body["choices"] = [_chat_choice(a, top_n, trackers) if chat else _completion_choice(a, top_n) for a in acc]
+    # vLLM's places: a chat response's prompt_logprobs beside its choices, a completion's in each choice.
+    prompt_lps = f.prompt_logprobs(last.prompt_logprobs) if last and last.prompt_logprobs is not None else None
+    if chat:
+        body["choices"] = [_chat_choice(a, top_n, trackers) for a in acc]
+    else:
+        echo = _echo(gen, req, last) if last is not None else None
+        body["choices"] = [_completion_choice(a, top_n, echo, prompt_lps, _decoder(gen)) for a in acc]
     body["usage"] = _usage(gen, trackers)
+    if chat and prompt_lps is not None:
+        body["prompt_logprobs"] = prompt_lps
     return body
 
 
@@ -92,10 +123,15 @@ def _chat_choice(a: f.Accumulated, top_n: int | None, trackers: list[f.ChoiceTra
             "stop_reason": a.stop_reason}
 
 
-def _completion_choice(a: f.Accumulated, top_n: int | None) -> dict:
-    lps = f.completion_logprobs(a.merged(), top_n) if top_n is not None else None
-    return {"index": a.index, "text": a.content, "logprobs": lps, "finish_reason": a.finish_reason,
-            "stop_reason": a.stop_reason}
+def _completion_choice(a: f.Accumulated, top_n: int | None, echo: f.Delta | None, prompt_lps: list | None,
+                       decode: Callable[[int], str]) -> dict:
+    merged = a.merged() if echo is None else f.with_echo(echo, a.merged())
+    lps = f.completion_logprobs(merged, top_n, decode) if top_n is not None else None
+    choice = {"index": a.index, "text": f.completion_text(merged), "logprobs": lps, "finish_reason": a.finish_reason,
+              "stop_reason": a.stop_reason}
+    if prompt_lps is not None:
+        choice["prompt_logprobs"] = prompt_lps
+    return choice
 
 
 async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
@@ -105,18 +141,25 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
     opts = req.stream_options or p.StreamOptions()
     base = f.envelope("chat.completion.chunk" if chat else "text_completion", gen.request_id, gen.model)
     started = [False] * req.n
+    echo: f.Delta | None = None  # completions with echo: the prompt, sent before each choice's first text
+    decode = _decoder(gen)
     try:
         async for out in agen:
             gen.observe(out)
             for d in _deltas(trackers, out):
-                first = chat and not started[d.index]
-                if not (first or d.content or d.reasoning or d.tool_calls or d.finish_reason or top_n is not None):
+                first = not started[d.index]
+                if not ((first and (chat or req.echo)) or d.content or d.reasoning or d.tool_calls
+                        or d.finish_reason or top_n is not None):
                     continue  # text held back: an empty delta tells the client nothing
+                started[d.index] = True
                 if chat:
                     choice = f.chat_chunk_choice(d, first, top_n)
-                    started[d.index] = True
                 else:
-                    choice = f.completion_chunk_choice(d, top_n)
+                    if req.echo:  # the prompt's logprobs are all in by the first token
+                        echo = echo or _echo(gen, req, out)
+                        d = f.with_echo(echo, d) if first else dataclasses.replace(
+                            d, text_offset=d.text_offset + len(echo.content))
+                    choice = f.completion_chunk_choice(d, top_n, decode)
                 chunk = {**base, "choices": [choice]}
                 if opts.include_usage:
                     chunk["usage"] = _usage(gen, trackers) if opts.continuous_usage_stats else None

@@ -27,7 +27,7 @@ from deepserve.server.tool_parsers import PARSERS
 
 @dataclass(frozen=True)
 class ChatPlan:
-    template_kwargs: dict[str, Any]  # variables for the chat template, tools among them
+    template_kwargs: dict[str, Any]  # variables for the chat template, tools among them, and how it ends
     tool_parser: str | None  # parse tool calls out of the output with this parser
     choice: str  # none | auto | required | named
 
@@ -40,7 +40,7 @@ def template_kwargs_of(settings: ServerSettings, requested: dict[str, Any] | Non
 def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPlan:
     """Raises APIError(400) naming the field or the server flag a request needs."""
     choice = p.tool_choice_of(req)
-    kwargs = template_kwargs_of(settings, req.chat_template_kwargs)
+    kwargs = {**template_kwargs_of(settings, req.chat_template_kwargs), **p.template_flags(req)}
     if choice == "none":
         return ChatPlan(kwargs, None, choice)
     if choice == "auto" and not settings.enable_auto_tool_choice:

@@ -207,6 +207,80 @@ def test_tokenize_refuses_template_fields_it_would_not_use(srv, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+# ------------------------------------------------------------------ vLLM's prompt fields
+
+
+def _prompt_ids(srv, **body) -> list[int]:
+    return post(srv, "/tokenize", body).json()["tokens"]
+
+
+def _check_prompt_logprobs(lps: list, ids: list[int], k: int) -> None:
+    """vLLM's shape: None for the first token, then by token id the prompt's own token and the top k."""
+    assert len(lps) == len(ids) and lps[0] is None
+    for tid, pos in zip(ids[1:], lps[1:], strict=True):
+        assert str(tid) in pos and 1 <= len(pos) <= k + 1
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0 for v in pos.values())
+
+
+def test_prompt_logprobs_on_both_endpoints(client, srv):
+    ids = _prompt_ids(srv, prompt="Paged attention keeps the cache")
+    r = client.completions.create(model=MODEL, prompt="Paged attention keeps the cache", max_tokens=2,
+                                  extra_body={"prompt_logprobs": 2})
+    _check_prompt_logprobs(r.choices[0].model_extra["prompt_logprobs"], ids, 2)
+    assert r.usage.prompt_tokens == len(ids)
+    # Chat: beside the choices, as vLLM returns it; the ids are the templated prompt's.
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    _check_prompt_logprobs(r.model_extra["prompt_logprobs"], _prompt_ids(srv, messages=MSG), 0)
+    for create, kw in ((client.completions.create, {"prompt": "hi"}), (client.chat.completions.create,
+                                                                      {"messages": MSG})):
+        with pytest.raises(openai.BadRequestError) as e:  # as in vLLM: not with stream
+            create(model=MODEL, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+        assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_prepends_the_prompt_and_its_logprobs(client, srv):
+    prompt = "The quick brown fox"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, seed=4, temperature=0.9)
+    plain = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw, echo=True).choices[0].text == prompt + plain
+    r = client.completions.create(**kw, echo=True, logprobs=2)
+    lps, ids = r.choices[0].logprobs, _prompt_ids(srv, prompt=prompt)
+    assert len(lps.tokens) == len(ids) + 6 == len(lps.token_logprobs) == len(lps.text_offset)
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None and lps.text_offset[0] == 0
+    assert all(x is not None and x <= 0 for x in lps.token_logprobs[1:])
+    assert r.choices[0].text == prompt + plain and r.usage.completion_tokens == 6
+    # The prompt tokens' logprobs are the prompt_logprobs of those tokens (echo with logprobs asks for them).
+    prompt_lps = r.choices[0].model_extra["prompt_logprobs"]
+    _check_prompt_logprobs(prompt_lps, ids, 2)
+    assert lps.token_logprobs[1:len(ids)] == [prompt_lps[i][str(t)]["logprob"] for i, t in enumerate(ids) if i]
+    # Streamed: the prompt comes first, in the choice's first chunk, and the rest follows as without echo.
+    chunks = list(client.completions.create(**kw, echo=True, logprobs=2, stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + plain
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lps.tokens and offsets == lps.text_offset
+    # A token-id prompt is echoed as its text.
+    r = client.completions.create(**{**kw, "prompt": ids}, echo=True)
+    assert r.choices[0].text.startswith(post(srv, "/detokenize", {"tokens": ids}).json()["prompt"])
+
+
+def test_continue_final_message_leaves_the_last_message_open(client, srv):
+    history = [*MSG, {"role": "assistant", "content": "Paged attention is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = _prompt_ids(srv, messages=history, **flags)
+    text = post(srv, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith("Paged attention is")  # not closed: no end-of-sentence, no new assistant turn
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3, extra_body=flags)
+    assert r.usage.prompt_tokens == len(ids)
+    closed = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3)
+    assert closed.usage.prompt_tokens == len(_prompt_ids(srv, messages=history)) != len(ids)
+    with pytest.raises(openai.BadRequestError) as e:  # as in vLLM: not with a new generation prompt
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=3,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
 # ------------------------------------------------------------------ validation
 
 

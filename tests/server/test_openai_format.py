@@ -8,9 +8,13 @@ from deepserve.engine.outputs import CompletionOutput, Logprob
 from deepserve.server.openai_format import (
     Accumulated,
     ChoiceTracker,
+    Delta,
     chat_logprobs,
     completion_logprobs,
+    completion_text,
+    prompt_logprobs,
     usage,
+    with_echo,
 )
 
 
@@ -40,6 +44,48 @@ def test_reasoning_tracker_counts_thinking_tokens():
     acc.add(t.advance(out("<think>ab</think>yes", [1, 2, 3, 4], finish="length")))
     assert (acc.reasoning, acc.content, t.reasoning_tokens) == ("ab", "yes", 3)
     assert acc.merged().token_ids == [1, 2, 3, 4]
+
+
+def test_reasoning_tokens_are_those_between_the_markers():
+    """vLLM's count, the tokens a thinking_token_budget bounds: neither <think> (a leading one) nor </think>,
+    nor anything after it, even when one piece brings several tokens. It used to count the closing token,
+    so a budget of N read N + 1 (N + 2 with the <think> the grammar writes)."""
+    START, END = 90, 91
+    for pieces, reasoning in [
+        ([("<think>", [START]), ("<think>ab", [START, 1, 2]), ("<think>ab</think>", [START, 1, 2, END]),
+          ("<think>ab</think>yes", [START, 1, 2, END, 3])], 2),
+        ([("ab", [1, 2]), ("ab</think>yes", [1, 2, END, 3]), ("ab</think>yes!", [1, 2, END, 3, 4])], 2),
+        ([("a</think>b<think>c", [1, END, 2, START, 3])], 1),  # the section ends once
+        ([("abc", [1, 2, 3])], 3),  # cut off while thinking: all of it
+    ]:
+        t = ChoiceTracker(0, holdback=0, reasoning=True, think_ids=(START, END))
+        acc = Accumulated(0)
+        for text, ids in pieces:
+            if d := t.advance(out(text, ids)):
+                acc.add(d)
+        acc.add(t.advance(out(*pieces[-1], finish="length")))
+        assert t.reasoning_tokens == reasoning, pieces
+        assert "</think>" not in acc.reasoning
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    # The prompt's tokens spell "<s>Hi you" where its text is "Hi you": the output's offsets are where its text
+    # is in the echoed text, as a stream's later chunks give them.
+    you = {8: Logprob(-0.5, 2, " you"), 9: Logprob(-0.2, 1, " me")}
+    prompt = Delta(0, "Hi you", token_ids=[6, 7, 8], logprobs=[None, {7: Logprob(-0.7, 1, "Hi")}, you])
+    output = Delta(0, " there", token_ids=[5], logprobs=[{5: Logprob(-1.0, 1, " there")}], text_offset=0)
+    echoed = with_echo(prompt, output)
+    assert completion_text(echoed) == "Hi you there"
+    lps = completion_logprobs(echoed, 1, decode=lambda tid: {6: "<s>"}[tid])
+    assert lps == {"tokens": ["<s>", "Hi", " you", " there"], "token_logprobs": [None, -0.7, -0.5, -1.0],
+                   "top_logprobs": [None, {"Hi": -0.7}, {" me": -0.2, " you": -0.5}, {" there": -1.0}],
+                   "text_offset": [0, 3, 5, 6]}
+    assert prompt_logprobs(prompt.logprobs[1:] + [{3: Logprob(-math.inf, 4, "z")}]) == [
+        {"7": {"logprob": -0.7, "rank": 1, "decoded_token": "Hi"}},
+        {"8": {"logprob": -0.5, "rank": 2, "decoded_token": " you"},
+         "9": {"logprob": -0.2, "rank": 1, "decoded_token": " me"}},
+        {"3": {"logprob": -9999.0, "rank": 4, "decoded_token": "z"}}]
+    assert prompt_logprobs([None]) == [None]
 
 
 def test_logprob_shapes():

@@ -55,11 +55,53 @@ def test_limits_and_rules():
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
                        ChatCompletionRequest) == "max_completion_tokens"
     assert error_param(b'{"prompt": ["a", "b"]}') == "prompt"
-    assert error_param(b'{"prompt": "x", "echo": true}') == "echo"
+    assert error_param(b'{"prompt": "x", "suffix": "y"}') == "suffix"
     assert error_param(b'{"prompt": "x", "best_of": 3}') == "best_of"
     assert error_param(b'{"prompt": "x", "min_tokens": 5, "max_tokens": 2}') == "min_tokens"
     assert error_param(b'{"prompt": "x", "messages": []}', TokenizeRequest) == "messages"
     assert error_param(b'{}', TokenizeRequest) == "prompt"
+
+
+@pytest.mark.parametrize("value", ["5", "[5]", '{"a": 1}', '["a", null]'])
+def test_stop_of_the_wrong_shape_says_a_string_or_a_list_of_strings(value):
+    # The union's own message named only one of its shapes: "stop: Input should be a valid string".
+    for raw, model in ((f'{{"prompt": "x", "stop": {value}}}', CompletionRequest),
+                       (f'{{"messages": {json.dumps(MSGS)}, "stop": {value}}}', ChatCompletionRequest)):
+        with pytest.raises(APIError) as e:
+            parse_body(raw.encode(), model, LIMITS)
+        assert e.value.param == "stop"
+        assert e.value.message == f"stop: must be a string or a list of strings, got {json.dumps(json.loads(value))}"
+    assert chat(stop="a").stop == "a" and chat(stop=["a", "b"]).stop == ["a", "b"] and chat(stop=None).stop is None
+
+
+def test_vllm_prompt_fields_are_taken_and_checked():
+    """vLLM's extras: prompt_logprobs on both endpoints (never streamed, as in vLLM), echo on completions (with
+    logprobs it asks for the prompt's too), continue_final_message on chat with add_generation_prompt false."""
+    def completion(**kw):
+        return parse_body(json.dumps({"prompt": "x", **kw}).encode(), CompletionRequest, LIMITS)
+
+    assert to_sampling_params(completion(prompt_logprobs=3), None).prompt_logprobs == 3
+    assert to_sampling_params(chat(prompt_logprobs=0), None).prompt_logprobs == 0
+    assert to_sampling_params(completion(echo=True), None).prompt_logprobs is None
+    assert to_sampling_params(completion(echo=True, logprobs=2), None).prompt_logprobs == 2
+    assert to_sampling_params(completion(echo=True, logprobs=2, prompt_logprobs=5), None).prompt_logprobs == 5
+    assert to_sampling_params(completion(echo=True, logprobs=1, stream=True), None).prompt_logprobs == 1
+    req = chat(messages=[*MSGS, {"role": "assistant", "content": "Hel"}], add_generation_prompt=False,
+               continue_final_message=True)
+    assert (req.add_generation_prompt, req.continue_final_message) == (False, True)
+    for body, param in [({"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+                        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+                        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs")]:
+        assert error_param(json.dumps(body).encode()) == param, body
+    for body in ({"messages": MSGS, "prompt_logprobs": 1, "stream": True},
+                 {"messages": MSGS, "prompt_logprobs": 1.5}):
+        assert error_param(json.dumps(body).encode(), ChatCompletionRequest) == "prompt_logprobs", body
+    assert error_param(json.dumps({"messages": MSGS, "continue_final_message": True}).encode(),
+                       ChatCompletionRequest) == "continue_final_message"  # add_generation_prompt is true
+    assert error_param(json.dumps({"prompt": "x", "continue_final_message": True}).encode(),
+                       TokenizeRequest) == "continue_final_message"
+    assert error_param(json.dumps({"messages": MSGS, "continue_final_message": True}).encode(),
+                       TokenizeRequest) == "continue_final_message"
 
 
 def test_tool_fields_name_what_is_wrong():

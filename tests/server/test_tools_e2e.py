@@ -176,6 +176,9 @@ def test_thinking_token_budget_is_respected(client):
             start = tokens.index(demo.THINK) + 1 if not kwargs else 0
             assert end - start <= budget, (budget, kwargs, tokens)
             assert demo.END_THINK not in (r.choices[0].message.reasoning_content or "")
+            # The usage counts the same tokens (vLLM's reasoning_tokens: neither marker): it read N + 1, and
+            # N + 2 where the grammar wrote <think>.
+            assert r.usage.completion_tokens_details.reasoning_tokens == end - start, (budget, kwargs, tokens)
 
 
 def test_reasoning_then_required_calls(client):
