@@ -148,13 +148,37 @@ def test_a_prompt_past_the_context_gets_only_the_engines_error(llm):
 
 
 def test_prompt_logprobs_cover_the_prompt_once_whatever_n(llm):
-    # With n = 2 each child computed the prompt and both lists were appended: 2 * len - 1 entries.
+    # With n = 2 each child computed the prompt and both lists were appended: 2 * len - 1 entries. Only the
+    # first child asks for them now; the others may start from the prefix it cached.
+    children = llm.llm_engine.input_processor.process("r", PROMPT, SamplingParams(n=3, prompt_logprobs=1, max_tokens=2))
+    assert [c.sampling_params.prompt_logprobs for c in children] == [1, None, None]
     for n in (1, 2):
         (out,) = llm.generate([PROMPT], SamplingParams(n=n, max_tokens=2, prompt_logprobs=1, seed=3), use_tqdm=False)
         lps = out.prompt_logprobs
         assert len(lps) == len(out.prompt_token_ids) and lps[0] is None
         assert all(tid in pos and 1 <= len(pos) <= 2 for tid, pos in zip(out.prompt_token_ids[1:], lps[1:],
                                                                            strict=True))
+
+
+def test_prompt_logprobs_in_slices_equal_the_whole(llm, monkeypatch):
+    # The logits of prompt positions are made PROMPT_LOGPROB_ROWS at a time (a whole chunk's float32 logits are
+    # not in the memory profile): slices of 3 rows give what one slice gives.
+    from deepserve.runner import model_runner
+
+    prompt = PROMPT * 3
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2, seed=3)
+    (whole,) = llm.generate([prompt], params, use_tqdm=False)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 3)
+    model, rows = llm.llm_engine.core.runner.model, []
+    head = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: rows.append(h.shape[0]) or head(h))
+    (sliced,) = llm.generate([prompt], params, use_tqdm=False)
+    assert max(rows) == 3 and sum(rows) == len(whole.prompt_token_ids) - 1 + 1  # the prompt's slices, the sample
+    assert len(whole.prompt_token_ids) > 7 and sliced.prompt_logprobs[0] is None
+    for got, want in zip(sliced.prompt_logprobs[1:], whole.prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys()  # the same tokens (target and top 2) at the same ranks
+        assert all(got[t].rank == want[t].rank and got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+                   for t in want)  # the LM head's product sums in another order for 3 rows than for 30
 
 
 def test_unknown_llm_argument_is_named():

@@ -100,9 +100,10 @@ def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     sv.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second, Poisson arrivals (inf: all at once, up to --max-concurrency)")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    sv.add_argument("--max-concurrency", type=positive_int, default=DEFAULT_MAX_CONCURRENCY,
-                    help="requests in flight at most; the default is a default server's --max-waiting-requests, "
-                         "beyond which it answers 503 (raise both together to load a server harder)")
+    sv.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                    help="requests in flight at most, 0 for no limit (vLLM's default); the default is a default "
+                         "server's --max-waiting-requests, beyond which it answers 503 (raise both together to "
+                         "load a server harder)")
     sv.add_argument("--dataset", choices=["random", "w1"], default="random",
                     help="w1: BENCHMARKS.md's W1 prompts and lengths (token ids < 10,000); random: "
                          "--random-input-len/--random-output-len")

@@ -258,8 +258,8 @@ def main(ns) -> dict:
     percentiles = ns.metric_percentiles  # parsed by bench.cli.percentiles
     if ns.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {ns.request_rate}")
-    if ns.max_concurrency is not None and ns.max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}")
+    if ns.max_concurrency is not None and ns.max_concurrency < 0:
+        raise ValueError(f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}")
     prompts = build_dataset(ns.dataset, ns.num_prompts, ns.random_input_len, ns.random_output_len,
                             ns.random_range_ratio, ns.random_vocab_size, ns.seed)
     api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("DEEPSERVE_API_KEY")

@@ -57,6 +57,8 @@ class InputProcessor:
             child.n = 1
             if params.seed is not None:
                 child.seed = (params.seed + index) % 2**64  # distinct, reproducible, still 64 bits
+            if index:  # one prompt, one list: the first child's (a child that asks computes the whole prompt)
+                child.prompt_logprobs = None
             wait_for = children[0].request_id if children else None
             children.append(EngineCoreRequest(child_request_id(index, request_id), token_ids, child,
                                               self.eos_token_ids, arrival, wait_for))
@@ -75,7 +77,8 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self.check_grammar(params)
         if self.pipeline_parallel and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with pipeline_parallel_size > 1 yet")
+            raise ValueError("prompt_logprobs (a server's echo with logprobs asks for them too) is not supported "
+                             "with pipeline_parallel_size > 1 yet")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:

@@ -556,9 +556,22 @@ class ModelRunner:
                 continue
             rows = hidden[first_row + lo - sched.start : first_row + hi - sched.start]
             targets = torch.tensor(request.prompt_token_ids[lo + 1 : hi + 1]).to(hidden.device, non_blocking=True)
-            ids, lps, ranks = compute_token_logprobs(self.model.compute_logits(rows).float(), targets, k)
-            result.append((request.request_id, k, ids, lps, ranks))
+            result.append((request.request_id, k, *self._token_logprobs_in_slices(rows, targets, k)))
         return result
+
+    def _token_logprobs_in_slices(self, rows: torch.Tensor, targets: torch.Tensor, k: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """compute_token_logprobs over the logits of `rows`, PROMPT_LOGPROB_ROWS at a time: a whole prefill chunk's
+        float32 logits (8,192 rows x a 129,280 vocabulary: 4.2 GB, and log_softmax as much again) are not in the
+        memory profile, and a client asks for them with prompt_logprobs or echo. The slices depend on shapes
+        only, so tensor-parallel ranks run the LM head's all-gather in the same order."""
+        parts = [compute_token_logprobs(self.model.compute_logits(rows[i:i + PROMPT_LOGPROB_ROWS]).float(),
+                                        targets[i:i + PROMPT_LOGPROB_ROWS], k)
+                 for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS)]
+        return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+
+
+PROMPT_LOGPROB_ROWS = 512  # prompt positions whose logits are made at once (_token_logprobs_in_slices)
 
 
 def _out_of_memory_message(peak: int, total: int, per_block: int, needed_blocks: int, num_blocks: int,

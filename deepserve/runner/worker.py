@@ -213,26 +213,24 @@ def worker_main(rank: int, world: int, port: int, backend: str, timeout_s: float
             progress[rank] = done
 
 
-def cpu_rank_threads(local_world: int) -> int | None:
-    """Intra-op threads for a rank on the CPU, or None to leave torch's own count. Ranks share the host's
+def cpu_rank_threads(local_world: int) -> int:
+    """Intra-op threads for a rank on the CPU. Ranks share the host's
     cores, so by default each takes its share (without it each would start one thread per core). A user's
     OMP_NUM_THREADS is the count instead (torch's own setting, which this used to override): on a shared or
     loaded machine more threads than free cores made runs 10-140x slower than one thread, and erratic. The
     count is applied, not left to torch, which read the variable when it was imported: in a rank forked from
     the fork server (rank_start.py) that was under the helper's environment, not the engine's."""
+    share = max(1, (os.cpu_count() or 1) // local_world)
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if not value:
-        return max(1, (os.cpu_count() or 1) // local_world)
     try:
-        threads = int(value.split(",")[0])  # OpenMP's nested form "4,2": the outer level is the one torch uses
+        threads = int(value.split(",")[0]) if value else 0  # OpenMP's nested "4,2": torch uses the outer level
     except ValueError:
-        return None  # not a count (OpenMP warns and ignores it): torch's own, as in rank 0
-    return threads if threads >= 1 else None
+        threads = 0  # not a count (OpenMP ignores it): the share, not the all-cores count a forked rank has
+    return threads if threads >= 1 else share
 
 
 def set_cpu_rank_threads(local_world: int) -> None:
-    if (threads := cpu_rank_threads(local_world)) is not None:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(cpu_rank_threads(local_world))
 
 
 def _remote_rank(rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float,

@@ -124,12 +124,11 @@ def chat_logprobs(delta: Delta, top_n: int) -> list[dict]:
 def completion_logprobs(delta: Delta, top_n: int, decode: Callable[[int], str] | None = None) -> dict:
     """OpenAI's completion logprobs; a position without logprobs (an echoed prompt's first token) has its
     token spelled by `decode` and null logprobs, as vLLM writes it. An echoed prompt's tokens come first,
-    their offsets counted from 0; the output's then start where the output starts in the text, after the
-    prompt's text (the prompt's tokens may spell more than it: a bos token)."""
+    their offsets counted from 0, and the output's go on from where the prompt's tokens end (echo_span)."""
     if delta.echo is not None:
         head = completion_logprobs(delta.echo, top_n, decode)
         tail = completion_logprobs(dataclasses.replace(delta, echo=None, text_offset=delta.text_offset
-                                                       + len(delta.echo.content)), top_n, decode)
+                                                       + echo_span(delta.echo, decode)), top_n, decode)
         return {key: head[key] + tail[key] for key in head}
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = delta.text_offset
@@ -152,6 +151,13 @@ def completion_logprobs(delta: Delta, top_n: int, decode: Callable[[int], str] |
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_span(echo: Delta, decode: Callable[[int], str] | None = None) -> int:
+    """The characters an echoed prompt's tokens spell one after another (a bos token's text included): where
+    the output's text_offset goes on from. vLLM counts one running total through the prompt and the output;
+    the prompt's text alone (without the bos) would send the offsets back at the output's first token."""
+    return sum(len(token) for token in completion_logprobs(echo, 0, decode)["tokens"])
 
 
 def with_echo(prompt: Delta, delta: Delta) -> Delta:

@@ -142,6 +142,7 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
     base = f.envelope("chat.completion.chunk" if chat else "text_completion", gen.request_id, gen.model)
     started = [False] * req.n
     echo: f.Delta | None = None  # completions with echo: the prompt, sent before each choice's first text
+    echo_span = 0
     decode = _decoder(gen)
     try:
         async for out in agen:
@@ -156,9 +157,11 @@ async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOu
                     choice = f.chat_chunk_choice(d, first, top_n)
                 else:
                     if req.echo:  # the prompt's logprobs are all in by the first token
-                        echo = echo or _echo(gen, req, out)
+                        if echo is None:
+                            echo = _echo(gen, req, out)
+                            echo_span = f.echo_span(echo, decode)  # the output's offsets go on from here
                         d = f.with_echo(echo, d) if first else dataclasses.replace(
-                            d, text_offset=d.text_offset + len(echo.content))
+                            d, text_offset=d.text_offset + echo_span)
                     choice = f.completion_chunk_choice(d, top_n, decode)
                 chunk = {**base, "choices": [choice]}
                 if opts.include_usage:

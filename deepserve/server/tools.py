@@ -79,10 +79,14 @@ class OutputReading:
     tool_parser: str | None = None
 
 
-def prompt_thinking(prompt_text: str) -> str | None:
+def prompt_thinking(prompt_text: str, continuing: bool = False) -> str | None:
     """Where the prompt leaves the reasoning section: "closed" (it ends in </think>, as V3.1's template
     writes with thinking off), "open" (it ends in <think>: V3.1 with thinking on, R1's newer template),
-    else None (the model opens it itself, or never)."""
+    else None (the model opens it itself, or never). `continuing` (continue_final_message): the prompt ends
+    inside the assistant's message, so its last marker decides: an unclosed <think> is open, anything else
+    (a closed section, or none: the message's answer goes on) closed."""
+    if continuing:
+        return "open" if prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK) else "closed"
     end = prompt_text.rstrip()
     return "closed" if end.endswith(END_THINK) else "open" if end.endswith(THINK) else None
 
@@ -113,7 +117,7 @@ def output_reading(settings: ServerSettings, req: p.ChatCompletionRequest, plan:
                    prompt_text: str) -> OutputReading:
     # No reasoning section in the output: the prompt closed it, or the grammar makes the output tool
     # calls or the structured answer from its first token (the reply is then content, never reasoning).
-    thinking = prompt_thinking(prompt_text)
+    thinking = prompt_thinking(prompt_text, req.continue_final_message)
     reasoning = thinking != "closed" and not _enforced_from_first_token(req, plan, thinking)
     return OutputReading(settings.reasoning_parser is not None and reasoning, plan.tool_parser)
 
@@ -147,7 +151,7 @@ def output_grammar(tokenizer: Any, req: p.ChatCompletionRequest, plan: ChatPlan,
                                                 [f.model_dump() for f in functions], parallel))
         answer, origin = "tool_calls", "tools"
     budget = req.thinking_token_budget
-    thinking = prompt_thinking(prompt_text)
+    thinking = prompt_thinking(prompt_text, req.continue_final_message)
     if not reasoning_first(req, plan, thinking):  # the grammar, if any, holds from the first token
         return (tg.build(answer_parts, [answer]), origin) if answer is not None else (so, origin)
     if answer is None:

@@ -247,6 +247,8 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, srv):
     lps, ids = r.choices[0].logprobs, _prompt_ids(srv, prompt=prompt)
     assert len(lps.tokens) == len(ids) + 6 == len(lps.token_logprobs) == len(lps.text_offset)
     assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None and lps.text_offset[0] == 0
+    # one running total of the tokens' lengths through prompt (its bos included) and output, as vLLM's
+    assert lps.text_offset == [sum(len(t) for t in lps.tokens[:i]) for i in range(len(lps.tokens))]
     assert all(x is not None and x <= 0 for x in lps.token_logprobs[1:])
     assert r.choices[0].text == prompt + plain and r.usage.completion_tokens == 6
     # The prompt tokens' logprobs are the prompt_logprobs of those tokens (echo with logprobs asks for them).

@@ -12,6 +12,7 @@ from deepserve.server.openai_format import (
     chat_logprobs,
     completion_logprobs,
     completion_text,
+    echo_span,
     prompt_logprobs,
     usage,
     with_echo,
@@ -69,8 +70,9 @@ def test_reasoning_tokens_are_those_between_the_markers():
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_first():
-    # The prompt's tokens spell "<s>Hi you" where its text is "Hi you": the output's offsets are where its text
-    # is in the echoed text, as a stream's later chunks give them.
+    # The prompt's tokens spell "<s>Hi you" where its text is "Hi you": the offsets are one running total of the
+    # tokens' lengths through prompt and output, as vLLM counts them (the output's first at 3 + 2 + 4 = 9, not
+    # back at the text's 6), as a stream's later chunks give them too (echo_span).
     you = {8: Logprob(-0.5, 2, " you"), 9: Logprob(-0.2, 1, " me")}
     prompt = Delta(0, "Hi you", token_ids=[6, 7, 8], logprobs=[None, {7: Logprob(-0.7, 1, "Hi")}, you])
     output = Delta(0, " there", token_ids=[5], logprobs=[{5: Logprob(-1.0, 1, " there")}], text_offset=0)
@@ -79,7 +81,8 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
     lps = completion_logprobs(echoed, 1, decode=lambda tid: {6: "<s>"}[tid])
     assert lps == {"tokens": ["<s>", "Hi", " you", " there"], "token_logprobs": [None, -0.7, -0.5, -1.0],
                    "top_logprobs": [None, {"Hi": -0.7}, {" me": -0.2, " you": -0.5}, {" there": -1.0}],
-                   "text_offset": [0, 3, 5, 6]}
+                   "text_offset": [0, 3, 5, 9]}
+    assert echo_span(prompt, decode=lambda tid: {6: "<s>"}[tid]) == 9
     assert prompt_logprobs(prompt.logprobs[1:] + [{3: Logprob(-math.inf, 4, "z")}]) == [
         {"7": {"logprob": -0.7, "rank": 1, "decoded_token": "Hi"}},
         {"8": {"logprob": -0.5, "rank": 2, "decoded_token": " you"},

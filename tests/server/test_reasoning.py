@@ -41,3 +41,16 @@ def test_partial_tag_is_held_back():
     assert s.feed("abc</th") == ("abc", "")
     assert s.feed("ink>x") == ("", "x")
     assert not s.in_reasoning
+
+
+def test_a_continued_message_s_own_markers_say_whether_its_reasoning_is_open():
+    # continue_final_message: the prompt ends inside the assistant's message, so its last marker decides (without
+    # continuing, only how the prompt ends: a generation prompt after an earlier closed turn leaves it to the model)
+    from deepserve.server.tools import prompt_thinking
+
+    history = "<｜User｜>q<｜Assistant｜><think>a</think>b<｜User｜>q2<｜Assistant｜>"
+    assert prompt_thinking(history + "<think>hmm</think>The answer is", continuing=True) == "closed"
+    assert prompt_thinking(history + "<think>hmm, so", continuing=True) == "open"
+    assert prompt_thinking(history + "The answer is", continuing=True) == "closed"
+    assert prompt_thinking(history) is None and prompt_thinking(history + "<think>\n") == "open"
+    assert prompt_thinking(history + "</think>") == "closed"
