@@ -127,8 +127,9 @@ def completion_logprobs(delta: Delta, top_n: int, decode: Callable[[int], str] |
     their offsets counted from 0, and the output's go on from where the prompt's tokens end (echo_span)."""
     if delta.echo is not None:
         head = completion_logprobs(delta.echo, top_n, decode)
-        tail = completion_logprobs(dataclasses.replace(delta, echo=None, text_offset=delta.text_offset
-                                                       + echo_span(delta.echo, decode)), top_n, decode)
+        span = sum(len(token) for token in head["tokens"])  # echo_span, from the tokens just spelled
+        tail = completion_logprobs(dataclasses.replace(delta, echo=None, text_offset=delta.text_offset + span),
+                                   top_n, decode)
         return {key: head[key] + tail[key] for key in head}
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = delta.text_offset
