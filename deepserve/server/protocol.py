@@ -181,6 +181,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
+    # 0 with echo scores the prompt and generates nothing (vLLM's and the legacy OpenAI API's form, which
+    # evaluation harnesses send for loglikelihoods); _check_completion refuses 0 without echo.
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -372,6 +375,9 @@ def tool_choice_of(req: ChatCompletionRequest) -> str:
 def _check_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 is only allowed with echo: true (it returns the prompt, with its "
+                          "logprobs when logprobs is set, and generates nothing)", param="max_tokens")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
         if len(req.prompt) != 1:
             raise bad_request("send one prompt per request (batched prompts are not supported)", "prompt")
@@ -390,6 +396,12 @@ def single_prompt(req: CompletionRequest) -> str | list[int]:
     if isinstance(p, list) and p and isinstance(p[0], str | list):
         return p[0]
     return p
+
+
+def scores_prompt_only(req: _SamplingFields) -> bool:
+    """A completion with echo and max_tokens 0: the engine runs it for one token, which the server drops
+    (serving.prompt_only), so the answer is the prompt and its logprobs alone."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
 
 
 def max_tokens_of(req: _SamplingFields) -> int | None:
@@ -430,7 +442,7 @@ def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> 
     """Only fields the client set are passed, so SamplingParams keeps vLLM's defaults for the rest."""
     kwargs: dict[str, Any] = {
         "n": req.n,
-        "max_tokens": max_tokens_of(req) or default_max_tokens,
+        "max_tokens": 1 if scores_prompt_only(req) else max_tokens_of(req) or default_max_tokens,
         "stop": stop_list(req),
         "stop_token_ids": list(req.stop_token_ids or []),
         "min_tokens": req.min_tokens,

@@ -10,17 +10,19 @@ records metrics and usage, and writes the audit record.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepserve.engine.grammar import GrammarError
-from deepserve.engine.outputs import RequestOutput
+from deepserve.engine.outputs import CompletionOutput, RequestOutput
 from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
 from deepserve.server.errors import APIError, bad_request
@@ -56,6 +58,8 @@ class Generation:
         total = sum(len(c.token_ids) for c in out.outputs)
         new = total - self.completion_tokens
         self.cached_tokens = out.num_cached_tokens
+        if out.finished:  # also when nothing was generated (an abort, a prompt-only scoring request)
+            self.finish_reasons = [c.finish_reason or "abort" for c in out.outputs]
         if new <= 0:
             return
         m = self.st.metrics
@@ -69,8 +73,6 @@ class Generation:
             for _ in range(new):
                 m.itl.observe((now - self.last_token_at) / new)
         self.last_token_at, self.completion_tokens = now, total
-        if out.finished:
-            self.finish_reasons = [c.finish_reason or "abort" for c in out.outputs]
 
     def finish(self, outcome: str, status: int = 200) -> None:
         if self.finished:
@@ -248,11 +250,28 @@ async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
     return req, gen, core_requests
 
 
+def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
+    # "length": max_tokens 0 was reached; an abort stays an abort.
+    reason = None if c.finish_reason is None else "abort" if c.finish_reason == "abort" else "length"
+    return CompletionOutput(c.index, "", [], None, [] if c.logprobs is not None else None, reason, None,
+                            [] if c.token_text_ends is not None else None)
+
+
+async def prompt_only(agen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A scoring request's outputs (echo with max_tokens 0, protocol.scores_prompt_only): the engine
+    samples one token to compute the prompt's logprobs; it is dropped here, as vLLM drops it, so the
+    choice is the echoed prompt alone and the usage counts no completion tokens."""
+    async for out in agen:
+        yield dataclasses.replace(out, outputs=[_nothing_generated(c) for c in out.outputs])
+
+
 async def run_request(request: Request, chat: bool) -> Response:
     from deepserve.server.streaming import collect, stream_events
 
     req, gen, core_requests = await admit(request, chat)
     agen = gen.st.engine.generate(gen.request_id, gen.prompt_text, core_requests)
+    if p.scores_prompt_only(req):
+        agen = prompt_only(agen)
     headers = {**gen.admission.headers, "x-request-id": gen.request_id}
     if req.stream:
         return _EventStream(stream_events(gen, req, agen, chat), gen, media_type="text/event-stream",

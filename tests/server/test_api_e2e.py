@@ -267,6 +267,28 @@ def test_echo_prepends_the_prompt_and_its_logprobs(client, srv):
     assert r.choices[0].text.startswith(post(srv, "/detokenize", {"tokens": ids}).json()["prompt"])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, srv):
+    """What evaluation harnesses send for loglikelihoods (vLLM's and the legacy OpenAI API's form): the prompt
+    comes back with its logprobs, the same as the prompt part of an echo that generates, and no output."""
+    prompt = "The quick brown fox"
+    ids = _prompt_ids(srv, prompt=prompt)
+    kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, temperature=0)
+    full = client.completions.create(**kw, max_tokens=3).choices[0].logprobs
+    r = client.completions.create(**kw, max_tokens=0)
+    lps = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert lps.tokens == full.tokens[:len(ids)] and lps.token_logprobs == full.token_logprobs[:len(ids)]
+    assert lps.text_offset == full.text_offset[:len(ids)]
+    chunks = list(client.completions.create(**kw, max_tokens=0, stream=True))
+    assert [c.choices[0].text for c in chunks] == [prompt]
+    assert chunks[0].choices[0].finish_reason == "length" and chunks[0].choices[0].logprobs.tokens == lps.tokens
+    assert client.completions.create(**{**kw, "logprobs": None}, max_tokens=0).choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.message
+
+
 def test_continue_final_message_leaves_the_last_message_open(client, srv):
     history = [*MSG, {"role": "assistant", "content": "Paged attention is"}]
     flags = {"add_generation_prompt": False, "continue_final_message": True}

@@ -86,6 +86,11 @@ def test_vllm_prompt_fields_are_taken_and_checked():
     assert to_sampling_params(completion(echo=True, logprobs=2), None).prompt_logprobs == 2
     assert to_sampling_params(completion(echo=True, logprobs=2, prompt_logprobs=5), None).prompt_logprobs == 5
     assert to_sampling_params(completion(echo=True, logprobs=1, stream=True), None).prompt_logprobs == 1
+    # echo with max_tokens 0 scores the prompt: the engine runs one token (dropped by the server); without
+    # echo, and on chat, 0 stays an error that names max_tokens.
+    assert to_sampling_params(completion(echo=True, max_tokens=0, logprobs=1), 16).max_tokens == 1
+    assert error_param(b'{"prompt": "x", "max_tokens": 0, "echo": false}') == "max_tokens"
+    assert error_param(json.dumps({"messages": MSGS, "max_tokens": 0}).encode(), ChatCompletionRequest) == "max_tokens"
     req = chat(messages=[*MSGS, {"role": "assistant", "content": "Hel"}], add_generation_prompt=False,
                continue_final_message=True)
     assert (req.add_generation_prompt, req.continue_final_message) == (False, True)
