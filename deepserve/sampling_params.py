@@ -73,6 +73,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a value added to its logit before sampling (OpenAI's -100..100; -100 all but bans it). A
+    # dict or (id, bias) pairs; EngineCoreRequest.to_dict sends pairs, as msgpack maps take string keys only.
+    logit_bias: dict[int, float] | None = None
 
     def __init__(self, **kwargs: object) -> None:
         known = {f.name: f for f in fields(self)}
@@ -91,6 +94,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        self.logit_bias = _as_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):  # from EngineCoreRequest.from_dict (msgpack)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -145,8 +149,33 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
+        for t, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias token id", t, lo=0)
+            _check_float(f"logit_bias[{t}]", bias, lo=-LOGIT_BIAS_LIMIT, hi=LOGIT_BIAS_LIMIT)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias, either way
+
+
+def _as_bias(value: object) -> dict[int, float] | None:
+    """logit_bias as {token id: bias}; None for none. Token ids may come as decimal strings (JSON's keys)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in value):
+        pairs = [tuple(x) for x in value]
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    bias = {}
+    for token, b in pairs:
+        if isinstance(token, str) and token.isdecimal():
+            token = int(token)
+        _check_int("logit_bias token id", token, lo=0)
+        bias[token] = b
+    return bias or None
 
 
 def _as_list(name: str, value: object, what: str) -> list:

@@ -77,6 +77,27 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
     processor().process("r", [5], SamplingParams(stop_token_ids=[99]))
 
 
+def test_logit_bias_takes_string_or_integer_ids_and_names_what_is_wrong():
+    assert SamplingParams(logit_bias={"7": -100, 3: 2}).logit_bias == {7: -100, 3: 2}
+    assert SamplingParams(logit_bias=[[7, 1.5]]).logit_bias == {7: 1.5}  # the pairs EngineCoreRequest sends
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({"x": 1}, {-1: 1}, {3: 101}, {3: math.nan}, {3: "1"}, [1, 2], 5):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"logit_bias: token id 100 is outside the vocabulary \[0, 100\)"):
+        processor().process("r", [5], SamplingParams(logit_bias={99: 1, 100: 1}))
+    processor().process("r", [5], SamplingParams(logit_bias={99: 1}))
+
+
+def test_logit_bias_crosses_the_engine_process_boundary():
+    from deepserve.engine.core import EngineCoreRequest
+    from deepserve.engine.core_process import AddRequests, decode, encode
+
+    req = EngineCoreRequest("r", [5], SamplingParams(logit_bias={7: -100.0, 3: 2.0}), [1], 0.0)
+    msg = decode(encode(AddRequests([req.to_dict()]))[4:])
+    assert EngineCoreRequest.from_dict(msg.requests[0]).sampling_params.logit_bias == {7: -100.0, 3: 2.0}
+
+
 def test_n_children_get_distinct_seeds_that_stay_64_bit():
     children = processor().process("r", [5], SamplingParams(n=3, seed=2**64 - 1))
     assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]

@@ -66,7 +66,9 @@ class EngineCoreRequest:
     def to_dict(self) -> dict[str, Any]:
         # Shallow, as core_process.encode packs it at once: asdict would deep-copy every prompt token.
         d = dict(vars(self))
-        d["sampling_params"] = asdict(self.sampling_params)
+        d["sampling_params"] = params = asdict(self.sampling_params)
+        if params["logit_bias"] is not None:  # pairs: a msgpack map with integer keys does not unpack
+            params["logit_bias"] = list(params["logit_bias"].items())
         return d
 
     @classmethod

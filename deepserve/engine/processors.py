@@ -74,6 +74,9 @@ class InputProcessor:
         bad = next((t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.check_grammar(params)
         if self.pipeline_parallel and params.prompt_logprobs is not None:

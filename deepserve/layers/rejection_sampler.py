@@ -26,6 +26,7 @@ from torch import nn
 
 from deepserve.layers.sampler import (
     _exponential,
+    apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     compute_token_logprobs,
@@ -59,7 +60,7 @@ class RejectionSampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor) -> VerifyOutput:
         """logits [S, V] (model dtype), draft_ids [S] int64 with -1 where a row has no draft."""
-        x = apply_penalties(apply_min_tokens(logits.float(), meta), meta)  # [S, V]
+        x = apply_penalties(apply_min_tokens(apply_logit_bias(logits.float(), meta), meta), meta)  # [S, V]
         has_draft = draft_ids >= 0  # [S]
         drafts = draft_ids.clamp(min=0)[:, None]  # [S, 1]
         greedy = None if meta.all_random else x.argmax(dim=-1)  # [S]

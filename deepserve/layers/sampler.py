@@ -1,7 +1,7 @@
 """The sampler: logits [B, V] -> one token per row, plus logprobs when asked.
 
 Order, as in vLLM v1: logprobs from the raw logits; structured output's allowed-token bitmask masks the
-rest; min_tokens masks stop tokens; penalties;
+rest; logit_bias adds to its tokens' logits; min_tokens masks stop tokens; penalties;
 greedy rows take the argmax; the other rows divide by temperature, then min_p, top_k and top_p
 filter, and a token is drawn by the exponential race argmax(probs / q), q ~ Exp(1).
 
@@ -28,6 +28,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",
     "apply_token_bitmask",
@@ -60,6 +61,7 @@ class Sampler(nn.Module):
         else:
             x = logits.float()  # [B, V]; aliases `logits` when already float32
             x = apply_token_bitmask(x, meta.allowed_token_bitmask)
+            x = apply_logit_bias(x, meta)
             x = apply_min_tokens(x, meta)
             x = apply_penalties(x, meta)
             sampled = _sample(x, meta)  # [B]
@@ -77,6 +79,7 @@ FUSED_SAMPLER_EXCLUDES: dict[str, Callable[[torch.Tensor, SamplingMetadata], boo
     # unless the rows' vocabularies split (small batches): one program a row is slower than torch.argmax
     "every row greedy (argmax is cheaper)": lambda logits, meta: meta.all_greedy and not _greedy_splits(logits),
     "min_tokens": lambda logits, meta: meta.min_tokens_index is not None,
+    "logit_bias": lambda logits, meta: meta.logit_bias is not None,
     "penalties": lambda logits, meta: meta.output_counts is not None,
     "top_k": lambda logits, meta: meta.top_k is not None,
     "top_p": lambda logits, meta: meta.top_p is not None,
@@ -192,6 +195,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> t
     bits = (bitmask[:, :, None] >> shifts) & 1  # [B, W, 32]
     allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()  # [B, V]
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Each row's logit_bias added to its tokens' logits (a masked -inf stays -inf)."""
+    if meta.logit_bias is None:
+        return logits
+    rows, tokens, biases = meta.logit_bias
+    return logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -39,6 +39,8 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
     # (row ids, token ids) that min_tokens forbids this step.
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None  # [M] int64 each
+    # logit_bias: (row ids [N] int64, token ids [N] int64, biases [N] float32); None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Seeded random rows only: row -> generator seeded from (seed, number of output tokens).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Top logprobs to return per row (max over rows, clamped to V); None: no row wants logprobs.
@@ -89,6 +91,8 @@ class SamplingMetadata:
                 history, request_keys = PenaltyHistory(vocab_size, device), list(range(len(params)))
             meta._set_penalties(params, prompt_token_ids, output_token_ids, request_keys, history, device)
         meta.min_tokens_index = _min_tokens_index(params, output_token_ids, eos_token_ids, vocab_size, device)
+        if any(p.logit_bias for p in params):
+            meta.logit_bias = _logit_bias_entries(params, device)
         for i, (p, out) in enumerate(zip(rnd, output_token_ids, strict=True)):
             if p is not None and p.seed is not None:
                 gen = torch.Generator(device=device)
@@ -323,6 +327,17 @@ def _min_tokens_index(
         _to(rows, torch.int64, device),
         _to(cols, torch.int64, device),
     )
+
+
+def _logit_bias_entries(params: list[SamplingParams],
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, tokens, biases = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            tokens.append(token)
+            biases.append(bias)
+    return _to(rows, torch.int64, device), _to(tokens, torch.int64, device), _f32(biases, device)
 
 
 def _f32(values: list[float], device: torch.device) -> torch.Tensor:

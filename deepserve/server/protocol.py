@@ -23,6 +23,9 @@ MAX_SEED = 2**64 - 1
 MIN_SEED = -(2**63)
 MAX_LOGPROBS = 20
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's and vLLM's default
+# logit_bias entries a request may send: each is host work in every step the request samples
+# (SamplingMetadata's index lists); banning a large part of the vocabulary is structured output's job.
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,12 @@ def _string_or_strings(value: Any) -> Any:
     if isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
         return value
     raise ValueError(f"must be a string or a list of strings, got {json.dumps(value, default=repr)[:80]}")
+
+
+def _token_id_key(key: str) -> str:
+    if not (key.isascii() and key.isdigit() and len(key) <= 10):
+        raise ValueError(f"a key must be a token id (up to 10 decimal digits), got {key[:40]!r}")
+    return key
 
 
 Text = Annotated[str, AfterValidator(_utf8_clean)]
@@ -89,7 +98,10 @@ class _SamplingFields(_Strict):
     prompt_logprobs: Annotated[int, Field(ge=-1, le=MAX_LOGPROBS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None
+    # OpenAI's: token id (a decimal string, JSON's keys) -> a bias of -100..100 added to its logit.
+    logit_bias: Annotated[dict[Annotated[str, AfterValidator(_token_id_key)],
+                               Annotated[FiniteFloat, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     # Structured output (server/structured.py): OpenAI's response_format, vLLM's structured_outputs and
@@ -272,8 +284,6 @@ def _check_common(req: _SamplingFields, limits: RequestLimits) -> None:
         raise bad_request(f"n must be <= {limits.max_n}, got {req.n}", param="n")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (it must equal n)", param="best_of")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     stops = stop_list(req)
@@ -452,6 +462,7 @@ def to_sampling_params(req: _SamplingFields, default_max_tokens: int | None) -> 
         "logprobs": num_logprobs(req),
         "prompt_logprobs": num_prompt_logprobs(req),
         "structured_outputs": structured_outputs_of(req)[0],
+        "logit_bias": {int(token): bias for token, bias in req.logit_bias.items()} if req.logit_bias else None,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):

@@ -14,8 +14,8 @@ import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request

@@ -73,6 +73,17 @@ def test_a_biased_acceptor_fails_the_same_check(draft):
     assert chi_square_p_value(emitted(biased, params, draft), target(params)) < 1e-6
 
 
+@pytest.mark.parametrize("draft", [3, 4])
+def test_logit_bias_is_in_the_target_the_drafts_are_judged_by(draft):
+    bias = {4: 3.0, 0: -1.0}  # token 4 from unlikely to the most likely
+    params = SamplingParams(temperature=1.0, logit_bias=bias)
+    biased_logits = LOGITS + torch.tensor([bias.get(t, 0.0) for t in range(V)])
+    assert chi_square_p_value(emitted(RejectionSampler(), params, draft), biased_logits.softmax(-1)) > 1e-3
+    greedy = SamplingParams(temperature=0.0, logit_bias=bias)
+    out = RejectionSampler()(LOGITS.expand(2, V).clone(), meta_for([greedy] * 2), torch.tensor([4, 0]))
+    assert out.chosen.tolist() == [4, 4] and out.accepted.tolist() == [True, False]
+
+
 def test_second_position_after_an_accepted_draft_follows_its_own_row():
     # Two rows of one request: row 1's distribution applies only when row 0's draft was accepted.
     torch.manual_seed(1)

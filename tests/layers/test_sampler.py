@@ -9,6 +9,7 @@ import torch
 from deepserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
+    apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     compute_token_logprobs,
@@ -260,6 +261,30 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert sample(logits, [params], outputs=[[]], eos=[frozenset({5, 99})]).tolist() == [3]
 
 
+def test_logit_bias_adds_to_its_rows_tokens_only_and_leaves_logprobs_raw() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [4.0, 0.0, 0.0, NEG_INF]])
+    params = [SamplingParams(temperature=0.0, logit_bias={3: -100, 0: 2.5}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=1, logit_bias={"1": 100, 3: 100})]
+    meta = build(params, 4)
+    biased = apply_logit_bias(logits, meta)
+    assert biased.tolist() == [[2.5, 1.0, 2.0, -97.0], [0.0, 1.0, 2.0, 3.0], [4.0, 100.0, 0.0, NEG_INF]]
+    assert logits[0, 3] == 3.0  # out of place
+    out = Sampler()(logits, meta)
+    assert out.sampled.tolist() == [0, 3, 1]
+    raw = torch.log_softmax(logits[2], dim=-1)[1]  # logprobs are the model's, before the bias (as vLLM's)
+    assert out.logprobs[2, 0].item() == pytest.approx(raw.item())
+    assert build([SamplingParams(temperature=0.0)], 4).logit_bias is None  # no row asks: nothing built
+
+
+def test_logit_bias_shifts_a_random_rows_distribution() -> None:
+    torch.manual_seed(0)
+    logits = torch.zeros(20000, 4)
+    bias = math.log(3.0)  # token 2 three times as likely as each other: 1/2 against 1/6
+    tokens = sample(logits, [SamplingParams(temperature=1.0, logit_bias={2: bias})] * 20000)
+    probs = torch.tensor([1 / 6, 1 / 6, 1 / 2, 1 / 6])
+    assert chi_square(tokens, probs) < CHI2_3DOF_999
+
+
 def _seeded_run(seed: int, logits_row: torch.Tensor, others: int, position: int, steps: int) -> list[int]:
     """Tokens a seeded row draws over `steps` steps, sitting at `position` among unseeded rows."""
     vocab = logits_row.numel()
@@ -381,6 +406,8 @@ def test_the_fused_sampler_names_what_it_leaves_to_torch():
     assert "every row greedy (argmax is cheaper)" in unfused_reasons(many, build(greedy * 100, 5000))
     mixed = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0.7, seed=3, top_p=0.9)]
     assert {"top_k", "top_p", "seeded rows"} <= set(unfused_reasons(logits, build(mixed, 50)))
+    biased = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, logit_bias={4: 1.0})]
+    assert unfused_reasons(logits, build(biased, 50)) == ["not on the GPU", "logit_bias"]
 
 
 def test_sampling_split_off_restores_one_program_a_row_and_argmax(monkeypatch):

@@ -289,6 +289,32 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, 
     assert e.value.body["param"] == "max_tokens" and "echo" in e.value.message
 
 
+def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(client, srv):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0]
+    first = _prompt_ids(srv, prompt=plain.logprobs.tokens[0], add_special_tokens=False)[0]
+    banned = client.completions.create(**kw, logit_bias={str(first): -100}).choices[0]
+    assert banned.logprobs.tokens[0] != plain.logprobs.tokens[0]
+    forced_id = _prompt_ids(srv, prompt=" fox", add_special_tokens=False)[-1]
+    forced = client.completions.create(**kw, logit_bias={str(forced_id): 100}).choices[0]
+    one = post(srv, "/detokenize", {"tokens": [forced_id]}).json()["prompt"]
+    assert forced.text == one * 4
+    # the logprobs stay the model's own (vLLM's default): the forced token was not the model's first choice
+    assert forced.logprobs.token_logprobs[0] < plain.logprobs.token_logprobs[0]
+    chat = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, temperature=0.8,
+                                          logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == one * 3 or chat.choices[0].message.reasoning_content == one * 3
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **{**kw, "logprobs": None}, logit_bias={str(forced_id): 100}, stream=True) if c.choices)
+    assert streamed == one * 4
+    for bias, param in (({"99999999": 1}, "logit_bias"), ({"5": 101}, "logit_bias.5"),
+                        ({"five": 1}, "logit_bias.five")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias=bias)
+        assert e.value.body["param"] == param, e.value.message
+
+
 def test_continue_final_message_leaves_the_last_message_open(client, srv):
     history = [*MSG, {"role": "assistant", "content": "Paged attention is"}]
     flags = {"add_generation_prompt": False, "continue_final_message": True}

@@ -50,8 +50,11 @@ def test_limits_and_rules():
                        ChatCompletionRequest) == "stream_options"
     assert error_param(json.dumps({"messages": MSGS, "tools": [{"type": "function"}]}).encode(),
                        ChatCompletionRequest) == "tools.0.function"
-    assert error_param(json.dumps({"messages": MSGS, "logit_bias": {"1": 5}}).encode(),
+    assert error_param(json.dumps({"messages": MSGS, "logit_bias": {"1": 5, "x2": 1}}).encode(),
+                       ChatCompletionRequest) == "logit_bias.x2"
+    assert error_param(json.dumps({"messages": MSGS, "logit_bias": {str(t): 1 for t in range(1025)}}).encode(),
                        ChatCompletionRequest) == "logit_bias"
+    assert to_sampling_params(chat(logit_bias={"1": 5, "30": -100}), None).logit_bias == {1: 5.0, 30: -100.0}
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
                        ChatCompletionRequest) == "max_completion_tokens"
     assert error_param(b'{"prompt": ["a", "b"]}') == "prompt"

@@ -229,25 +229,23 @@ def test_parallel_calls_take_v3s_newline_and_still_end(client):
     assert [tuple(streamed[k]) for k in sorted(streamed)] == [(c.function.name, c.function.arguments) for c in calls]
 
 
-def test_thinking_on_with_required_calls_reasons_first(client):
+def test_thinking_on_with_required_calls_reasons_first(client, server):
     """DeepSeek-V3.1's thinking mode (the template opens <think>) with tool_choice required and no budget:
     the output starts in the reasoning, which the reasoning parser returns as reasoning_content; the calls
-    may only follow </think> (the random model rarely writes it, so the output runs to max_tokens here).
+    may only follow </think>, which logit_bias forbids here, so the output runs to max_tokens in the reasoning.
     With thinking off (the prompt closes </think>) the calls come at once."""
+    end_think = httpx.post(f"{server.url}/tokenize", json={"prompt": demo.END_THINK, "add_special_tokens": False},
+                           headers={"Authorization": f"Bearer {ADMIN}"}).json()["tokens"]
+    assert len(end_think) == 1
     base = dict(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3)
-    thinking = client.chat.completions.create(max_tokens=24, logprobs=True,
-                                              extra_body={"chat_template_kwargs": {"thinking": True}}, **base)
-    choice = thinking.choices[0]
+    think = dict(extra_body={"chat_template_kwargs": {"thinking": True}}, logit_bias={str(end_think[0]): -100})
+    choice = client.chat.completions.create(max_tokens=24, logprobs=True, **think, **base).choices[0]
     tokens = [t.token for t in choice.logprobs.content]
-    # That seed 3 samples no </think> in 24 tokens is a fact of the demo's random weights and the sampler
-    # (deterministic, not flaky), not of the feature: should either change and </think> appear, pick
-    # another seed for which it does not (the server has no logit_bias to forbid the token).
     assert choice.finish_reason == "length" and demo.END_THINK not in tokens
     assert not set(tokens) & {demo.CALLS_BEGIN, demo.CALL_BEGIN}  # no call inside the reasoning
     assert choice.message.reasoning_content and not choice.message.tool_calls and choice.message.content is None
     reasoning = ""
-    for chunk in client.chat.completions.create(max_tokens=24, stream=True,
-                                                extra_body={"chat_template_kwargs": {"thinking": True}}, **base):
+    for chunk in client.chat.completions.create(max_tokens=24, stream=True, **think, **base):
         for c in chunk.choices:
             assert not c.delta.tool_calls and not c.delta.content
             reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
