@@ -24,7 +24,7 @@ print("HEAVY", ",".join(heavy))
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"], ["plan", "--help"],
                                   ["bench", "throughput", "--help"], ["generate", "--no-such-flag"],
                                   ["encrypt-model", "--help"], ["audit", "verify", "--help"], ["router", "--help"],
-                                  ["bench", "serve", "--help"]])
+                                  ["bench", "serve", "--help"], ["run-batch", "--help"]])
 def test_help_version_and_argument_errors_import_nothing_heavy(argv):
     done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True,
                           timeout=120)
@@ -34,7 +34,7 @@ def test_help_version_and_argument_errors_import_nothing_heavy(argv):
 
 # Every command whose function calls engine_args_from, with the positionals it needs.
 ENGINE_COMMANDS = {("generate",): ["hi"], ("chat",): ["hi"], ("serve",): [], ("bench", "throughput"): [],
-                   ("bench", "latency"): []}
+                   ("bench", "latency"): [], ("run-batch",): ["-i", "in.jsonl", "-o", "out.jsonl"]}
 
 
 def _leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -293,6 +293,9 @@ def _add_server_commands(sub: argparse._SubParsersAction) -> None:
     except ImportError:  # the server extras are part of the package; this guards partial installs
         return
     add_serve_parser(sub)
+    from deepserve.entrypoints.batch import add_batch_parser
+
+    add_batch_parser(sub)
     add_keys_parser(sub)
     add_audit_parser(sub)
     from deepserve.router.cli import add_router_parser

@@ -30,7 +30,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to bind (use 0.0.0.0 to expose on every interface)")
     g.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
-    g.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients ask for")
     g.add_argument("--api-key", action="append", default=None,
                    help="an admin key (repeatable; also $DEEPSERVE_API_KEY)")
     g.add_argument("--api-keys", default=None, metavar="FILE", help="YAML key file (see `deepserve keys add`)")
@@ -39,19 +38,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--ssl-ca-certs", default=None, help="CA bundle for client certificates (mTLS)")
     g.add_argument("--ssl-cert-reqs", type=int, default=d.ssl_cert_reqs,
                    help="client certificates: 0 none, 1 optional, 2 required (mTLS)")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"],
-                   help="split <think>...</think> into reasoning_content (DeepSeek-R1 and its distills)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
-    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"],
-                   help="the model's tool-call markup: deepseek_v3 (V3, R1, the demo) or deepseek_v31 (V3.1)")
-    g.add_argument("--default-chat-template-kwargs", type=_json_object_flag("--default-chat-template-kwargs"),
-                   default={}, metavar="JSON",
-                   help='chat template variables for every request, under the request\'s own '
-                        'chat_template_kwargs, e.g. \'{"thinking": true}\' (DeepSeek-V3.1)')
+    add_request_args(g)
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests may run after SIGTERM")
-    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request) accepted")
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="requests waiting for their first token before new ones get 503")
     g.add_argument("--max-waiting-tokens", type=int, default=d.max_waiting_tokens,
@@ -62,8 +51,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="largest request header block in bytes (larger: 431)")
     g.add_argument("--ip-requests-per-minute", type=int, default=None,
                    help="requests per minute per client address (429 beyond); default: no limit")
-    g.add_argument("--audit-log", default=None, metavar="FILE", help="append hash-chained JSON lines here")
-    g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
     g.add_argument("--engine-stall-timeout", type=float, default=d.engine_stall_timeout, metavar="SECONDS",
                    help="/ready answers 503 when requests wait and the engine has sent nothing for this long")
     g.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout, metavar="SECONDS",
@@ -74,6 +61,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_engine_args(p)
     p.set_defaults(func=cmd_serve, _parser=p)
     return p
+
+
+def add_request_args(g: argparse._ArgumentGroup) -> None:
+    """How requests are read and answered: the flags `serve` and `run-batch` share."""
+    d = ServerSettings()
+    g.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients ask for")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"],
+                   help="split <think>...</think> into reasoning_content (DeepSeek-R1 and its distills)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"],
+                   help="the model's tool-call markup: deepseek_v3 (V3, R1, the demo) or deepseek_v31 (V3.1)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object_flag("--default-chat-template-kwargs"),
+                   default={}, metavar="JSON",
+                   help='chat template variables for every request, under the request\'s own '
+                        'chat_template_kwargs, e.g. \'{"thinking": true}\' (DeepSeek-V3.1)')
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request) accepted")
+    g.add_argument("--audit-log", default=None, metavar="FILE", help="append hash-chained JSON lines here")
+    g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
 
 
 def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

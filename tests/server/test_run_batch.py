@@ -1,0 +1,98 @@
+"""`deepserve run-batch`: OpenAI's batch JSONL in, one result line per request line out, in order, through the
+real CLI and engine process with the demo model. Bodies are judged by the openai package's own response
+types; the greedy completion against the offline LLM API on the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import openai.types
+import openai.types.chat
+import pytest
+from serverkit import ROOT
+
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
+COMPLETION = {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "logprobs": 1}
+
+
+def _line(custom_id, url, body, **extra) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra})
+
+
+LINES = [
+    _line("chat", "/v1/chat/completions", CHAT),
+    _line("completion", "/v1/completions", COMPLETION),
+    _line("refused", "/v1/completions", {"prompt": "x", "temperature": 9}),
+    "",  # blank lines are skipped, as JSONL readers do; the line numbers in messages are the file's
+    "{not json",
+    _line("completion", "/v1/completions", {"prompt": "again"}),
+    _line("embed", "/v1/embeddings", {"input": "x"}),
+    _line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
+    _line("n2", "/v1/chat/completions", {**CHAT, "n": 2, "temperature": 0.8, "seed": 3}),
+]
+
+
+def run_batch(tmp_path, lines: list[str], *flags: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i", str(src), "-o",
+                           str(dst), "--max-model-len", "512", "--cpu-kv-cache-gib", "0.05", *flags],
+                          capture_output=True, text=True, env=env, timeout=300)
+    results = [json.loads(line) for line in dst.read_text().splitlines()] if dst.exists() else []
+    return done, results
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    return run_batch(tmp_path_factory.mktemp("batch"), LINES)
+
+
+def test_each_request_line_gets_its_result_in_order(batch):
+    done, results = batch
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["custom_id"] for r in results] == ["chat", "completion", "refused", None, "completion", "embed",
+                                                "streamed", "n2"]
+    assert len({r["id"] for r in results}) == len(results) and all(r["id"].startswith("batch_req_") for r in results)
+    assert "8 lines, 3 answered 200, 5 not (1 refused by the API, 4 not requests)" in done.stderr
+
+
+def test_answers_are_the_apis_own_responses(batch):
+    _, results = batch
+    chat, completion, n2 = results[0]["response"], results[1]["response"], results[7]["response"]
+    assert chat["status_code"] == completion["status_code"] == n2["status_code"] == 200
+    parsed = openai.types.chat.ChatCompletion.model_validate(chat["body"])
+    assert parsed.choices[0].finish_reason in ("length", "stop") and 0 < parsed.usage.completion_tokens <= 6
+    assert chat["request_id"] and chat["body"]["id"].endswith(chat["request_id"])
+    assert len(openai.types.chat.ChatCompletion.model_validate(n2["body"]).choices) == 2
+    text = openai.types.Completion.model_validate(completion["body"])
+    assert len(text.choices[0].logprobs.tokens) == text.usage.completion_tokens == 5
+    from deepserve import LLM, SamplingParams
+
+    offline = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=512)
+    want = offline.generate([COMPLETION["prompt"]], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].text
+    assert text.choices[0].text == want
+
+
+def test_bad_lines_and_refusals_say_why(batch):
+    _, results = batch
+    refused = results[2]
+    assert refused["error"] is None and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["param"] == "temperature"
+    reasons = {r["custom_id"]: r["error"]["message"] for r in results[3:7]}
+    assert all(r["response"] is None and r["error"]["code"] == "invalid_batch_line" for r in results[3:7])
+    assert "line 5 is not valid JSON" in reasons[None]
+    assert "custom_id 'completion' was used by an earlier line" in reasons["completion"]
+    assert "url must be one of /v1/chat/completions, /v1/completions" in reasons["embed"]
+    assert "body.stream must be false" in reasons["streamed"]
+
+
+def test_a_missing_input_file_is_one_line_naming_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i",
+                           str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "nope.jsonl" in done.stderr and "Traceback" not in done.stderr
