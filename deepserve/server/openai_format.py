@@ -191,6 +191,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     return u
 
 
+def sum_usage(usages: list[dict]) -> dict:
+    """The usage of several requests answered as one (a completion with several prompts)."""
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    reasoning = [u["completion_tokens_details"]["reasoning_tokens"] for u in usages if "completion_tokens_details" in u]
+    return usage(sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages), cached,
+                 sum(reasoning) if reasoning else None)
+
+
 def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
     prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
     return {"id": f"{prefix}-{request_id}", "object": kind, "created": created or int(time.time()),

@@ -26,6 +26,8 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens: OpenAI's and v
 # logit_bias entries a request may send: each is host work in every step the request samples
 # (SamplingMetadata's index lists); banning a large part of the vocabulary is structured output's job.
 MAX_LOGIT_BIAS = 1024
+# Prompts one /v1/completions request may hold (OpenAI's list form): each runs as a request of its own.
+MAX_PROMPTS = 256
 
 
 @dataclass(frozen=True)
@@ -388,11 +390,17 @@ def _check_completion(req: CompletionRequest) -> None:
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 is only allowed with echo: true (it returns the prompt, with its "
                           "logprobs when logprobs is set, and generates nothing)", param="max_tokens")
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str | list):
-        if len(req.prompt) != 1:
-            raise bad_request("send one prompt per request (batched prompts are not supported)", "prompt")
-    if single_prompt(req) in ("", []):  # "", [""] and [[]] alike
+    prompts = prompt_list(req)
+    if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for i, prompt in enumerate(prompts):
+        if prompt in ("", []):  # "", [""] and [[]] alike
+            raise bad_request("prompt must not be empty", param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+    if len(prompts) > 1 and req.stream:
+        raise bad_request(f"stream with several prompts ({len(prompts)}) is not supported: send one request per "
+                          "prompt to stream them, or leave stream out", param="stream")
 
 
 def stop_list(req: _SamplingFields) -> list[str]:
@@ -401,11 +409,23 @@ def stop_list(req: _SamplingFields) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
-def single_prompt(req: CompletionRequest) -> str | list[int]:
+def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: a string or one token-id list is one prompt; a list of them is that many."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], str | list):
-        return p[0]
-    return p
+        return list(p)
+    return [p]
+
+
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The prompt of a request that holds one (split_prompts makes every part such a request)."""
+    return prompt_list(req)[0]
+
+
+def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
+    """One request per prompt, each with every other field as sent."""
+    prompts = prompt_list(req)
+    return [req] if len(prompts) == 1 else [req.model_copy(update={"prompt": prompt}) for prompt in prompts]
 
 
 def scores_prompt_only(req: _SamplingFields) -> bool:

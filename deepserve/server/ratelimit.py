@@ -146,13 +146,15 @@ class WaitQueue:
         self.requests = 0
         self.tokens = 0
 
-    def enter(self, prompt_tokens: int) -> None:
+    def enter(self, prompt_tokens: int, requests: int = 1) -> None:
+        """`requests` enter together or none does (the prompts of one completion request, each leaving on
+        its own), so an empty queue admits any batch, as it does any prompt."""
         if self.requests and (
-            self.requests >= self.max_requests or self.tokens + prompt_tokens > self.max_tokens
+            self.requests + requests > self.max_requests or self.tokens + prompt_tokens > self.max_tokens
         ):
             raise unavailable(f"server overloaded: {self.requests} requests ({self.tokens} prompt tokens) "
                               "are already waiting; retry shortly", retry_after=1)
-        self.requests += 1
+        self.requests += requests
         self.tokens += prompt_tokens
 
     def leave(self, prompt_tokens: int) -> None:

@@ -9,6 +9,7 @@ records metrics and usage, and writes the audit record.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepserve.engine.grammar import GrammarError
 from deepserve.engine.outputs import CompletionOutput, RequestOutput
+from deepserve.server import openai_format as f
 from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
 from deepserve.server.errors import APIError, bad_request
@@ -218,12 +220,16 @@ def invalid_request(message: str, chat: bool) -> APIError:
     return bad_request(message, param=p.field_named_in(message) or ("messages" if chat else "prompt"))
 
 
-async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
-    """Everything before the engine; raises APIError (recorded as a rejection) or returns the run."""
+async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], list[list]]:
+    """Everything before the engine; raises APIError (recorded as a rejection) or returns the run: one
+    Generation (and its core requests) per prompt. A completion with several prompts (protocol.split_prompts)
+    runs each as its own request `<id>-<i>`, admitted, limited, metered and audited as a request of its own;
+    every prompt is checked before any is admitted, and a refusal of any admits none."""
     arrival = time.monotonic()
     st: ServerState = request.app.state.server
     key: ApiKey = request.state.api_key
     endpoint, client, rid = ("chat" if chat else "completions"), client_addr(request), uuid.uuid4().hex
+    admitted: list[Admission] = []
     try:
         st.check_accepting()
         st.limiter.check_ip(client, st.settings.ip_requests_per_minute)
@@ -233,21 +239,37 @@ async def admit(request: Request, chat: bool) -> tuple[Any, Generation, list]:
         req = await st.off_loop(p.parse_body, raw, p.ChatCompletionRequest if chat else p.CompletionRequest,
                                 st.settings.limits)
         model = st.resolve_model(req.model, key)
-        text, ids, core_requests, reads = await st.off_loop(_prepare, st, req, chat, rid)
-        max_tokens = core_requests[0].sampling_params.max_tokens
-        adm = st.limiter.admit(key, len(ids) + max_tokens * req.n)
-        try:
-            st.queue.enter(len(ids))
-        except APIError:
-            st.limiter.settle(adm, 0)
-            raise
+        parts = [req] if chat else p.split_prompts(req)
+        ids_of = [rid] if len(parts) == 1 else [f"{rid}-{i}" for i in range(len(parts))]
+        prepared = [await st.off_loop(_prepare_part, st, part, chat, part_id, len(parts) > 1, i)
+                    for i, (part, part_id) in enumerate(zip(parts, ids_of, strict=True))]
+        for _, ids, core_requests, _ in prepared:
+            max_tokens = core_requests[0].sampling_params.max_tokens
+            admitted.append(st.limiter.admit(key, len(ids) + max_tokens * req.n))
+        st.queue.enter(sum(len(ids) for _, ids, _, _ in prepared), len(prepared))
     except APIError as e:
+        for adm in admitted:  # a later prompt or the queue refused: the earlier prompts give theirs back
+            st.limiter.settle(adm, 0)
         st.record(key.name, f"rejected_{e.status}", request_id=rid, endpoint=endpoint, client=client,
                   status=e.status, error=e.message)
         raise
-    st.in_flight += 1
-    gen = Generation(st, key, model, endpoint, rid, text, len(ids), adm, arrival, client, reads=reads)
-    return req, gen, core_requests
+    st.in_flight += len(prepared)
+    gens = [Generation(st, key, model, endpoint, part_id, text, len(ids), adm, arrival, client, reads=reads)
+            for part_id, (text, ids, _, reads), adm in zip(ids_of, prepared, admitted, strict=True)]
+    return req, gens, [core_requests for _, _, core_requests, _ in prepared]
+
+
+def _prepare_part(st: ServerState, req: Any, chat: bool, rid: str, batched: bool,
+                  index: int) -> tuple[str | None, list[int], list, OutputReading]:
+    """_prepare for one prompt of a batch, its 400s naming the prompt (prompt.<index>)."""
+    if not batched:
+        return _prepare(st, req, chat, rid)
+    try:
+        return _prepare(st, req, chat, rid)
+    except APIError as e:
+        if e.param != "prompt":
+            raise
+        raise bad_request(f"prompt {index}: {e.message}", param=f"prompt.{index}", code=e.code) from None
 
 
 def _nothing_generated(c: CompletionOutput) -> CompletionOutput:
@@ -268,10 +290,11 @@ async def prompt_only(agen: AsyncIterator[RequestOutput]) -> AsyncIterator[Reque
 async def run_request(request: Request, chat: bool) -> Response:
     from deepserve.server.streaming import collect, stream_events
 
-    req, gen, core_requests = await admit(request, chat)
-    agen = gen.st.engine.generate(gen.request_id, gen.prompt_text, core_requests)
-    if p.scores_prompt_only(req):
-        agen = prompt_only(agen)
+    req, gens, core_requests = await admit(request, chat)
+    if len(gens) > 1:
+        return await _run_batch(request, req, gens, core_requests)
+    gen = gens[0]
+    agen = _generate(gen, req, core_requests[0])
     headers = {**gen.admission.headers, "x-request-id": gen.request_id}
     if req.stream:
         return _EventStream(stream_events(gen, req, agen, chat), gen, media_type="text/event-stream",
@@ -288,3 +311,46 @@ async def run_request(request: Request, chat: bool) -> Response:
         raise
     gen.finish("ok")
     return JSONResponse(body, headers=headers)
+
+
+def _generate(gen: Generation, req: Any, core_requests: list) -> AsyncIterator[RequestOutput]:
+    agen = gen.st.engine.generate(gen.request_id, gen.prompt_text, core_requests)
+    return prompt_only(agen) if p.scores_prompt_only(req) else agen
+
+
+async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Generation],
+                     core_requests: list[list]) -> Response:
+    """A completion with several prompts: their requests run side by side in the engine, and the answer
+    is one body whose choices are prompt i's n choices at indices i * n .. i * n + n - 1 (OpenAI's order),
+    with the usage summed. Any prompt's failure fails the request and ends the others."""
+    from deepserve.server.streaming import collect
+
+    async def everything() -> list[dict]:
+        tasks = [asyncio.ensure_future(collect(g, req, _generate(g, req, c), False))
+                 for g, c in zip(gens, core_requests, strict=True)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    try:
+        bodies = await unless_disconnected(request, everything())
+    except BaseException as e:
+        gone = isinstance(e, ClientGone)
+        for g in gens:
+            g.st.engine.abort(g.request_id)
+            if gone:
+                g.finish("aborted", 499)
+            else:
+                g.finish("error", getattr(e, "status", 500))
+        if gone:
+            return Response(status_code=499)
+        raise
+    for g in gens:
+        g.finish("ok")
+    rid = gens[0].request_id.rsplit("-", 1)[0]
+    body = f.envelope("text_completion", rid, gens[0].model)
+    body["choices"] = [{**c, "index": i * req.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
+    body["usage"] = f.sum_usage([b["usage"] for b in bodies])
+    return JSONResponse(body, headers={**gens[-1].admission.headers, "x-request-id": rid})

@@ -377,15 +377,35 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_like_prompt_ids(clien
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-def test_completions_take_one_prompt_per_request(client):
-    """As documented: a list of one prompt (text or token ids) is that prompt; several are a 400 naming
-    prompt, not a silent answer to the first."""
-    for batch in (["Hello", "World"], [[5, 6], [7]]):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=MODEL, prompt=batch, max_tokens=1)
-        assert e.value.body["param"] == "prompt" and "one prompt per request" in e.value.message
+def test_several_prompts_answer_as_that_many_requests_in_one_body(client, srv):
+    """OpenAI's list form: prompt i's n choices at indices i * n .. i * n + n - 1, each what the prompt alone
+    gets (greedy), usage summed; text and token-id prompts alike; a list of one is that prompt."""
+    prompts = ["The quick brown fox", "Hello", "Paged attention is"]
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=one, **kw) for one in prompts]
+    both = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone) == 30
+    ids = [_prompt_ids(srv, prompt=one) for one in prompts[:2]]
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[:2]]
+    scored = client.completions.create(prompt=prompts[:2], echo=True, logprobs=1, **{**kw, "max_tokens": 0})
+    assert [c.text for c in scored.choices] == prompts[:2] and scored.usage.completion_tokens == 0
+    assert [len(c.logprobs.tokens) for c in scored.choices] == [len(i) for i in ids]
     for one in (["Hello"], [[5, 6]]):
         assert len(client.completions.create(model=MODEL, prompt=one, max_tokens=1).choices) == 1
+
+
+def test_a_bad_prompt_in_a_list_refuses_the_request_naming_it(client, srv):
+    for body, param in (({"prompt": ["fine", ""]}, "prompt.1"), ({"prompt": [[5], [5] * 5000]}, "prompt.1"),
+                        ({"prompt": ["a", "b"], "stream": True}, "stream"),
+                        ({"prompt": ["x"] * 257}, "prompt")):
+        r = post(srv, "/v1/completions", {**body, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "maximum context length" in post(srv, "/v1/completions", {"prompt": [[5], [5] * 5000]}).json()[
+        "error"]["message"]
 
 
 def test_chat_validation(srv):

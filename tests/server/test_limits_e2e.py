@@ -98,6 +98,17 @@ def test_concurrency_limit(srv):
     assert complete(srv, CONC).status_code == 200
 
 
+def test_a_list_of_prompts_is_admitted_whole_or_not_at_all(srv):
+    # Each prompt takes a concurrency slot: the second is refused, and the first gives its slot back.
+    two = complete(srv, CONC, prompt=["hi", "there"])
+    assert two.status_code == 429 and "max_concurrent" in two.json()["error"]["message"]
+    assert in_flight(srv) == 0 and complete(srv, CONC).status_code == 200
+    # The wait queue (--max-waiting-requests 1) takes a list whole when it is empty, as it takes any prompt.
+    many = complete(srv, ADMIN, prompt=["a", "b", "c"], max_tokens=2)
+    assert many.status_code == 200 and [c["index"] for c in many.json()["choices"]] == [0, 1, 2]
+    assert wait_until(lambda: in_flight(srv) == 0, timeout=10)
+
+
 def test_overload_is_503(srv):
     url = f"{srv.url}/v1/completions"
     with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:

@@ -57,7 +57,9 @@ def test_limits_and_rules():
     assert to_sampling_params(chat(logit_bias={"1": 5, "30": -100}), None).logit_bias == {1: 5.0, 30: -100.0}
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
                        ChatCompletionRequest) == "max_completion_tokens"
-    assert error_param(b'{"prompt": ["a", "b"]}') == "prompt"
+    assert error_param(b'{"prompt": ["a", ""]}') == "prompt.1"
+    assert error_param(b'{"prompt": ["a", "b"], "stream": true}') == "stream"
+    assert error_param(json.dumps({"prompt": ["a"] * 257}).encode()) == "prompt"
     assert error_param(b'{"prompt": "x", "suffix": "y"}') == "suffix"
     assert error_param(b'{"prompt": "x", "best_of": 3}') == "best_of"
     assert error_param(b'{"prompt": "x", "min_tokens": 5, "max_tokens": 2}') == "min_tokens"
