@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import os
 import secrets
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 EXIT_ENGINE_DEAD = 1
+# Lines read ahead of the oldest unwritten result, per request allowed in the engine at once: results are
+# written in input order, so a slow early line holds the later ones in memory; this bounds how many.
+READ_AHEAD = 4
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,85 +55,137 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def batch_settings(ns: argparse.Namespace, key: str) -> Any:
+    """The server's settings for a batch: its own key only, and no wait-queue limit (--max-concurrency
+    bounds the requests in flight; the queue's 503s are for clients that can retry elsewhere)."""
+    from deepserve.server.settings import ServerSettings
+
+    return ServerSettings(
+        served_model_names=list(ns.served_model_name or []), api_keys=[key], reasoning_parser=ns.reasoning_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+        default_chat_template_kwargs=ns.default_chat_template_kwargs, max_n=ns.max_n,
+        max_waiting_requests=2**62, max_waiting_tokens=2**62, audit_log=ns.audit_log,
+        audit_log_prompts=ns.audit_log_prompts)
+
+
 def cmd_run_batch(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.cli import engine_args_from, preset_tokenizer
     from deepserve.entrypoints.serve import DEMO_MODEL_NAME
     from deepserve.server.async_llm import AsyncLLM
-    from deepserve.server.settings import ServerSettings
     from deepserve.server.state import ServerState
 
     if ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be a positive integer, got {ns.max_concurrency}")
-    lines = _read_lines(ns.input_file)
+    if ns.input_file != "-" and not os.path.isfile(ns.input_file):
+        raise ValueError(f"--input-file {ns.input_file}: no such file")
     key = "sk-batch-" + secrets.token_hex(16)  # this process's own requests only: nothing listens
-    settings = ServerSettings(
-        served_model_names=list(ns.served_model_name or []), api_keys=[key], reasoning_parser=ns.reasoning_parser,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-        default_chat_template_kwargs=ns.default_chat_template_kwargs, max_n=ns.max_n,
-        max_waiting_requests=max(ServerSettings.max_waiting_requests, ns.max_concurrency),
-        audit_log=ns.audit_log, audit_log_prompts=ns.audit_log_prompts)
+    settings = batch_settings(ns, key)
     preset_tokenizer(ns)
     names = settings.served_model_names or [ns.model or DEMO_MODEL_NAME]
-    engine = AsyncLLM.from_engine_args(engine_args_from(ns, ns.model))
-    state = ServerState(settings, engine, names)
-    try:
-        with _open_output(ns.output_file) as out:
-            counts = asyncio.run(run_batch(state, key, lines, out, ns.max_concurrency))
-    finally:
-        engine.kill_if_unstarted()
-    failed = counts["lines"] - counts["ok"]
-    print(f"run-batch: {counts['lines']} lines, {counts['ok']} answered 200, {failed} not "
-          f"({counts['refused']} refused by the API, {counts['invalid']} not requests)", file=sys.stderr)
+    with _results_stdout() if ns.output_file == "-" else contextlib.nullcontext() as stdout:
+        engine = AsyncLLM.from_engine_args(engine_args_from(ns, ns.model))
+        state = ServerState(settings, engine, names)
+        try:
+            counts = asyncio.run(run_batch(state, key, ns.input_file, ns.output_file, ns.max_concurrency, stdout))
+        finally:
+            engine.kill_if_unstarted()
+    print(f"run-batch: {counts['lines']} lines: {counts['ok']} answered 200, {counts['refused']} refused (4xx), "
+          f"{counts['failed']} failed (5xx), {counts['invalid']} not requests", file=sys.stderr)
     if state.dead_reason is not None:
         print(f"run-batch: the engine stopped: {state.dead_reason}", file=sys.stderr)
         return EXIT_ENGINE_DEAD
     return 0
 
 
-def _read_lines(path: str) -> list[tuple[int, str]]:
-    """(line number in the file, text) of each line that is not blank."""
-    if path == "-":
-        text = sys.stdin.read()
-    else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    return [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+@contextlib.contextmanager
+def _results_stdout() -> Iterator[IO[str]]:
+    """Standard output for the results alone: file descriptor 1 points at stderr meanwhile, so what the engine
+    processes (started now, inheriting it) or a library prints lands there, not among the JSON lines."""
+    sys.stdout.flush()
+    results = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield results
+    finally:
+        results.close()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _input_lines(path: str) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of each line that is not blank, read as it is needed; text None for a line that is
+    not UTF-8. Lines end at "\n" only (JSON text may hold U+2028 and the like unescaped, where
+    str.splitlines would also break)."""
+    with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                yield number, None
+                continue
+            if line.strip():
+                yield number, line
 
 
 @contextlib.contextmanager
-def _open_output(path: str) -> Iterator[IO[str]]:
-    if path == "-":
-        yield sys.stdout
+def _output(path: str, stdout: IO[str] | None) -> Iterator[IO[str]]:
+    if stdout is not None:
+        yield stdout
         return
     with open(path, "w", encoding="utf-8") as f:
         yield f
 
 
-async def run_batch(state: Any, key: str, lines: list[tuple[int, str]], out: IO[str],
-                    concurrency: int) -> dict[str, int]:
+async def run_batch(state: Any, key: str, input_path: str, output_path: str, concurrency: int,
+                    stdout: IO[str] | None = None) -> dict[str, int]:
     """Answers every line through the server's app (its lifespan starts and stops the engine) and writes
-    the results in input order as they are ready; the counts of lines, 200s, API refusals and bad lines."""
+    the results in input order as they are ready; the output is opened only once the engine serves, so a
+    failed start leaves an earlier file as it was. Returns the counts by kind of answer."""
     import httpx
 
     from deepserve.server.api_server import build_app
 
     app = build_app(state)
-    counts = {"lines": len(lines), "ok": 0, "refused": 0, "invalid": 0}
+    counts = {"lines": 0, "ok": 0, "refused": 0, "failed": 0, "invalid": 0}
     async with app.router.lifespan_context(app):
         await _wait_loaded(state)
-        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 0))
-        async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None,
-                                     headers={"Authorization": f"Bearer {key}"}) as client:
-            gate = asyncio.Semaphore(concurrency)
-            tasks = [asyncio.create_task(_answer(client, gate, req)) for req in _requests(lines)]
-            for task in _progress(tasks):
-                result = await task
-                kind = "invalid" if result["response"] is None else (
-                    "ok" if result["response"]["status_code"] == 200 else "refused")
-                counts[kind] += 1
-                out.write(json.dumps(result, ensure_ascii=False) + "\n")
-                out.flush()
+        # raise_app_exceptions=False: a bug in one request is its 500 line (the app's own handler), not the end
+        # of the batch.
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 0), raise_app_exceptions=False)
+        client = httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None,
+                                   headers={"Authorization": f"Bearer {key}"})
+        async with client:
+            await _answer_all(client, _input_lines(input_path), output_path, stdout, concurrency, counts)
     return counts
+
+
+async def _answer_all(client: Any, lines: Iterator[tuple[int, str | None]], output_path: str,
+                      stdout: IO[str] | None, concurrency: int, counts: dict[str, int]) -> None:
+    with _output(output_path, stdout) as out:
+        gate = asyncio.Semaphore(concurrency)
+        pending: collections.deque[asyncio.Task] = collections.deque()
+
+        async def write_oldest() -> None:
+            result = await pending.popleft()
+            counts["lines"] += 1
+            counts[_kind(result)] += 1
+            out.write(json.dumps(result, ensure_ascii=False) + "\n")
+            out.flush()
+
+        for req in _requests(lines):
+            pending.append(asyncio.create_task(_answer(client, gate, req)))
+            while len(pending) >= READ_AHEAD * concurrency:
+                await write_oldest()
+        while pending:
+            await write_oldest()
+
+
+def _kind(result: dict[str, Any]) -> str:
+    if result["response"] is None:
+        return "invalid" if result["error"]["code"] == "invalid_batch_line" else "failed"
+    status = result["response"]["status_code"]
+    return "ok" if status == 200 else "refused" if status < 500 else "failed"
 
 
 async def _wait_loaded(state: Any) -> None:
@@ -138,27 +195,21 @@ async def _wait_loaded(state: Any) -> None:
         await asyncio.sleep(0.05)
 
 
-def _progress(tasks: list) -> Iterable:
-    from tqdm import tqdm
-
-    return tqdm(tasks, desc="run-batch", unit="req", file=sys.stderr, disable=None)  # None: off unless a terminal
-
-
-def _requests(lines: list[tuple[int, str]]) -> list[dict[str, Any]]:
+def _requests(lines: Iterator[tuple[int, str | None]]) -> Iterator[dict[str, Any]]:
     """Each line as {custom_id, url, body} or {custom_id, error}: what _answer sends or reports."""
     seen: set[str] = set()
-    parsed = []
     for number, line in lines:
         req = _parse_line(line, number)
         cid = req.get("custom_id")
         if "error" not in req and cid in seen:
             req = {"custom_id": cid, "error": f"line {number}: custom_id {cid!r} was used by an earlier line"}
         seen.add(cid)
-        parsed.append(req)
-    return parsed
+        yield req
 
 
-def _parse_line(line: str, number: int) -> dict[str, Any]:
+def _parse_line(line: str | None, number: int) -> dict[str, Any]:
+    if line is None:
+        return {"custom_id": None, "error": f"line {number} is not UTF-8 text"}
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
@@ -194,8 +245,13 @@ async def _answer(client: Any, gate: asyncio.Semaphore, req: dict[str, Any]) -> 
     if "error" in req:
         return {"id": line_id, "custom_id": req["custom_id"], "response": None,
                 "error": {"code": "invalid_batch_line", "message": req["error"]}}
-    async with gate:
-        r = await client.post(req["url"], json=req["body"])
+    try:
+        async with gate:
+            r = await client.post(req["url"], json=req["body"])
+    except Exception as e:  # the request never got an answer (e.g. a body json cannot encode): its line says so
+        logger.exception("run-batch: %s failed", req["custom_id"])
+        return {"id": line_id, "custom_id": req["custom_id"], "response": None,
+                "error": {"code": "internal_error", "message": f"{type(e).__name__}: {e}"}}
     try:
         body = r.json()
     except ValueError:  # every error the app sends is JSON; this keeps a line for anything else

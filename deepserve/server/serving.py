@@ -62,7 +62,9 @@ class Generation:
         self.cached_tokens = out.num_cached_tokens
         if out.finished:  # also when nothing was generated (an abort, a prompt-only scoring request)
             self.finish_reasons = [c.finish_reason or "abort" for c in out.outputs]
-        if new <= 0:
+        # A scoring request's answer (prompt_only: its outputs hold no tokens) counts as its first token.
+        answered = out.finished and self.first_token_at is None and "abort" not in self.finish_reasons
+        if new <= 0 and not answered:
             return
         m = self.st.metrics
         if self.first_token_at is None:
@@ -210,8 +212,11 @@ def _prepare(st: ServerState, req: Any, chat: bool, rid: str) -> tuple[str | Non
         raise bad_request(f"{origin}: {e}", param=origin) from None
     except ValueError as e:
         if "context length" in str(e):
-            raise bad_request(str(e), param="messages" if chat else "prompt",
-                              code="context_length_exceeded") from None
+            why = str(e)
+            if p.scores_prompt_only(req):  # the user asked for no tokens: say where the one comes from
+                why += (" (echo with max_tokens 0 still samples one token, which is dropped: the prompt may hold "
+                        "at most the maximum context length - 1 tokens)")
+            raise bad_request(why, param="messages" if chat else "prompt", code="context_length_exceeded") from None
         raise invalid_request(str(e), chat) from None
 
 

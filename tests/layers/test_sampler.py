@@ -578,3 +578,15 @@ def test_pinned_mask_slots_arrive_unchanged_and_wait_for_their_copy() -> None:
     torch.cuda.synchronize()
     assert busy_at_reuse == [True]  # the first reuse came while the copies were still queued
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+
+
+def test_logit_bias_cannot_bring_back_a_token_the_grammar_forbids() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 2)
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 100, 0: 100}), SamplingParams(temperature=1.0,
+                                                                                          logit_bias={3: 100})]
+    meta = build(params, 4)
+    meta.allowed_token_bitmask = _bitmask([[0, 1], [1, 2]], 4)
+    torch.manual_seed(0)
+    for _ in range(20):
+        sampled = Sampler()(logits, meta).sampled.tolist()
+        assert sampled[0] == 0 and sampled[1] in (1, 2)

@@ -274,7 +274,10 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, 
     ids = _prompt_ids(srv, prompt=prompt)
     kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, temperature=0)
     full = client.completions.create(**kw, max_tokens=3).choices[0].logprobs
+    ttft = "deepserve:time_to_first_token_seconds_count"
+    before = metric(httpx.get(f"{srv.url}/metrics", headers=auth(METRICS)).text, ttft)
     r = client.completions.create(**kw, max_tokens=0)
+    assert metric(httpx.get(f"{srv.url}/metrics", headers=auth(METRICS)).text, ttft) == before + 1  # its answer
     lps = r.choices[0].logprobs
     assert r.choices[0].text == prompt and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
@@ -287,6 +290,9 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, 
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
     assert e.value.body["param"] == "max_tokens" and "echo" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a prompt as long as the context: the sampled token's room
+        client.completions.create(model=MODEL, prompt=[5] * 1024, max_tokens=0, echo=True)
+    assert e.value.body["param"] == "prompt" and "max_tokens 0 still samples one token" in e.value.message
 
 
 def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(client, srv):

@@ -32,12 +32,15 @@ LINES = [
     _line("embed", "/v1/embeddings", {"input": "x"}),
     _line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
     _line("n2", "/v1/chat/completions", {**CHAT, "n": 2, "temperature": 0.8, "seed": 3}),
+    # U+2028 inside a JSON string, unescaped: one line all the same (str.splitlines would cut it in two)
+    _line("separator", "/v1/completions", {"prompt": "a\u2028b", "max_tokens": 2}).replace("\\u2028", "\u2028"),
 ]
+NOT_UTF8 = b'{"custom_id": "latin1", "url": "/v1/completions", "body": {"prompt": "caf\xe9"}}'
 
 
 def run_batch(tmp_path, lines: list[str], *flags: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_bytes("\n".join(lines).encode() + b"\n" + NOT_UTF8 + b"\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i", str(src), "-o",
                            str(dst), "--max-model-len", "512", "--cpu-kv-cache-gib", "0.05", *flags],
@@ -55,9 +58,11 @@ def test_each_request_line_gets_its_result_in_order(batch):
     done, results = batch
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["custom_id"] for r in results] == ["chat", "completion", "refused", None, "completion", "embed",
-                                                "streamed", "n2"]
+                                                "streamed", "n2", "separator", None]
     assert len({r["id"] for r in results}) == len(results) and all(r["id"].startswith("batch_req_") for r in results)
-    assert "8 lines, 3 answered 200, 5 not (1 refused by the API, 4 not requests)" in done.stderr
+    assert "10 lines: 4 answered 200, 1 refused (4xx), 0 failed (5xx), 5 not requests" in done.stderr
+    assert results[8]["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert results[9]["error"]["message"] == "line 11 is not UTF-8 text"
 
 
 def test_answers_are_the_apis_own_responses(batch):
@@ -88,6 +93,37 @@ def test_bad_lines_and_refusals_say_why(batch):
     assert "custom_id 'completion' was used by an earlier line" in reasons["completion"]
     assert "url must be one of /v1/chat/completions, /v1/completions" in reasons["embed"]
     assert "body.stream must be false" in reasons["streamed"]
+
+
+def test_results_alone_on_stdout_and_a_failed_start_leaves_the_output_file(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i", "-", "--max-model-len", "512",
+           "--cpu-kv-cache-gib", "0.05"]
+    done = subprocess.run([*cmd, "-o", "-"], input=LINES[1] + "\n" + LINES[0] + "\n", capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(line)["custom_id"] for line in done.stdout.splitlines()] == ["completion", "chat"]
+    kept = tmp_path / "results.jsonl"
+    kept.write_text("earlier results\n")
+    failed = subprocess.run([*cmd, "-o", str(kept), str(tmp_path / "no-such-model")], input=LINES[0],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert failed.returncode != 0 and kept.read_text() == "earlier results\n"
+
+
+def test_a_request_that_gets_no_answer_is_a_line_saying_why():
+    import asyncio
+
+    from deepserve.entrypoints.batch import _answer, _kind
+
+    class Broken:
+        async def post(self, url, json):
+            raise RuntimeError("no route")
+
+    req = {"custom_id": "x", "url": "/v1/completions", "body": {}}
+    result = asyncio.run(_answer(Broken(), asyncio.Semaphore(1), req))
+    assert result["response"] is None and result["error"] == {"code": "internal_error",
+                                                               "message": "RuntimeError: no route"}
+    assert _kind(result) == "failed"
 
 
 def test_a_missing_input_file_is_one_line_naming_it(tmp_path):
