@@ -398,9 +398,6 @@ def _check_completion(req: CompletionRequest) -> None:
     for i, prompt in enumerate(prompts):
         if prompt in ("", []):  # "", [""] and [[]] alike
             raise bad_request("prompt must not be empty", param="prompt" if len(prompts) == 1 else f"prompt.{i}")
-    if len(prompts) > 1 and req.stream:
-        raise bad_request(f"stream with several prompts ({len(prompts)}) is not supported: send one request per "
-                          "prompt to stream them, or leave stream out", param="stream")
 
 
 def stop_list(req: _SamplingFields) -> list[str]:

@@ -99,17 +99,18 @@ class _EventStream(StreamingResponse):
     """A client can vanish before the body iterator's first step, when its `finally` cannot run;
     this `finally` releases the admission then (finish() is idempotent, abort() too)."""
 
-    def __init__(self, content: Any, gen: Generation, **kwargs: Any) -> None:
+    def __init__(self, content: Any, gens: list[Generation], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.gen = gen
+        self.gens = gens
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.gen.finished:
-                self.gen.st.engine.abort(self.gen.request_id)
-                self.gen.finish("aborted", 499)
+            for gen in self.gens:
+                if not gen.finished:
+                    gen.st.engine.abort(gen.request_id)
+                    gen.finish("aborted", 499)
 
 
 def client_addr(request: Request) -> str:
@@ -293,17 +294,19 @@ async def prompt_only(agen: AsyncIterator[RequestOutput]) -> AsyncIterator[Reque
 
 
 async def run_request(request: Request, chat: bool) -> Response:
-    from deepserve.server.streaming import collect, stream_events
+    from deepserve.server.streaming import collect, response_id, stream_events
 
     req, gens, core_requests = await admit(request, chat)
+    if req.stream:
+        agens = [_generate(g, req, c) for g, c in zip(gens, core_requests, strict=True)]
+        headers = {**gens[-1].admission.headers, "x-request-id": response_id(gens), "Cache-Control": "no-cache"}
+        return _EventStream(stream_events(gens, req, agens, chat), gens, media_type="text/event-stream",
+                            headers=headers)
     if len(gens) > 1:
         return await _run_batch(request, req, gens, core_requests)
     gen = gens[0]
     agen = _generate(gen, req, core_requests[0])
     headers = {**gen.admission.headers, "x-request-id": gen.request_id}
-    if req.stream:
-        return _EventStream(stream_events(gen, req, agen, chat), gen, media_type="text/event-stream",
-                            headers={**headers, "Cache-Control": "no-cache"})
     try:
         body = await unless_disconnected(request, collect(gen, req, agen, chat))
     except ClientGone:
@@ -325,10 +328,11 @@ def _generate(gen: Generation, req: Any, core_requests: list) -> AsyncIterator[R
 
 async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Generation],
                      core_requests: list[list]) -> Response:
-    """A completion with several prompts: their requests run side by side in the engine, and the answer
-    is one body whose choices are prompt i's n choices at indices i * n .. i * n + n - 1 (OpenAI's order),
-    with the usage summed. Any prompt's failure fails the request and ends the others."""
-    from deepserve.server.streaming import collect
+    """A completion with several prompts, not streamed (streaming.stream_events takes them too): their requests
+    run side by side in the engine, and the answer is one body whose choices are prompt i's n choices at indices
+    i * n .. i * n + n - 1 (OpenAI's order), with the usage summed. Any prompt's failure fails the request and
+    ends the others."""
+    from deepserve.server.streaming import collect, response_id
 
     async def everything() -> list[dict]:
         tasks = [asyncio.ensure_future(collect(g, req, _generate(g, req, c), False))
@@ -354,7 +358,7 @@ async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Gene
         raise
     for g in gens:
         g.finish("ok")
-    rid = gens[0].request_id.rsplit("-", 1)[0]
+    rid = response_id(gens)
     body = f.envelope("text_completion", rid, gens[0].model)
     body["choices"] = [{**c, "index": i * req.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
     body["usage"] = f.sum_usage([b["usage"] for b in bodies])

@@ -9,6 +9,7 @@ If the client goes away the generator is cancelled and its `finally` aborts the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -134,59 +135,114 @@ def _completion_choice(a: f.Accumulated, top_n: int | None, echo: f.Delta | None
     return choice
 
 
-async def stream_events(gen: Generation, req: Any, agen: AsyncIterator[RequestOutput],
+async def _merged(agens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(part, output) from each part's outputs as they come; one part is iterated directly (no task, no queue).
+    An exception of any part is raised here; closing this generator cancels the parts still running."""
+    if len(agens) == 1:
+        async for out in agens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, agen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in agen:
+                queue.put_nowait((i, out, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, agen)) for i, agen in enumerate(agens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                running -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncIterator[RequestOutput]],
                         chat: bool) -> AsyncIterator[bytes]:
-    trackers = _trackers(gen, req, chat)
+    """The events of one request, or of a completion with several prompts (one part each): part i's choice j
+    is sent as index i * n + j, and the usage is the parts' sum."""
+    trackers = [_trackers(gen, req, chat) for gen in gens]
     top_n = p.num_logprobs(req)
     opts = req.stream_options or p.StreamOptions()
-    base = f.envelope("chat.completion.chunk" if chat else "text_completion", gen.request_id, gen.model)
-    started = [False] * req.n
-    echo: f.Delta | None = None  # completions with echo: the prompt, sent before each choice's first text
-    echo_span = 0
-    decode = _decoder(gen)
+    base = f.envelope("chat.completion.chunk" if chat else "text_completion", response_id(gens), gens[0].model)
+    started = [[False] * req.n for _ in gens]
+    echo: list[f.Delta | None] = [None] * len(gens)  # with echo: each part's prompt, before its choices' first text
+    echo_span = [0] * len(gens)
+    decode = _decoder(gens[0])
     try:
-        async for out in agen:
-            gen.observe(out)
-            for d in _deltas(trackers, out):
-                first = not started[d.index]
+        async for i, out in _merged(agens):
+            gens[i].observe(out)
+            for d in _deltas(trackers[i], out):
+                first = not started[i][d.index]
                 if not ((first and (chat or req.echo)) or d.content or d.reasoning or d.tool_calls
                         or d.finish_reason or top_n is not None):
                     continue  # text held back: an empty delta tells the client nothing
-                started[d.index] = True
+                started[i][d.index] = True
                 if chat:
                     choice = f.chat_chunk_choice(d, first, top_n)
                 else:
                     if req.echo:  # the prompt's logprobs are all in by the first token
-                        if echo is None:
-                            echo = _echo(gen, req, out)
-                            echo_span = f.echo_span(echo, decode)  # the output's offsets go on from here
-                        d = f.with_echo(echo, d) if first else dataclasses.replace(
-                            d, text_offset=d.text_offset + echo_span)
+                        if echo[i] is None:
+                            echo[i] = _echo(gens[i], req, out)
+                            echo_span[i] = f.echo_span(echo[i], decode)  # the output's offsets go on from here
+                        d = f.with_echo(echo[i], d) if first else dataclasses.replace(
+                            d, text_offset=d.text_offset + echo_span[i])
                     choice = f.completion_chunk_choice(d, top_n, decode)
+                choice["index"] += i * req.n
                 chunk = {**base, "choices": [choice]}
                 if opts.include_usage:
-                    chunk["usage"] = _usage(gen, trackers) if opts.continuous_usage_stats else None
+                    chunk["usage"] = _total_usage(gens, trackers) if opts.continuous_usage_stats else None
                 yield sse(chunk)
         if opts.include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(gen, trackers)})
-        gen.finish("ok")  # before [DONE]: a client that reads metrics or usage next sees this request
+            yield sse({**base, "choices": [], "usage": _total_usage(gens, trackers)})
+        for gen in gens:
+            gen.finish("ok")  # before [DONE]: a client that reads metrics or usage next sees this request
         yield SSE_DONE
     except (EngineDeadError, RequestFailedError) as e:
         err = _dead(e) if isinstance(e, EngineDeadError) else _refused(e, chat)
-        gen.finish("error", err.status)
+        _end(gens, "error", err.status)
         yield sse(err.body())
     except ServerStoppingError as e:
         err = _stopping(e)
-        gen.finish("aborted", err.status)
+        _end(gens, "aborted", err.status)
         yield sse(err.body())
     except Exception as e:  # headers are sent: the error can only travel as an event
-        logger.exception("stream %s failed", gen.request_id)
-        gen.st.engine.abort(gen.request_id)
-        gen.finish("error", 500)
+        logger.exception("stream %s failed", base["id"])
+        _end(gens, "error", 500)
         yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
     finally:
-        # Reached without finish() only when the client went away (the task was cancelled):
-        # abort in the engine now; nothing here may await.
+        # Reached with requests unfinished only when the client went away (the task was cancelled):
+        # abort them in the engine now; nothing here may await.
+        _end(gens, "aborted", 499)
+
+
+def _end(gens: list[Generation], outcome: str, status: int) -> None:
+    """Aborts in the engine and finishes each part not yet finished (the others of a failed part run on
+    otherwise; abort and finish are idempotent)."""
+    for gen in gens:
         if not gen.finished:
             gen.st.engine.abort(gen.request_id)
-            gen.finish("aborted", 499)
+            gen.finish(outcome, status)
+
+
+def _total_usage(gens: list[Generation], trackers: list[list[f.ChoiceTracker]]) -> dict:
+    if len(gens) == 1:
+        return _usage(gens[0], trackers[0])
+    return f.sum_usage([_usage(gen, t) for gen, t in zip(gens, trackers, strict=True)])
+
+
+def response_id(gens: list[Generation]) -> str:
+    """The id a response carries: its request's, or for several prompts the id their `<id>-<i>` share."""
+    return gens[0].request_id if len(gens) == 1 else gens[0].request_id.rsplit("-", 1)[0]

@@ -402,11 +402,24 @@ def test_several_prompts_answer_as_that_many_requests_in_one_body(client, srv):
     assert [len(c.logprobs.tokens) for c in scored.choices] == [len(i) for i in ids]
     for one in (["Hello"], [[5, 6]]):
         assert len(client.completions.create(model=MODEL, prompt=one, max_tokens=1).choices) == 1
+    # Streamed: each choice's chunks carry its index in the list; their text and the usage as without stream.
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    texts = {}
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert [texts[i] for i in range(6)] == [c.text for c in both.choices]
+    assert not chunks[-1].choices and chunks[-1].usage.model_dump() == both.usage.model_dump()
+    assert len({c.id for c in chunks}) == 1
+    echoed = list(client.completions.create(prompt=prompts[:2], echo=True, stream=True, **kw))
+    firsts = {}
+    for c in echoed:
+        firsts.setdefault(c.choices[0].index, c.choices[0].text)
+    assert [firsts[i].startswith(prompts[i]) for i in range(2)] == [True, True]
 
 
 def test_a_bad_prompt_in_a_list_refuses_the_request_naming_it(client, srv):
     for body, param in (({"prompt": ["fine", ""]}, "prompt.1"), ({"prompt": [[5], [5] * 5000]}, "prompt.1"),
-                        ({"prompt": ["a", "b"], "stream": True}, "stream"),
                         ({"prompt": ["x"] * 257}, "prompt")):
         r = post(srv, "/v1/completions", {**body, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -107,6 +107,13 @@ def test_a_list_of_prompts_is_admitted_whole_or_not_at_all(srv):
     many = complete(srv, ADMIN, prompt=["a", "b", "c"], max_tokens=2)
     assert many.status_code == 200 and [c["index"] for c in many.json()["choices"]] == [0, 1, 2]
     assert wait_until(lambda: in_flight(srv) == 0, timeout=10)
+    # A client that leaves a streamed list mid-way leaves nothing running: every prompt's request is aborted.
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={**LONG, "prompt": ["go", "on", "and on"]},
+                      headers=auth(ADMIN), timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert in_flight(srv) == 3
+    assert wait_until(lambda: in_flight(srv) == 0, timeout=10)
 
 
 def test_overload_is_503(srv):

@@ -58,7 +58,6 @@ def test_limits_and_rules():
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
                        ChatCompletionRequest) == "max_completion_tokens"
     assert error_param(b'{"prompt": ["a", ""]}') == "prompt.1"
-    assert error_param(b'{"prompt": ["a", "b"], "stream": true}') == "stream"
     assert error_param(json.dumps({"prompt": ["a"] * 257}).encode()) == "prompt"
     assert error_param(b'{"prompt": "x", "suffix": "y"}') == "suffix"
     assert error_param(b'{"prompt": "x", "best_of": 3}') == "best_of"
