@@ -118,3 +118,14 @@ def test_a_regex_ending_in_a_lone_backslash_is_refused():
     with pytest.raises(ValueError, match="lone backslash"):
         StructuredOutputsParams(regex="a\\")
     assert StructuredOutputsParams(regex="a\\\\").regex == "a\\\\"
+
+
+def test_a_callers_later_edit_of_its_logit_bias_reaches_the_next_request_only():
+    from deepserve import LLM
+
+    llm = LLM(device="cpu", num_gpu_blocks_override=64, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={7: 100.0})
+    assert llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids == [7, 7, 7]
+    params.logit_bias[7] = -100.0
+    params.logit_bias[11] = 100.0
+    assert llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids == [11, 11, 11]

@@ -77,6 +77,10 @@ class InputProcessor:
         bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.logit_bias:
+            # The request's own copy: the sampler keeps its bias as tensors across steps
+            # (sampling_metadata._bias_tensors), so a caller's later edit of its dict must not reach it.
+            params = params.clone()
         if params.structured_outputs is not None:
             self.check_grammar(params)
         if self.pipeline_parallel and params.prompt_logprobs is not None:

@@ -9,7 +9,7 @@ a request (bad JSON, another url, a repeated custom_id, stream true) gets `respo
 
 The requests go through the server's own app in this process (no socket, no port): the same validation,
 chat templates, parsers, structured output and errors as `deepserve serve`, with up to --max-concurrency
-requests in the engine at once.
+lines in flight at once.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("-o", "--output-file", required=True, metavar="FILE",
                    help="JSONL of results, one per request line, in order ('-' writes standard output)")
     p.add_argument("--max-concurrency", type=int, default=256,
-                   help="requests in the engine at once (the engine batches them)")
+                   help="lines in flight at once (the engine batches them; a line with a list of prompts or n > 1 "
+                        "runs that many sequences)")
     add_request_args(p.add_argument_group("requests"))
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
@@ -76,8 +77,8 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
 
     if ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be a positive integer, got {ns.max_concurrency}")
-    if ns.input_file != "-" and not os.path.isfile(ns.input_file):
-        raise ValueError(f"--input-file {ns.input_file}: no such file")
+    if ns.input_file != "-" and (not os.path.exists(ns.input_file) or os.path.isdir(ns.input_file)):
+        raise ValueError(f"--input-file {ns.input_file}: no such file")  # a pipe or /dev/stdin is fine
     key = "sk-batch-" + secrets.token_hex(16)  # this process's own requests only: nothing listens
     settings = batch_settings(ns, key)
     preset_tokenizer(ns)
@@ -109,6 +110,7 @@ def _results_stdout() -> Iterator[IO[str]]:
         yield results
     finally:
         results.close()
+        sys.stdout.flush()  # what this process printed meanwhile goes where fd 1 pointed then: stderr
         os.dup2(saved, 1)
         os.close(saved)
 
@@ -168,10 +170,10 @@ async def _answer_all(client: Any, lines: Iterator[tuple[int, str | None]], outp
 
         async def write_oldest() -> None:
             result = await pending.popleft()
+            out.write(_json_line(result))
+            out.flush()
             counts["lines"] += 1
             counts[_kind(result)] += 1
-            out.write(json.dumps(result, ensure_ascii=False) + "\n")
-            out.flush()
 
         for req in _requests(lines):
             pending.append(asyncio.create_task(_answer(client, gate, req)))
@@ -179,6 +181,17 @@ async def _answer_all(client: Any, lines: Iterator[tuple[int, str | None]], outp
                 await write_oldest()
         while pending:
             await write_oldest()
+
+
+def _json_line(result: dict[str, Any]) -> str:
+    """The result as one line of UTF-8 JSON; with \\u escapes where a string holds what UTF-8 cannot (a lone
+    surrogate, which JSON input may carry), so no line can stop the run."""
+    line = json.dumps(result, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(result)
+    return line + "\n"
 
 
 def _kind(result: dict[str, Any]) -> str:

@@ -345,7 +345,8 @@ def _logit_bias_entries(params: list[SamplingParams], biased: list[int],
 
 def _bias_tensors(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """p.logit_bias as host tensors (token ids int64, biases float32), kept on p for its next steps; made anew
-    if p.logit_bias was replaced (its entries are not to change once the request is in the engine)."""
+    if p.logit_bias was replaced. The engine's p is the request's own (InputProcessor clones a biased request's
+    params), so no caller edits the dict behind the tensors."""
     cached = getattr(p, "_logit_bias_tensors", None)
     if cached is None or cached[0] is not p.logit_bias:
         tokens = torch.tensor(list(p.logit_bias), dtype=torch.int64)

@@ -78,33 +78,50 @@ class RateLimiter:
 
     def admit(self, key: ApiKey, tokens: int) -> Admission:
         """Reserve one request and `tokens` tokens for `key`, or raise 429 and take nothing."""
-        now, name = self.clock(), key.name
+        return self.admit_many(key, [tokens])[0]
+
+    def admit_many(self, key: ApiKey, tokens: list[int]) -> list[Admission]:
+        """Reserve len(tokens) requests together (the prompts of one completion request), each with its tokens,
+        or raise 429 and take nothing. A list larger than the key allows at all (more prompts than its
+        max_concurrent or requests_per_minute, more tokens than its tokens_per_minute) is a 429 naming `prompt`
+        without Retry-After: waiting would not help."""
+        now, name, count, total = self.clock(), key.name, len(tokens), sum(tokens)
         headers: dict[str, str] = {}
-        if key.max_concurrent is not None and self._concurrent.get(name, 0) >= key.max_concurrent:
-            raise APIError(429, f"key '{name}' already has {key.max_concurrent} requests in flight "
-                           "(its max_concurrent); retry when one finishes", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
+        if key.max_concurrent is not None:
+            if count > key.max_concurrent:
+                raise _too_big(f"this request holds {count} prompts, each a request of its own; key '{name}' may "
+                               f"have {key.max_concurrent} in flight (its max_concurrent): send fewer prompts a "
+                               "request", {})
+            if self._concurrent.get(name, 0) + count > key.max_concurrent:
+                raise APIError(429, f"key '{name}' already has {self._concurrent.get(name, 0)} requests in flight "
+                               f"(its max_concurrent is {key.max_concurrent}); retry when one finishes",
+                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
         req = tok = None
         if key.requests_per_minute is not None:
             req = self._bucket(self._requests, name, key.requests_per_minute, now)
-            headers.update(self._headers("requests", req, 1))
-            if (wait := req.wait_for(1)) > 0:
+            headers.update(self._headers("requests", req, count))
+            if count > req.capacity:
+                raise _too_big(f"this request holds {count} prompts, each a request of its own; key '{name}' allows "
+                               f"{key.requests_per_minute} requests per minute: send fewer prompts a request",
+                               headers)
+            if (wait := req.wait_for(count)) > 0:
                 raise self._limited(name, f"{key.requests_per_minute} requests per minute", wait, headers)
         if key.tokens_per_minute is not None:
             tok = self._bucket(self._tokens, name, key.tokens_per_minute, now)
-            headers.update(self._headers("tokens", tok, tokens))
-            if tokens > tok.capacity:
-                raise APIError(429, f"this request reserves {tokens} tokens (prompt + max_tokens x n), key "
-                               f"'{name}' allows {key.tokens_per_minute} per minute; lower max_tokens",
+            headers.update(self._headers("tokens", tok, total))
+            if total > tok.capacity:
+                fewer = " or send fewer prompts" if count > 1 else ""
+                raise APIError(429, f"this request reserves {total} tokens (prompt + max_tokens x n), key "
+                               f"'{name}' allows {key.tokens_per_minute} per minute; lower max_tokens{fewer}",
                                code="rate_limit_exceeded", headers=headers)
-            if (wait := tok.wait_for(tokens)) > 0:
+            if (wait := tok.wait_for(total)) > 0:
                 raise self._limited(name, f"{key.tokens_per_minute} tokens per minute", wait, headers)
         if req is not None:
-            req.level -= 1
+            req.level -= count
         if tok is not None:
-            tok.level -= tokens
-        self._concurrent[name] = self._concurrent.get(name, 0) + 1
-        return Admission(name, tokens, headers)
+            tok.level -= total
+        self._concurrent[name] = self._concurrent.get(name, 0) + count
+        return [Admission(name, t, headers) for t in tokens]
 
     def settle(self, adm: Admission, used_tokens: int) -> None:
         """Return the unused part of the reservation and release the concurrency slot (idempotent)."""
@@ -116,6 +133,17 @@ class RateLimiter:
         if tok is not None:
             tok.refill(self.clock())
             tok.level = min(tok.capacity, tok.level + max(0, adm.reserved_tokens - used_tokens))
+
+    def unreserve(self, adm: Admission) -> None:
+        """Undo an admission whose request never ran (refused after it, e.g. by the wait queue): its
+        tokens, its concurrency slot and its request come back, so the refusal costs the key nothing."""
+        if adm.settled:
+            return
+        self.settle(adm, 0)
+        req = self._requests.get(adm.key_name)
+        if req is not None:
+            req.refill(self.clock())
+            req.level = min(req.capacity, req.level + 1)
 
     def concurrent(self, key_name: str) -> int:
         return self._concurrent.get(key_name, 0)
@@ -132,6 +160,10 @@ class RateLimiter:
     def _limited(name: str, what: str, wait: float, headers: dict[str, str]) -> APIError:
         return APIError(429, f"rate limit of key '{name}' exceeded ({what}); retry in {wait:.1f}s",
                         code="rate_limit_exceeded", headers={**headers, "Retry-After": _retry_after(wait)})
+
+
+def _too_big(message: str, headers: dict[str, str]) -> APIError:
+    return APIError(429, message, param="prompt", code="rate_limit_exceeded", headers=headers)
 
 
 class WaitQueue:

@@ -249,13 +249,12 @@ async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], li
         ids_of = [rid] if len(parts) == 1 else [f"{rid}-{i}" for i in range(len(parts))]
         prepared = [await st.off_loop(_prepare_part, st, part, chat, part_id, len(parts) > 1, i)
                     for i, (part, part_id) in enumerate(zip(parts, ids_of, strict=True))]
-        for _, ids, core_requests, _ in prepared:
-            max_tokens = core_requests[0].sampling_params.max_tokens
-            admitted.append(st.limiter.admit(key, len(ids) + max_tokens * req.n))
+        admitted = st.limiter.admit_many(key, [len(ids) + core_requests[0].sampling_params.max_tokens * req.n
+                                               for _, ids, core_requests, _ in prepared])
         st.queue.enter(sum(len(ids) for _, ids, _, _ in prepared), len(prepared))
     except APIError as e:
-        for adm in admitted:  # a later prompt or the queue refused: the earlier prompts give theirs back
-            st.limiter.settle(adm, 0)
+        for adm in admitted:  # the queue refused: the prompts give their reservations back
+            st.limiter.unreserve(adm)
         st.record(key.name, f"rejected_{e.status}", request_id=rid, endpoint=endpoint, client=client,
                   status=e.status, error=e.message)
         raise

@@ -99,9 +99,11 @@ def test_concurrency_limit(srv):
 
 
 def test_a_list_of_prompts_is_admitted_whole_or_not_at_all(srv):
-    # Each prompt takes a concurrency slot: the second is refused, and the first gives its slot back.
+    # Each prompt takes a concurrency slot: two never fit a key with one, which a 429 naming prompt says
+    # without Retry-After (waiting would not help), and the refusal takes nothing from the key.
     two = complete(srv, CONC, prompt=["hi", "there"])
     assert two.status_code == 429 and "max_concurrent" in two.json()["error"]["message"]
+    assert two.json()["error"]["param"] == "prompt" and "Retry-After" not in two.headers
     assert in_flight(srv) == 0 and complete(srv, CONC).status_code == 200
     # The wait queue (--max-waiting-requests 1) takes a list whole when it is empty, as it takes any prompt.
     many = complete(srv, ADMIN, prompt=["a", "b", "c"], max_tokens=2)

@@ -101,3 +101,28 @@ def test_wait_queue_bounds_requests_and_tokens():
     with pytest.raises(APIError):
         q.enter(41)  # 60 + 41 > 100 tokens
     q.enter(40)
+
+
+def test_a_list_of_prompts_is_admitted_whole_or_not_at_all():
+    clock = Clock()
+    rl, k = RateLimiter(clock), key(requests_per_minute=3, tokens_per_minute=1000, max_concurrent=3)
+    # Beyond what the key allows at all: a 429 naming prompt, with no Retry-After (waiting would not help).
+    for tokens, says in (([1] * 4, "max_concurrent"), ([400] * 3, "send fewer prompts")):
+        err = limited(rl.admit_many, k, tokens)
+        assert says in err.message and "Retry-After" not in err.headers
+    assert rl.concurrent("k") == 0
+    both = rl.admit_many(k, [100, 200])  # took two requests, 300 tokens, two slots
+    assert both[0].headers["x-ratelimit-remaining-requests"] == "1" and rl.concurrent("k") == 2
+    err = limited(rl.admit_many, k, [10, 10])  # the slots and requests left hold one more, not two
+    assert "already has 2 requests in flight" in err.message and err.headers["Retry-After"] == "1"
+    rl.settle(both[0], 100)
+    assert "requests per minute" in limited(rl.admit_many, k, [10, 10]).message
+    assert rl.admit(k, 10).headers["x-ratelimit-remaining-requests"] == "0"  # the refused lists took nothing
+
+
+def test_unreserve_gives_back_the_request_too():
+    rl, k = RateLimiter(Clock()), key(requests_per_minute=1, tokens_per_minute=100)
+    rl.unreserve(rl.admit(k, 80))  # e.g. the wait queue refused it after admission
+    assert rl.concurrent("k") == 0
+    a = rl.admit(k, 100)
+    assert a.headers["x-ratelimit-remaining-requests"] == "0" and a.headers["x-ratelimit-remaining-tokens"] == "0"

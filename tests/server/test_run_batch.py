@@ -97,17 +97,46 @@ def test_bad_lines_and_refusals_say_why(batch):
 
 def test_results_alone_on_stdout_and_a_failed_start_leaves_the_output_file(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i", "-", "--max-model-len", "512",
-           "--cpu-kv-cache-gib", "0.05"]
-    done = subprocess.run([*cmd, "-o", "-"], input=LINES[1] + "\n" + LINES[0] + "\n", capture_output=True,
-                          text=True, env=env, timeout=300)
+    cmd = [sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i", "-", "--max-model-len", "512"]
+    done = subprocess.run([*cmd, "-o", "-", "--cpu-kv-cache-gib", "0.05"], input=LINES[1] + "\n" + LINES[0] + "\n",
+                          capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [json.loads(line)["custom_id"] for line in done.stdout.splitlines()] == ["completion", "chat"]
+    # The engine process fails at start-up (a KV cache smaller than one sequence): the file is left as it was.
     kept = tmp_path / "results.jsonl"
     kept.write_text("earlier results\n")
-    failed = subprocess.run([*cmd, "-o", str(kept), str(tmp_path / "no-such-model")], input=LINES[0],
+    failed = subprocess.run([*cmd, "-o", str(kept), "--cpu-kv-cache-gib", "0.000001"], input=LINES[0],
                             capture_output=True, text=True, env=env, timeout=300)
-    assert failed.returncode != 0 and kept.read_text() == "earlier results\n"
+    assert failed.returncode == 2 and "the engine did not start" in failed.stderr
+    assert kept.read_text() == "earlier results\n"
+
+
+PRINTS_DURING_THE_RUN = """
+import os, sys
+from deepserve.entrypoints.batch import _results_stdout
+with _results_stdout() as results:
+    print("print noise")  # buffered: PYTHONUNBUFFERED is unset
+    os.write(1, b"fd noise\\n")  # what an engine process or a native library writes
+    results.write("RESULT\\n")
+print("after the run")
+"""
+
+
+def test_with_results_on_stdout_what_else_is_printed_meanwhile_goes_to_stderr():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", PRINTS_DURING_THE_RUN], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": ROOT}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "RESULT\nafter the run\n"
+    assert "print noise" in done.stderr and "fd noise" in done.stderr
+
+
+def test_a_line_utf8_cannot_spell_is_written_escaped():
+    from deepserve.entrypoints.batch import _json_line
+
+    line = _json_line({"custom_id": "caf\u00e9 \ud800"})
+    assert json.loads(line) == {"custom_id": "caf\u00e9 \ud800"} and line.isascii()
+    assert _json_line({"custom_id": "caf\u00e9"}) == '{"custom_id": "caf\u00e9"}\n'
 
 
 def test_a_request_that_gets_no_answer_is_a_line_saying_why():
