@@ -139,3 +139,12 @@ def test_generate_and_chat_on_a_shape_preset_get_the_vocabulary_tokenizer(tmp_pa
     assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
     want = "Hello" if command == "generate" else "<｜User｜>Hello<｜Assistant｜>"
     assert out["prompt"].endswith(want), out["prompt"]
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "DEBUG", "serve"], ["serve", "--log-level", "DEBUG"],
+                                  ["run-batch", "-i", "a", "-o", "b", "--log-level", "DEBUG"]])
+def test_log_level_before_or_after_the_command(argv):
+    from deepserve.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == "DEBUG"
+    assert build_parser().parse_args(["serve"]).log_level is None  # the default: INFO for serve, chosen in main

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 EXIT_ENGINE_DEAD = 1
+EPILOG = ("The last line on stderr counts the answers (200s, 4xx refusals, 5xx failures, lines that are not "
+          "requests). Exit code: 0 when every line got its answer, 1 if the engine stopped on the way, 2 for a bad "
+          "flag or file or an engine that never started.")
 # Lines read ahead of the oldest unwritten result, per request allowed in the engine at once: results are
 # written in input order, so a slow early line holds the later ones in memory; this bounds how many.
 READ_AHEAD = 4
@@ -41,7 +44,7 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     from deepserve.entrypoints.serve import add_request_args
 
     p = subparsers.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests, offline",
-                              description=__doc__.split("\n\n")[1], formatter_class=DefaultsHelp)
+                              description=__doc__.split("\n\n")[1], epilog=EPILOG, formatter_class=DefaultsHelp)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("-i", "--input-file", required=True, metavar="FILE",
                    help="JSONL of requests, one per line ('-' reads standard input)")
@@ -77,8 +80,7 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
 
     if ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be a positive integer, got {ns.max_concurrency}")
-    if ns.input_file != "-" and (not os.path.exists(ns.input_file) or os.path.isdir(ns.input_file)):
-        raise ValueError(f"--input-file {ns.input_file}: no such file")  # a pipe or /dev/stdin is fine
+    _check_files(ns.input_file, ns.output_file)
     key = "sk-batch-" + secrets.token_hex(16)  # this process's own requests only: nothing listens
     settings = batch_settings(ns, key)
     preset_tokenizer(ns)
@@ -90,12 +92,28 @@ def cmd_run_batch(ns: argparse.Namespace) -> int:
             counts = asyncio.run(run_batch(state, key, ns.input_file, ns.output_file, ns.max_concurrency, stdout))
         finally:
             engine.kill_if_unstarted()
-    print(f"run-batch: {counts['lines']} lines: {counts['ok']} answered 200, {counts['refused']} refused (4xx), "
-          f"{counts['failed']} failed (5xx), {counts['invalid']} not requests", file=sys.stderr)
     if state.dead_reason is not None:
         print(f"run-batch: the engine stopped: {state.dead_reason}", file=sys.stderr)
-        return EXIT_ENGINE_DEAD
-    return 0
+    print(f"run-batch: {counts['lines']} lines: {counts['ok']} answered 200, {counts['refused']} refused (4xx), "
+          f"{counts['failed']} failed (5xx), {counts['invalid']} not requests", file=sys.stderr)
+    return EXIT_ENGINE_DEAD if state.dead_reason is not None else 0
+
+
+def _check_files(input_path: str, output_path: str) -> None:
+    """Before the engine loads (minutes for a large model): the input is there, the output can be made and is
+    not the input (opening it would empty the requests before they are read)."""
+    if input_path != "-" and (not os.path.exists(input_path) or os.path.isdir(input_path)):
+        raise ValueError(f"--input-file {input_path}: no such file")  # a pipe or /dev/stdin is fine
+    if output_path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output-file {output_path}: its folder {folder} does not exist")
+    if os.path.isdir(output_path):
+        raise ValueError(f"--output-file {output_path} is a folder; give a file path")
+    if input_path != "-" and os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+        raise ValueError(f"--output-file {output_path} is the input file: writing it would erase the requests; "
+                         "give another path")
 
 
 @contextlib.contextmanager
@@ -122,7 +140,7 @@ def _input_lines(path: str) -> Iterator[tuple[int, str | None]]:
     with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").rstrip("\r\n")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")  # a BOM may start it
             except UnicodeDecodeError:
                 yield number, None
                 continue
@@ -214,8 +232,8 @@ def _requests(lines: Iterator[tuple[int, str | None]]) -> Iterator[dict[str, Any
     for number, line in lines:
         req = _parse_line(line, number)
         cid = req.get("custom_id")
-        if "error" not in req and cid in seen:
-            req = {"custom_id": cid, "error": f"line {number}: custom_id {cid!r} was used by an earlier line"}
+        if "error" not in req and cid in seen:  # custom_id null: a reader keyed by custom_id keeps the first's result
+            req = {"custom_id": None, "error": f"line {number}: custom_id {cid!r} was used by an earlier line"}
         seen.add(cid)
         yield req
 

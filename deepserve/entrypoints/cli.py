@@ -233,11 +233,20 @@ def cmd_encrypt_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVEL_HELP = ("DEBUG, INFO, WARNING or ERROR (default: INFO for serve and router, which report their start-up "
+                  "and address; WARNING otherwise)")
+
+
+def _log_level_here_too(sub: argparse._SubParsersAction) -> None:
+    """--log-level after the command as well (`deepserve serve --log-level DEBUG`); SUPPRESS keeps the one given
+    before it (`deepserve --log-level DEBUG serve`) when this one is not."""
+    for p in sub.choices.values():
+        p.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description="Serve DeepSeek models.")
-    parser.add_argument("--log-level", default=None,
-                        help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve and router, which report their "
-                             "start-up and address; WARNING otherwise)")
+    parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     from deepserve import __version__
 
     parser.add_argument("--version", action="version", version=f"deepserve {__version__}")
@@ -284,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deepserve.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    _log_level_here_too(sub)
     return parser
 
 

@@ -23,6 +23,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL (a checkpoint folder; the built-in demo model without one) over "
+                                          "an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /tokenize, /detokenize, /metrics, /health, /ready. Every route "
+                                          "but /health and /ready needs a key (--api-key or --api-keys).",
                               formatter_class=DefaultsHelp)
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
     p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")

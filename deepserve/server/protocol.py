@@ -61,6 +61,26 @@ def _token_id_key(key: str) -> str:
     return key
 
 
+def _one_prompt_shape(value: Any) -> Any:
+    # Before the union's checks: a list mixing shapes (["hi", 5], ["hi", [5]]) failed every member, and the
+    # error shown was the first member's about element 0, the valid one. This names the element that differs.
+    if not isinstance(value, list) or not value:
+        return value
+    kinds = [_prompt_item_kind(x) for x in value]
+    odd = next((i for i, k in enumerate(kinds) if k != kinds[0] or k is None), None)
+    if odd is not None:
+        after = f" after {json.dumps(value[0], default=repr)[:40]}" if odd else ""
+        raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists: "
+                         f"element {odd} is {json.dumps(value[odd], default=repr)[:40]}{after}")
+    return value
+
+
+def _prompt_item_kind(x: Any) -> str | None:
+    if isinstance(x, bool):
+        return None
+    return "int" if isinstance(x, int) else "str" if isinstance(x, str) else "list" if isinstance(x, list) else None
+
+
 Text = Annotated[str, AfterValidator(_utf8_clean)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Prob = Annotated[FiniteFloat, Field(ge=0.0, le=1.0)]
@@ -191,7 +211,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | list[Text] | list[list[TokenId]]
+    prompt: Annotated[Text | Annotated[list[TokenId], Field(min_length=1)] | list[Text] | list[list[TokenId]],
+                      BeforeValidator(_one_prompt_shape)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

@@ -58,6 +58,13 @@ def test_limits_and_rules():
     assert error_param(json.dumps({"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 4}).encode(),
                        ChatCompletionRequest) == "max_completion_tokens"
     assert error_param(b'{"prompt": ["a", ""]}') == "prompt.1"
+    for mixed, says in ((b'{"prompt": ["hi", null]}', "element 1 is null"),
+                        (b'{"prompt": ["hi", [5]]}', "element 1 is [5]"),
+                        (b'{"prompt": [[5], "hi"]}', 'element 1 is "hi"'),
+                        (b'{"prompt": [1, true]}', "element 1 is true")):
+        with pytest.raises(APIError) as e:
+            parse_body(mixed, CompletionRequest, LIMITS)
+        assert e.value.param == "prompt" and says in e.value.message, e.value.message
     assert error_param(json.dumps({"prompt": ["a"] * 257}).encode()) == "prompt"
     assert error_param(b'{"prompt": "x", "suffix": "y"}') == "suffix"
     assert error_param(b'{"prompt": "x", "best_of": 3}') == "best_of"

@@ -57,7 +57,8 @@ def batch(tmp_path_factory):
 def test_each_request_line_gets_its_result_in_order(batch):
     done, results = batch
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [r["custom_id"] for r in results] == ["chat", "completion", "refused", None, "completion", "embed",
+    # a repeated custom_id's error line has custom_id null: a reader keyed by custom_id keeps the first's result
+    assert [r["custom_id"] for r in results] == ["chat", "completion", "refused", None, None, "embed",
                                                 "streamed", "n2", "separator", None]
     assert len({r["id"] for r in results}) == len(results) and all(r["id"].startswith("batch_req_") for r in results)
     assert "10 lines: 4 answered 200, 1 refused (4xx), 0 failed (5xx), 5 not requests" in done.stderr
@@ -87,10 +88,11 @@ def test_bad_lines_and_refusals_say_why(batch):
     refused = results[2]
     assert refused["error"] is None and refused["response"]["status_code"] == 400
     assert refused["response"]["body"]["error"]["param"] == "temperature"
-    reasons = {r["custom_id"]: r["error"]["message"] for r in results[3:7]}
+    reasons = {r["custom_id"]: r["error"]["message"] for r in results[3:7] if r["custom_id"]}
+    reasons[None] = " ".join(r["error"]["message"] for r in results[3:5])  # bad JSON; the repeated custom_id
     assert all(r["response"] is None and r["error"]["code"] == "invalid_batch_line" for r in results[3:7])
     assert "line 5 is not valid JSON" in reasons[None]
-    assert "custom_id 'completion' was used by an earlier line" in reasons["completion"]
+    assert "custom_id 'completion' was used by an earlier line" in reasons[None]
     assert "url must be one of /v1/chat/completions, /v1/completions" in reasons["embed"]
     assert "body.stream must be false" in reasons["streamed"]
 
@@ -155,9 +157,31 @@ def test_a_request_that_gets_no_answer_is_a_line_saying_why():
     assert _kind(result) == "failed"
 
 
-def test_a_missing_input_file_is_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize(("args", "says"), [
+    (["-i", "{tmp}/nope.jsonl", "-o", "{tmp}/out.jsonl"], "--input-file {tmp}/nope.jsonl: no such file"),
+    (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/in.jsonl"], "is the input file: writing it would erase the requests"),
+    (["-i", "{tmp}/in.jsonl", "-o", "{tmp}/no-folder/out.jsonl"], "its folder {tmp}/no-folder does not exist"),
+])
+def test_bad_files_are_one_line_naming_the_flag_before_anything_loads(tmp_path, args, says):
+    (tmp_path / "in.jsonl").write_text(LINES[0] + "\n")
     env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch", "-i",
-                           str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl")],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 2 and "nope.jsonl" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "deepserve.entrypoints.cli", "run-batch",
+                           *[a.format(tmp=tmp_path) for a in args]], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and says.format(tmp=tmp_path) in done.stderr and "Traceback" not in done.stderr
+    assert "engine" not in done.stderr  # refused before the model loads
+    assert (tmp_path / "in.jsonl").read_text() == LINES[0] + "\n"
+
+
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it():
+    from deepserve.entrypoints.batch import _parse_line
+
+    assert "error" not in _parse_line(LINES[0], 1)
+    import tempfile
+
+    from deepserve.entrypoints.batch import _input_lines
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        f.write(b"\xef\xbb\xbf" + LINES[0].encode() + b"\r\n" + LINES[1].encode() + b"\n")
+    assert [line for _, line in _input_lines(f.name)] == [LINES[0], LINES[1]]
+    os.unlink(f.name)
