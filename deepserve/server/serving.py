@@ -257,6 +257,7 @@ async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], li
             st.limiter.unreserve(adm)
         st.record(key.name, f"rejected_{e.status}", request_id=rid, endpoint=endpoint, client=client,
                   status=e.status, error=e.message)
+        e.headers.setdefault("x-request-id", rid)  # the id the audit log holds for this refusal
         raise
     st.in_flight += len(prepared)
     gens = [Generation(st, key, model, endpoint, part_id, text, len(ids), adm, arrival, client, reads=reads)
@@ -315,6 +316,8 @@ async def run_request(request: Request, chat: bool) -> Response:
     except BaseException as e:  # an engine failure, a bug, or cancellation at shutdown
         gen.st.engine.abort(gen.request_id)
         gen.finish("error", getattr(e, "status", 500))
+        if isinstance(e, APIError):
+            e.headers.setdefault("x-request-id", gen.request_id)
         raise
     gen.finish("ok")
     return JSONResponse(body, headers=headers)
@@ -354,6 +357,8 @@ async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Gene
                 g.finish("error", getattr(e, "status", 500))
         if gone:
             return Response(status_code=499)
+        if isinstance(e, APIError):
+            e.headers.setdefault("x-request-id", response_id(gens))
         raise
     for g in gens:
         g.finish("ok")

@@ -178,6 +178,12 @@ def test_stream_sends_no_empty_chunks(srv):
 def test_request_id_header_matches_body(srv):
     r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert r.json()["id"] == f"cmpl-{r.headers['x-request-id']}"
+    # A refusal carries the id too: the audit log's record of it holds the same.
+    refused = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 9})
+    assert refused.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
+    records = [json.loads(line) for line in open(srv.audit_path)]
+    assert [r["outcome"] for r in records if r.get("request_id") == refused.headers["x-request-id"]] == \
+        ["rejected_400"]
 
 
 def test_tokenize_detokenize(srv):
