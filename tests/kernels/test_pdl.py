@@ -26,6 +26,15 @@ def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monk
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
 
 
+@pytest.fixture
+def tensors_on_the_kernels_device():
+    """Factory calls make their tensors where the kernels run: the CPU under the interpreter, else the GPU
+    (a CPU tensor handed to compiled Triton is refused)."""
+    with torch.device(DEVICE):
+        yield
+
+
+@pytest.mark.usefixtures("tensors_on_the_kernels_device")
 def test_each_launch_counts_the_rows_the_rule_is_about(monkeypatch):
     # kernels/pdl.py's MAX_ROWS is about one-token steps: each wrapper passes its tokens (sequences for decode
     # attention, whose rows are the batch), never its assignments or heads; the MLA / MoE kernels say so

@@ -147,6 +147,8 @@ def test_fused_shared_experts_equal_the_shared_mlp(num_shared, monkeypatch):
     torch.testing.assert_close(moe.experts.forward_reference(x, fused_w, fused_ids), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interprets the kernels on CPU tensors (Triton compiles "
+                    "them on a GPU machine, which refuses CPU tensors); the GPU runs them in bench/gpu_check.py")
 def test_fused_shared_experts_through_the_kernels(monkeypatch):
     # What a GPU runs, in Triton's interpreter: the routing kernel's shared columns and the fused MoE kernel over
     # the routed and shared experts together equal the layer with its shared MLP.
@@ -259,6 +261,9 @@ def test_bad_routing_config_names_the_field(kwargs, field):
 
 @pytest.mark.parametrize("inter", [96, 256])
 def test_fp8_experts_cpu_path_equals_the_fused_kernel_and_its_reference(inter):
+    if torch.cuda.is_available():
+        pytest.skip("interprets the fused kernel on CPU tensors (compiled Triton on a GPU machine refuses them); the "
+                    "GPU runs it in tests/kernels/test_fused_moe_fp8.py")
     # The layer's CPU path (expert by expert, dequantizing per call) against fused_moe_fp8_ref and the
     # fused Triton kernel (interpreted on CPU), on block-quantized weights loaded per expert.
     pytest.importorskip("triton")
