@@ -411,9 +411,7 @@ def _check_completion(req: CompletionRequest) -> None:
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 is only allowed with echo: true (it returns the prompt, with its "
                           "logprobs when logprobs is set, and generates nothing)", param="max_tokens")
-    prompts = prompt_list(req)
-    if not prompts:
-        raise bad_request("prompt must not be empty", param="prompt")
+    prompts = prompt_list(req)  # never empty: [] is one (empty) prompt
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     for i, prompt in enumerate(prompts):

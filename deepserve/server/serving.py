@@ -268,12 +268,10 @@ async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], li
 def _prepare_part(st: ServerState, req: Any, chat: bool, rid: str, batched: bool,
                   index: int) -> tuple[str | None, list[int], list, OutputReading]:
     """_prepare for one prompt of a batch, its 400s naming the prompt (prompt.<index>)."""
-    if not batched:
-        return _prepare(st, req, chat, rid)
     try:
         return _prepare(st, req, chat, rid)
     except APIError as e:
-        if e.param != "prompt":
+        if not batched or e.param != "prompt":
             raise
         raise bad_request(f"prompt {index}: {e.message}", param=f"prompt.{index}", code=e.code) from None
 
@@ -294,7 +292,7 @@ async def prompt_only(agen: AsyncIterator[RequestOutput]) -> AsyncIterator[Reque
 
 
 async def run_request(request: Request, chat: bool) -> Response:
-    from deepserve.server.streaming import collect, response_id, stream_events
+    from deepserve.server.streaming import response_id, stream_events
 
     req, gens, core_requests = await admit(request, chat)
     if req.stream:
@@ -302,25 +300,7 @@ async def run_request(request: Request, chat: bool) -> Response:
         headers = {**gens[-1].admission.headers, "x-request-id": response_id(gens), "Cache-Control": "no-cache"}
         return _EventStream(stream_events(gens, req, agens, chat), gens, media_type="text/event-stream",
                             headers=headers)
-    if len(gens) > 1:
-        return await _run_batch(request, req, gens, core_requests)
-    gen = gens[0]
-    agen = _generate(gen, req, core_requests[0])
-    headers = {**gen.admission.headers, "x-request-id": gen.request_id}
-    try:
-        body = await unless_disconnected(request, collect(gen, req, agen, chat))
-    except ClientGone:
-        gen.st.engine.abort(gen.request_id)
-        gen.finish("aborted", 499)
-        return Response(status_code=499)
-    except BaseException as e:  # an engine failure, a bug, or cancellation at shutdown
-        gen.st.engine.abort(gen.request_id)
-        gen.finish("error", getattr(e, "status", 500))
-        if isinstance(e, APIError):
-            e.headers.setdefault("x-request-id", gen.request_id)
-        raise
-    gen.finish("ok")
-    return JSONResponse(body, headers=headers)
+    return await _collect_all(request, req, gens, core_requests, chat)
 
 
 def _generate(gen: Generation, req: Any, core_requests: list) -> AsyncIterator[RequestOutput]:
@@ -328,16 +308,16 @@ def _generate(gen: Generation, req: Any, core_requests: list) -> AsyncIterator[R
     return prompt_only(agen) if p.scores_prompt_only(req) else agen
 
 
-async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Generation],
-                     core_requests: list[list]) -> Response:
-    """A completion with several prompts, not streamed (streaming.stream_events takes them too): their requests
-    run side by side in the engine, and the answer is one body whose choices are prompt i's n choices at indices
-    i * n .. i * n + n - 1 (OpenAI's order), with the usage summed. Any prompt's failure fails the request and
-    ends the others."""
+async def _collect_all(request: Request, req: Any, gens: list[Generation], core_requests: list[list],
+                       chat: bool) -> Response:
+    """The answer not streamed (streaming.stream_events streams it): one request's body, or for a completion
+    with several prompts their requests side by side in the engine and one body whose choices are prompt i's n
+    choices at indices i * n .. i * n + n - 1 (OpenAI's order), with the usage summed. Any prompt's failure
+    fails the request and ends the others; a client gone ends them all (499)."""
     from deepserve.server.streaming import collect, response_id
 
     async def everything() -> list[dict]:
-        tasks = [asyncio.ensure_future(collect(g, req, _generate(g, req, c), False))
+        tasks = [asyncio.ensure_future(collect(g, req, _generate(g, req, c), chat))
                  for g, c in zip(gens, core_requests, strict=True)]
         try:
             return await asyncio.gather(*tasks)
@@ -363,6 +343,8 @@ async def _run_batch(request: Request, req: p.CompletionRequest, gens: list[Gene
     for g in gens:
         g.finish("ok")
     rid = response_id(gens)
+    if len(bodies) == 1:
+        return JSONResponse(bodies[0], headers={**gens[0].admission.headers, "x-request-id": rid})
     body = f.envelope("text_completion", rid, gens[0].model)
     body["choices"] = [{**c, "index": i * req.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
     body["usage"] = f.sum_usage([b["usage"] for b in bodies])
