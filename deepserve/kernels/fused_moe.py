@@ -65,6 +65,9 @@ INTERPRET = envs.TRITON_INTERPRET
 # fp8_ref's quantization constants, as constexprs a kernel may read (a plain Python global it may not).
 FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
+# torch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal, on CPU it divides
+# (kernels/fp8.py says where): fp8_ref's `amax / 448` differs by an ulp between the two.
+INV_FP8_MAX = tl.constexpr(1.0 / fp8_ref.FP8_MAX)
 # How int4 codes leave their words in the expert GEMMs (kernels/int4_tile.py).
 RESHAPE_UNPACK = tl.constexpr(int4_tile.RESHAPE_UNPACK)
 # Int4 experts for at most this many tokens run as GEMVs (kernels/int4_moe_gemv.py) instead of the tiles;
@@ -405,9 +408,14 @@ def _expert_tile_fp8(a_rows, b_cols, row_ok, up_offset, a_scales, b_scales, up_s
 @triton.jit
 def _quantize_rows(v, FP8_ROUND_IN_FP32: tl.constexpr):
     # v [R, G] fp32, one group per row -> (fp8 [R, G], scale [R] fp32), bit for bit
-    # fp8_ref.quantize_per_token_group_ref: both divisions IEEE (Triton's fp32 `/` is approximate).
+    # fp8_ref.quantize_per_token_group_ref on the device the tensors are on. FP8_ROUND_IN_FP32 is set
+    # exactly when the interpreter runs (CPU tensors: torch divides, IEEE); compiled, the tensors are
+    # CUDA's, where torch scales by 1/448's fp32 reciprocal. Triton's fp32 `/` is approximate: div_rn.
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR)  # [R]
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    if FP8_ROUND_IN_FP32:
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    else:
+        scale = amax * INV_FP8_MAX
     q = tl.math.div_rn(v, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if FP8_ROUND_IN_FP32:

@@ -29,8 +29,11 @@ from deepserve.kernels import fp8_ref  # noqa: E402
 pytestmark = MARKS
 # fp32: on the GPU, prefill tiles run on fp8 wgmma, which sums each 128-long product in reduced precision
 # (about 14 bits, per the DeepSeek-V3 report's FP8 section) before it reaches the fp32 accumulator: more
-# act values cross an fp8 rounding boundary than with the interpreter's exact products.
-TOLERANCE = {torch.float32: 5e-3 if ON_GPU else 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# act values cross an fp8 rounding boundary than with the interpreter's exact products. fp16 there: up to 5.7e-3
+# over eight seeds of the 257-token case (an H200, 2026-12-05; the reference itself moved 2.9e-3 between CPU
+# and GPU), so 1e-2, still a tenth of what a wrong scale costs.
+TOLERANCE = {torch.float32: 5e-3 if ON_GPU else 1e-3, torch.float16: 1e-2 if ON_GPU else 5e-3,
+             torch.bfloat16: 2e-2}
 MC = fm.MoEConfig
 BLOCK = (128, 128)
 
