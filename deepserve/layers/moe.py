@@ -450,6 +450,13 @@ class RoutedExperts(nn.Module):
         for name, extra in chunks.items():
             old = getattr(self, name)
             setattr(self, name, parameter_like(torch.cat([old.data, extra.to(old.device)]), old))
+            # The replaced tensor's memory back to the driver before the next tensor is carved out of it:
+            # w2's new tensor fits inside w13's old one, and on a V3 FP8 slice the pieces left over
+            # (3.7 GB a layer, 17 GiB in all) were reserved, unusable for the KV cache and unseen by its
+            # sizing, whose allocation then ran out of memory (bench/RESULTS.md, 2026-12-05 second session).
+            del old
+            if extra.is_cuda or getattr(self, name).is_cuda:
+                torch.cuda.empty_cache()
         self.num_local += count
         self.num_shared_fused = count
         return None

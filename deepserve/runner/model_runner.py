@@ -203,11 +203,12 @@ class ModelRunner:
 
     def _profile_gpu_blocks(self, per_block: int) -> int:
         # Memory the cache may take = utilisation share of the card - what the model and the
-        # largest step's activations took (measured by running that step on dummy blocks).
+        # largest step's activations took (measured by running that step on dummy blocks), and what the
+        # caching allocator holds that no new segment can use (_stranded_bytes).
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) + _stranded_bytes(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         available = total * self.config.cache.gpu_memory_utilization - peak
         num_blocks = int(available // per_block)
@@ -572,6 +573,19 @@ class ModelRunner:
 
 
 PROMPT_LOGPROB_ROWS = 512  # prompt positions whose logits are made at once (_token_logprobs_in_slices)
+
+
+def _stranded_bytes(device: torch.device) -> int:
+    """Memory the caching allocator keeps after empty_cache without a tensor in it: free pieces of segments
+    that still hold one (weights replaced after loading leave them). The KV cache's large tensors need new
+    segments, so these bytes are not theirs; the peak of allocated memory does not count them. Logged when
+    large, since they shrink the cache."""
+    torch.cuda.empty_cache()
+    stranded = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if stranded > 2**30:
+        logger.warning("KV cache sizing: %.1f GiB reserved by the caching allocator outside any tensor "
+                       "(fragmentation) is left out of the cache", stranded / 2**30)
+    return stranded
 
 
 def _out_of_memory_message(peak: int, total: int, per_block: int, needed_blocks: int, num_blocks: int,

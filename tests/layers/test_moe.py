@@ -167,6 +167,22 @@ def test_fused_shared_experts_through_the_kernels(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA caching allocator's segments")
+def test_fusing_shared_experts_strands_no_gpu_memory(monkeypatch):
+    # absorb_shared replaces w13 and then w2 with larger copies; w2's new tensor fits inside w13's old one. Had
+    # the caching allocator carved it from there, the rest of that segment would stay reserved without a
+    # tensor: memory the KV cache's sizing does not see (a V3 FP8 slice ran out of memory that way).
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
+    moe = DeepseekMoE(1024, 2048, 1, RoutingConfig(4, 2)).to("cuda", torch.bfloat16)  # w13 32 MiB, w2 16 MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    moe.fuse_loaded_weights()
+    assert moe.shared_experts is None and moe.experts.w13.shape[0] == 5
+    stranded = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert stranded <= before + 2**20, (before, stranded)
+
+
 def test_shared_experts_stay_an_mlp_without_the_switch(monkeypatch):
     monkeypatch.delenv("DEEPSERVE_SHARED_EXPERTS_FUSION", raising=False)
     moe = random_moe(2)
