@@ -313,12 +313,14 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
     """The answer not streamed (streaming.stream_events streams it): one request's body, or for a completion
     with several prompts their requests side by side in the engine and one body whose choices are prompt i's n
     choices at indices i * n .. i * n + n - 1 (OpenAI's order), with the usage summed. Any prompt's failure
-    fails the request and ends the others; a client gone ends them all (499)."""
+    fails the request and ends the others (audited as aborted); a client gone ends them all (499)."""
     from deepserve.server.streaming import collect, response_id
 
+    tasks: list[asyncio.Future] = []
+
     async def everything() -> list[dict]:
-        tasks = [asyncio.ensure_future(collect(g, req, _generate(g, req, c), chat))
-                 for g, c in zip(gens, core_requests, strict=True)]
+        tasks.extend(asyncio.ensure_future(collect(g, req, _generate(g, req, c), chat))
+                     for g, c in zip(gens, core_requests, strict=True))
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -329,12 +331,13 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
         bodies = await unless_disconnected(request, everything())
     except BaseException as e:
         gone = isinstance(e, ClientGone)
-        for g in gens:
+        failed = [i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+        for i, g in enumerate(gens):
             g.st.engine.abort(g.request_id)
             if gone:
                 g.finish("aborted", 499)
-            else:
-                g.finish("error", getattr(e, "status", 500))
+            else:  # the prompts that failed are errors; the others ended because of them
+                g.finish("error" if not failed or i in failed else "aborted", getattr(e, "status", 500))
         if gone:
             return Response(status_code=499)
         if isinstance(e, APIError):

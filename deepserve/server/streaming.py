@@ -135,12 +135,18 @@ def _completion_choice(a: f.Accumulated, top_n: int | None, echo: f.Delta | None
     return choice
 
 
-async def _merged(agens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(agens: list[AsyncIterator[RequestOutput]], failed: list[int]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(part, output) from each part's outputs as they come; one part is iterated directly (no task, no queue).
-    An exception of any part is raised here; closing this generator cancels the parts still running."""
+    An exception of any part is raised here, its index appended to `failed` first; closing this generator
+    cancels the parts still running."""
     if len(agens) == 1:
-        async for out in agens[0]:
-            yield 0, out
+        try:
+            async for out in agens[0]:
+                yield 0, out
+        except Exception:
+            failed.append(0)
+            raise
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -159,6 +165,7 @@ async def _merged(agens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         while running:
             i, out, error = await queue.get()
             if error is not None:
+                failed.append(i)
                 raise error
             if out is None:
                 running -= 1
@@ -181,8 +188,9 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
     echo: list[f.Delta | None] = [None] * len(gens)  # with echo: each part's prompt, before its choices' first text
     echo_span = [0] * len(gens)
     decode = _decoder(gens[0])
+    failed: list[int] = []  # the part whose failure ends the stream
     try:
-        async for i, out in _merged(agens):
+        async for i, out in _merged(agens, failed):
             gens[i].observe(out)
             for d in _deltas(trackers[i], out):
                 first = not started[i][d.index]
@@ -212,7 +220,7 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
         yield SSE_DONE
     except (EngineDeadError, RequestFailedError) as e:
         err = _dead(e) if isinstance(e, EngineDeadError) else _refused(e, chat)
-        _end(gens, "error", err.status)
+        _end(gens, "error", err.status, None if isinstance(e, EngineDeadError) else failed)
         yield sse(err.body())
     except ServerStoppingError as e:
         err = _stopping(e)
@@ -220,7 +228,7 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
         yield sse(err.body())
     except Exception as e:  # headers are sent: the error can only travel as an event
         logger.exception("stream %s failed", base["id"])
-        _end(gens, "error", 500)
+        _end(gens, "error", 500, failed)
         yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
     finally:
         # Reached with requests unfinished only when the client went away (the task was cancelled):
@@ -228,13 +236,15 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
         _end(gens, "aborted", 499)
 
 
-def _end(gens: list[Generation], outcome: str, status: int) -> None:
+def _end(gens: list[Generation], outcome: str, status: int, failed: list[int] | None = None) -> None:
     """Aborts in the engine and finishes each part not yet finished (the others of a failed part run on
-    otherwise; abort and finish are idempotent)."""
-    for gen in gens:
+    otherwise; abort and finish are idempotent). With `failed` (the parts that failed; empty or None: not
+    known, or all of them) the others are audited as aborted, with the response's status: they did not fail,
+    another prompt of their request did."""
+    for i, gen in enumerate(gens):
         if not gen.finished:
             gen.st.engine.abort(gen.request_id)
-            gen.finish(outcome, status)
+            gen.finish(outcome if not failed or i in failed else "aborted", status)
 
 
 def _total_usage(gens: list[Generation], trackers: list[list[f.ChoiceTracker]]) -> dict:
