@@ -61,11 +61,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                         "every token picks with weight 1, inside the fused MoE's launches "
                                         "(layers/moe.py DeepseekMoE; not under expert parallelism). Default 0: not "
                                         "yet timed"),
-    "DEEPSERVE_FUSED_QKV_A": (_flag("DEEPSERVE_FUSED_QKV_A", False),
-                              "1: an MLA layer's first query projection (q_a_proj, or q_proj without a q LoRA) and "
+    "DEEPSERVE_FUSED_QKV_A": (_flag("DEEPSERVE_FUSED_QKV_A", True),
+                              "an MLA layer's first query projection (q_a_proj, or q_proj without a q LoRA) and "
                               "kv_a_proj_with_mqa, which read the same input, are stacked into one linear after "
                               "loading: one GEMV launch instead of two at decode (models/deepseek_v2.py; q_proj "
-                              "only at tensor parallelism 1). Default 0: not yet timed"),
+                              "only at tensor parallelism 1). On: W2 TPOT -3.1 % V2-Lite AWQ, -1.8 % V3 FP8 slice "
+                              "(one H200, bench/RESULTS.md 2026-12-05b); 0 keeps them apart"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel, and the "
                                 "router's logits by cuBLAS at decode sizes too (kernels/moe_routing.router_logits)"),
@@ -166,10 +167,10 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                            "assignment (kernels/int4_moe_gemv.py) instead of the fused MoE tiles; "
                                            "0: never (the default: with 1 and the tiles then, n32 k128, V2-Lite AWQ "
                                            "W2 TPOT 4.25 ms against 4.08, one H200)"),
-    "DEEPSERVE_INT4_MOE_MMA_WARPS": (_float("DEEPSERVE_INT4_MOE_MMA_WARPS", 1),
+    "DEEPSERVE_INT4_MOE_MMA_WARPS": (_float("DEEPSERVE_INT4_MOE_MMA_WARPS", 2),
                                      "warps a program of the int4 routed experts' tensor-core GEMV (1, 2, 4 or 8), "
-                                     "splitting each assignment's inputs among them (kernels/int4_moe_mma.py); 1 "
-                                     "until timed otherwise"),
+                                     "splitting each assignment's inputs among them (kernels/int4_moe_mma.py); 2: "
+                                     "V2-Lite AWQ W2 TPOT -8.8 % against 1 (one H200, bench/RESULTS.md 2026-12-05b)"),
     "DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS": (_float("DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS", 24),
                                               "int4 routed experts with at most this many assignments (tokens x "
                                               "experts a token) run the tensor-core GEMV once per assignment on "

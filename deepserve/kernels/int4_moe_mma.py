@@ -45,9 +45,10 @@ from deepserve.kernels.moe_sum import sum_slots
 # (mma_moe_pays).
 MAX_ASSIGNMENTS = int(envs.DEEPSERVE_INT4_MOE_MMA_MAX_ASSIGNMENTS)
 MMA_HITS_RATIO = 3.0
-# Warps a program, taking the 128-input blocks of its K in turn (gemv_tile): one, as int4_mma_gemv's tiled config (the
-# row layout's own: 2). DEEPSERVE_INT4_MOE_MMA_WARPS sets it for a timing (bench/int4_moe_mma_probe.py --warps): at one
-# token V2-Lite's experts took 28.1 µs a call on one H200 for 26 MB of codes (bench/RESULTS.md), ~0.9 TB/s.
+# Warps a program, taking the 128-input blocks of its K in turn (gemv_tile): DEEPSERVE_INT4_MOE_MMA_WARPS, 2 by default.
+# On one H200 (bench/RESULTS.md, 2026-12-05 and 2026-12-05b): at one token V2-Lite's experts took 28.2 µs a call with
+# one warp, 21.2 with two, 18.7 with four (bench/int4_moe_mma_probe.py --warps), at four tokens one was best (47.4
+# against 49.2); in the engine two warps read V2-Lite AWQ W2 TPOT 2.26 -> 2.06 ms, W1 -0.2 % (one A/B).
 NUM_WARPS = int(envs.DEEPSERVE_INT4_MOE_MMA_WARPS)
 if NUM_WARPS not in (1, 2, 4, 8):
     raise ValueError(f"DEEPSERVE_INT4_MOE_MMA_WARPS must be 1, 2, 4 or 8, got {NUM_WARPS}")

@@ -147,7 +147,8 @@ def quantize_after_loading(model: nn.Module) -> None:
 
 
 @functools.cache
-def warn_once(message: str) -> None:
+def warn_once(message: str, level: int = logging.WARNING) -> None:
     """A load-time message said once a process, not once per layer (e.g. why a fusion after loading did not
-    apply: every layer of a model has the same reason)."""
-    logger.warning(message)
+    apply: every layer of a model has the same reason). `level` INFO for a default's refusal nobody asked
+    for (a fusion on by default that does not apply to this model)."""
+    logger.log(level, message)

@@ -24,6 +24,8 @@ Checkpoint names (transformers / DeepSeek's Hugging Face releases) -> ours:
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -93,14 +95,16 @@ class MultiHeadLatentAttention(nn.Module):
         if not self.fuse_qkv_a:
             return
         self.fuse_qkv_a = False
+        # On by default: a refusal is a warning only where the switch was set.
+        level = logging.WARNING if "DEEPSERVE_FUSED_QKV_A" in os.environ else logging.INFO
         if not self.q_lora_rank and get_tp_world_size() > 1:
             warn_once("DEEPSERVE_FUSED_QKV_A: q_proj and kv_a_proj_with_mqa stay apart under tensor parallelism "
-                      "(q_proj is split by it, kv_a_proj_with_mqa is not)")
+                      "(q_proj is split by it, kv_a_proj_with_mqa is not)", level)
             return
         first = self.wq_a if self.q_lora_rank else self.wq
         merged = stacked_rows(first, self.wkv_a)
         if isinstance(merged, str):
-            warn_once(f"DEEPSERVE_FUSED_QKV_A: the q and kv_a projections stay apart: {merged}")
+            warn_once(f"DEEPSERVE_FUSED_QKV_A: the q and kv_a projections stay apart: {merged}", level)
             return
         self.q_a_rows = (first.qweight if first.int4 is not None else first.weight).shape[0]
         self.wqkv_a = merged

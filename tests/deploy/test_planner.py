@@ -260,6 +260,7 @@ def test_the_load_time_fusions_plan_the_same_model(quantization, monkeypatch):
     # DEEPSERVE_SHARED_EXPERTS_FUSION and DEEPSERVE_FUSED_QKV_A rearrange loaded weights (the planner builds the
     # model on the meta device and runs the same after-load pass): the same parameters and bytes.
     request = PlanRequest("deepseek-v2-lite", max_model_len=4096, quantization=quantization)
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "0")  # on by default
     plain = plan(request)
     monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
     monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")

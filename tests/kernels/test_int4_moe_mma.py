@@ -165,8 +165,10 @@ sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "o
 aligned = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "out_ptr", "ids_ptr", "N", "K", "stride_xm", "stride_qe", "stride_qn",
            "stride_se", "stride_sn"]
 # the down product's launch passes rows_per_a = 1, which Triton specializes into a constant
-for f16, rows_per_a, pdl, warps in ((False, None, False, 1), (True, None, False, 1), (False, 1, False, 1),
-                                    (False, None, True, 1), (False, None, False, 4), (False, 1, True, 8)):
+# (2 warps a program: DEEPSERVE_INT4_MOE_MMA_WARPS's default)
+for f16, rows_per_a, pdl, warps in ((False, None, False, 2), (True, None, False, 2), (False, 1, False, 2),
+                                    (False, None, True, 2), (False, None, False, 1), (False, None, False, 4),
+                                    (False, 1, True, 8)):
     ce = dict(GROUP=128, F16=f16, NUM_WARPS=warps, PDL=pdl)
     ce |= {} if rows_per_a is None else dict(rows_per_a=rows_per_a)
     s = dict(sig, x_ptr="*fp16") if f16 else sig
@@ -184,7 +186,7 @@ def test_the_kernel_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert len(lines) == 6  # the last two: programs of 4 and 8 warps (DEEPSERVE_INT4_MOE_MMA_WARPS)
+    assert len(lines) == 7  # the last three: programs of 1, 4 and 8 warps (DEEPSERVE_INT4_MOE_MMA_WARPS)
     for mmas, vector_loads, atomics, pdl, pdl_first in lines:
         # 8 mmas a 128-input round; one split, so no split-K counter (no atomics)
         assert int(mmas) >= 8 and int(vector_loads) >= 2 and int(atomics) == 0, (mmas, vector_loads, atomics)
@@ -193,7 +195,7 @@ def test_the_kernel_compiles_for_hopper():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Gluon kernel runs on a GPU only")
-@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("warps", [1, 2, 4])
 def test_on_the_gpu_against_the_reference(monkeypatch, warps):
     monkeypatch.setattr(int4_moe_mma, "MAX_ASSIGNMENTS", 64)
     monkeypatch.setattr(int4_moe_mma, "NUM_WARPS", warps)  # DEEPSERVE_INT4_MOE_MMA_WARPS

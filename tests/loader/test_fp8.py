@@ -179,9 +179,8 @@ def test_fp8_checkpoint_served_in_fp8(fp8_checkpoint, monkeypatch, fused):
     # DEEPSERVE_SHARED_EXPERTS_FUSION, the shared expert's FP8 weights and block scales one more routed expert,
     # and DEEPSERVE_FUSED_QKV_A, which keeps q_a_proj and kv_a_proj_with_mqa apart here: q_lora_rank 24 is not
     # whole 128-row blocks (tests/layers/test_stacked_rows.py stacks FP8 blocks).
-    if fused:
-        monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
-        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1" if fused else "0")
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1" if fused else "0")  # on by default: the unfused path too
     hf_model, fp8_dir, ref_dir = fp8_checkpoint
     runner = make_runner(fp8_dir)
     params = dict(runner.model.named_parameters())

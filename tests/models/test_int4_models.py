@@ -128,9 +128,8 @@ def test_deepseek_int4_equals_transformers_on_the_dequantized_weights(tmp_path, 
     # projections' stacked (act order keeps both apart: g_idx is not cut).
     from tests.models.test_deepseek import PROMPTS as DS_PROMPTS
 
-    if fused:
-        monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
-        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1" if fused else "0")
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1" if fused else "0")  # on by default: the unfused path too
     hf_model = make_hf_model(*DEEPSEEK[family])
     path, ref = int4_checkpoint(tmp_path, hf_model, tokenizer, fmt)
     runner = make_runner(path)

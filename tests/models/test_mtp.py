@@ -120,9 +120,8 @@ def reference_drafts(hf_model, tensors: dict[str, torch.Tensor], prompt: list[in
 def test_drafts_equal_a_reference_from_transformers_parts(random_mtp, fused, monkeypatch):
     # fused: DEEPSERVE_SHARED_EXPERTS_FUSION and DEEPSERVE_FUSED_QKV_A reach the MTP module's layer too
     path, hf_model, tensors = random_mtp
-    if fused:
-        monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1")
-        monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
+    monkeypatch.setenv("DEEPSERVE_SHARED_EXPERTS_FUSION", "1" if fused else "0")
+    monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1" if fused else "0")  # on by default: the unfused path too
     runner = ModelRunner(EngineArgs(model=path, dtype="float32", device="cpu", speculative_config=mtp(2))
                          .create_engine_config())
     if fused:

@@ -171,7 +171,8 @@ def test_deepseek_quantized_at_load(tmp_path, tokenizer):
     params = dict(runner_model(path, quantization="fp8").named_parameters())
     assert params["layers.1.ffn.experts.w13"].dtype == torch.float8_e4m3fn
     assert params["layers.1.ffn.experts.w13_scale_inv"].shape[1:] == (2 * 1, 2)  # I = 64 -> 1 block, H 144 -> 2
-    assert params["layers.0.attn.wq_a.weight_scale"].dtype == torch.float32
+    # q_a_proj and kv_a_proj_with_mqa stacked (DEEPSERVE_FUSED_QKV_A, on by default), per-channel scales too
+    assert params["layers.0.attn.wqkv_a.weight_scale"].dtype == torch.float32
     assert params["layers.0.attn.mla.wkv_b.weight"].dtype == torch.float32
     assert params["layers.1.ffn.gate.weight"].dtype == torch.float32
     llm = LLM(model=path, dtype="float32", device="cpu", quantization="fp8")

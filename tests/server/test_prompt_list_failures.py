@@ -79,7 +79,7 @@ def test_merged_names_the_part_that_failed():
     async def run(agens) -> tuple[list, list[int]]:
         seen, failed = [], []
         with pytest.raises(RuntimeError):
-            async for i, out in streaming._merged(agens, failed):
+            async for _part, out in streaming._merged(agens, failed):
                 seen.append(out)
         return seen, failed
 
