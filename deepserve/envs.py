@@ -51,7 +51,7 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                               "with DEEPSERVE_PDL, the MLA and MoE paths' kernels take part too (the MLA decode "
                               "attention, the absorbed head products, the router's logits, the routing, the int4 "
                               "routed experts' GEMV, the fused MoE's kernels, the slot sum; kernels/pdl.py). "
-                              "Default 0: not yet timed"),
+                              "Default 0: on the V3 FP8 slice W2 TPOT -0.5 %, W1 -0.8 % (one H200, one A/B)"),
     "DEEPSERVE_PDL_KV_PREFETCH": (_flag("DEEPSERVE_PDL_KV_PREFETCH", False),
                                   "with DEEPSERVE_PDL, a one-token decode attention launch (MLA: with "
                                   "DEEPSERVE_PDL_MLA_MOE) asks its first tile of cache rows into L2 before "
@@ -59,13 +59,14 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "DEEPSERVE_SHARED_EXPERTS_FUSION": (_flag("DEEPSERVE_SHARED_EXPERTS_FUSION", False),
                                         "1: DeepSeek's shared experts run as n_shared_experts more routed experts "
                                         "every token picks with weight 1, inside the fused MoE's launches "
-                                        "(layers/moe.py DeepseekMoE; not under expert parallelism). Default 0: not "
-                                        "yet timed"),
+                                        "(layers/moe.py DeepseekMoE; not under expert parallelism). Default 0: W1 "
+                                        "-1.8 % V2-Lite AWQ, -2.0 % V3 FP8 slice (one H200, bench/RESULTS.md "
+                                        "2026-12-05b)"),
     "DEEPSERVE_FUSED_QKV_A": (_flag("DEEPSERVE_FUSED_QKV_A", True),
                               "an MLA layer's first query projection (q_a_proj, or q_proj without a q LoRA) and "
                               "kv_a_proj_with_mqa, which read the same input, are stacked into one linear after "
                               "loading: one GEMV launch instead of two at decode (models/deepseek_v2.py; q_proj "
-                              "only at tensor parallelism 1). On: W2 TPOT -3.1 % V2-Lite AWQ, -1.8 % V3 FP8 slice "
+                              "only at tensor parallelism 1). On: W2 TPOT -3.1 % V2-Lite AWQ, -1.7 % V3 FP8 slice "
                               "(one H200, bench/RESULTS.md 2026-12-05b); 0 keeps them apart"),
     "DEEPSERVE_FUSED_ROUTING": (_flag("DEEPSERVE_FUSED_ROUTING", True),
                                 "0: MoE routing by torch ops instead of the Triton routing kernel, and the "

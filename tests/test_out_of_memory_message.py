@@ -41,3 +41,23 @@ def test_memory_stranded_in_the_allocator_is_left_out_of_the_cache(monkeypatch, 
     with caplog.at_level("WARNING", logger="deepserve.runner.model_runner"):
         assert model_runner._stranded_bytes(torch.device("cuda", 0)) == 2**20
     assert caplog.text == ""
+
+
+def test_gpu_sizing_counts_the_stranded_memory_as_used(monkeypatch):
+    # _profile_gpu_blocks: blocks = (total x utilisation - peak allocated - stranded) // bytes a block.
+    from types import SimpleNamespace
+
+    import torch
+
+    from deepserve.runner.model_runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 100 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 96 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 90 * GIB)
+    config = EngineArgs(device="cpu", max_model_len=2048, gpu_memory_utilization=0.9).create_engine_config()
+    runner = SimpleNamespace(config=config, device=torch.device("cuda", 0), block_size=16, _profile_run=lambda: None)
+    per_block = 16 * 491_520
+    assert ModelRunner._profile_gpu_blocks(runner, per_block) == int((0.9 * 140 - 100 - 6) * GIB // per_block)

@@ -28,16 +28,12 @@ import triton.language as tl
 
 from deepserve import envs
 from deepserve.kernels.fp8_mma_gemv import fp8_mma_gemv, mma_gemv_supported
-from deepserve.kernels.fp8_ref import AMAX_FLOOR, FP8, FP8_MAX, channel_fp8_linear_ref
+from deepserve.kernels.fp8_ref import AMAX_FLOOR, FP8, FP8_MAX, INV_FP8_MAX, channel_fp8_linear_ref
 from deepserve.kernels.fused_moe import _tile_ids  # the same grouped tile order as the MoE GEMMs
 from deepserve.kernels.split_k import sm_count, split_count, store_tile, sum_splits
 
 # Triton decides at decoration, when the module is imported; a launch must not reread the environment.
 INTERPRET = envs.TRITON_INTERPRET
-# torch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal
-# (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), on CPU it divides. The reference's `amax / 448`
-# therefore differs by an ulp between devices; the kernel follows the device it runs on.
-INV_FP8_MAX = 1.0 / FP8_MAX  # rounds to the same fp32 as torch's 1.0f / 448.0f (1/7 has no tie bits)
 QUANT_ELEMENTS = 1024  # elements of one row per quantization program: 8 per thread, 16-byte loads of bf16
 QUANT_MAX_CHUNK = 4096  # wider groups (one scale per token) are read in chunks of this, twice
 USE_SPLIT_K = True  # split K when the output tiles cannot fill the GPU (decode); bench/check_fp8.py times both

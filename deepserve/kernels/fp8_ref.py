@@ -17,6 +17,11 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# torch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal
+# (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), on CPU it divides: this file's `amax / FP8_MAX` differs
+# by an ulp between the devices, and the kernels follow the device they run on with this (it rounds to the
+# same fp32 as torch's 1.0f / 448.0f: 1/7 has no tie bits).
+INV_FP8_MAX = 1.0 / FP8_MAX
 AMAX_FLOOR = 1e-10
 
 

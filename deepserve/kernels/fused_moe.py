@@ -65,9 +65,7 @@ INTERPRET = envs.TRITON_INTERPRET
 # fp8_ref's quantization constants, as constexprs a kernel may read (a plain Python global it may not).
 FP8_MAX = tl.constexpr(fp8_ref.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fp8_ref.AMAX_FLOOR)
-# torch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal, on CPU it divides
-# (kernels/fp8.py says where): fp8_ref's `amax / 448` differs by an ulp between the two.
-INV_FP8_MAX = tl.constexpr(1.0 / fp8_ref.FP8_MAX)
+INV_FP8_MAX = tl.constexpr(fp8_ref.INV_FP8_MAX)  # the device's scale (fp8_ref.py says why)
 # How int4 codes leave their words in the expert GEMMs (kernels/int4_tile.py).
 RESHAPE_UNPACK = tl.constexpr(int4_tile.RESHAPE_UNPACK)
 # Int4 experts for at most this many tokens run as GEMVs (kernels/int4_moe_gemv.py) instead of the tiles;

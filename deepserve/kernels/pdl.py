@@ -27,12 +27,12 @@ one H200 (bench/pdl_chain_probe.py and same-machine A/Bs, bench/RESULTS.md): an 
 -> 2.42, bf16 LLM-7B 4.37 -> 4.34. The small kernels alone, beside GEMVs that do not take part, were 2 % slower:
 hence MAX_ROWS.
 
-With DEEPSERVE_PDL_MLA_MOE (off by default: written to the same rule and tested, not yet timed) the MLA and MoE
-paths' kernels take part too: the MLA decode attention (triton_paged_attention.py), the absorbed head products
+With DEEPSERVE_PDL_MLA_MOE (off by default: written to the same rule and tested; no gain on the V3 FP8 slice) the MLA
+and MoE paths' kernels take part too: the MLA decode attention (triton_paged_attention.py), the absorbed head products
 (head_matmul.py, weights loaded before the wait), the router's logits and the routing (moe_routing.py), the int4
-routed experts' GEMV and its SiLU (int4_moe_mma.py), the fused MoE's alignment, activation quantization and
-grouped GEMMs (fused_moe.py: V3's FP8 experts, bf16 experts; the GEMMs wait first and trigger after their main loop)
-and the slot sum (moe_sum.py).
+routed experts' GEMV and its SiLU (int4_moe_mma.py), the fused MoE's alignment, activation quantization and grouped
+GEMMs (fused_moe.py: V3's FP8 experts, bf16 experts; the GEMMs wait first and trigger after their main loop) and the
+slot sum (moe_sum.py).
 
 Switch: DEEPSERVE_PDL (read at import; on by default). Triton's interpreter runs no inline PTX, so on CPU the
 kernels always compile the plain path (PDL is a constexpr, False there).
@@ -52,7 +52,7 @@ from deepserve import envs
 # flips it between variants in one process.
 ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
 # The MLA and MoE paths' kernels (MLA decode, head_matmul, router logits, routing, the int4 routed experts' GEMV,
-# the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: written to the same rule, not yet timed.
+# the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: written to the same rule, no gain timed yet.
 MLA_MOE = bool(envs.DEEPSERVE_PDL_MLA_MOE)
 # With PDL, the decode attention (MHA/GQA; MLA with MLA_MOE) asks its first tile of cache rows into L2 before the
 # wait (a prefetch brings nothing into the kernel's registers, so no value is read early; the block table and

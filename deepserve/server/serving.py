@@ -331,7 +331,9 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
         bodies = await unless_disconnected(request, everything())
     except BaseException as e:
         gone = isinstance(e, ClientGone)
-        failed = [i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+        # The engine's death ends every part, none failed alone: all errors, as the stream records them.
+        failed = [] if getattr(e, "code", None) == "engine_dead" else [
+            i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
         for i, g in enumerate(gens):
             g.st.engine.abort(g.request_id)
             if gone:

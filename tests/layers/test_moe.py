@@ -179,10 +179,10 @@ def test_fusing_shared_experts_strands_no_gpu_memory(monkeypatch):
     before = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     moe.fuse_loaded_weights()
     assert moe.shared_experts is None and moe.experts.w13.shape[0] == 5
-    # Whole free segments (the shared MLP's weights, the chunks cut from them) go back here; a piece of a
-    # segment that still holds a tensor cannot. Without this call the H200 read 20 MiB more (2026-12-05b call
-    # C): the chunks' 20 MiB segment. Without the fix, by the allocator's rules, w2's new 20 MiB is cut from
-    # w13's old 32 MiB and 12 MiB stay behind.
+    # Whole free segments (the shared MLP's freed weights) go back here; a piece of a segment that still
+    # holds a tensor cannot. Without this call the H200 read 20 MiB more (2026-12-05b call C): one freed
+    # segment. Without the fix, by the allocator's rules, w2's new 20 MiB is cut from w13's old 32 MiB and
+    # 12 MiB stay behind.
     torch.cuda.empty_cache()
     stranded = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     assert stranded <= before + 2**20, (before, stranded)

@@ -52,6 +52,26 @@ def test_collect_all_audits_the_failed_prompt_as_the_error_and_the_rest_as_abort
     assert sorted(aborted) == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
 
 
+def test_the_engine_dying_is_every_prompts_error(monkeypatch):
+    # Raised through one part's task (it woke first), but no part failed alone: all are errors.
+    async def collect(gen, req, agen, chat):
+        if gen.request_id.endswith("-0"):
+            await asyncio.sleep(0)
+            raise APIError(503, "the engine failed while generating: gone", code="engine_dead")
+        await asyncio.sleep(30)
+
+    async def awaited(request, work):
+        return await work
+
+    monkeypatch.setattr(streaming, "collect", collect)
+    monkeypatch.setattr(serving, "_generate", lambda gen, req, core: None)
+    monkeypatch.setattr(serving, "unless_disconnected", awaited)
+    parts = [Part(i, []) for i in range(2)]
+    with pytest.raises(APIError):
+        asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), parts, [[], []], chat=False))
+    assert [p.outcome for p in parts] == [("error", 503)] * 2
+
+
 def test_one_prompt_that_fails_is_still_an_error(monkeypatch):
     async def collect(gen, req, agen, chat):
         raise RuntimeError("boom")
