@@ -455,7 +455,7 @@ class RoutedExperts(nn.Module):
             # (3.7 GB a layer, 17 GiB in all) were reserved, unusable for the KV cache and unseen by its
             # sizing, whose allocation then ran out of memory (bench/RESULTS.md, 2026-12-05 second session).
             del old
-            if extra.is_cuda or getattr(self, name).is_cuda:
+            if getattr(self, name).is_cuda:
                 torch.cuda.empty_cache()
         self.num_local += count
         self.num_shared_fused = count

@@ -314,7 +314,7 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
     with several prompts their requests side by side in the engine and one body whose choices are prompt i's n
     choices at indices i * n .. i * n + n - 1 (OpenAI's order), with the usage summed. Any prompt's failure
     fails the request and ends the others (audited as aborted); a client gone ends them all (499)."""
-    from deepserve.server.streaming import collect, response_id
+    from deepserve.server.streaming import collect, end_parts, response_id
 
     tasks: list[asyncio.Future] = []
 
@@ -330,18 +330,13 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
     try:
         bodies = await unless_disconnected(request, everything())
     except BaseException as e:
-        gone = isinstance(e, ClientGone)
+        if isinstance(e, ClientGone):
+            end_parts(gens, "aborted", 499)
+            return Response(status_code=499)
         # The engine's death ends every part, none failed alone: all errors, as the stream records them.
         failed = [] if getattr(e, "code", None) == "engine_dead" else [
             i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
-        for i, g in enumerate(gens):
-            g.st.engine.abort(g.request_id)
-            if gone:
-                g.finish("aborted", 499)
-            else:  # the prompts that failed are errors; the others ended because of them
-                g.finish("error" if not failed or i in failed else "aborted", getattr(e, "status", 500))
-        if gone:
-            return Response(status_code=499)
+        end_parts(gens, "error", getattr(e, "status", 500), failed)
         if isinstance(e, APIError):
             e.headers.setdefault("x-request-id", response_id(gens))
         raise

@@ -220,23 +220,23 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
         yield SSE_DONE
     except (EngineDeadError, RequestFailedError) as e:
         err = _dead(e) if isinstance(e, EngineDeadError) else _refused(e, chat)
-        _end(gens, "error", err.status, None if isinstance(e, EngineDeadError) else failed)
+        end_parts(gens, "error", err.status, None if isinstance(e, EngineDeadError) else failed)
         yield sse(err.body())
     except ServerStoppingError as e:
         err = _stopping(e)
-        _end(gens, "aborted", err.status)
+        end_parts(gens, "aborted", err.status)
         yield sse(err.body())
     except Exception as e:  # headers are sent: the error can only travel as an event
         logger.exception("stream %s failed", base["id"])
-        _end(gens, "error", 500, failed)
+        end_parts(gens, "error", 500, failed)
         yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
     finally:
         # Reached with requests unfinished only when the client went away (the task was cancelled):
         # abort them in the engine now; nothing here may await.
-        _end(gens, "aborted", 499)
+        end_parts(gens, "aborted", 499)
 
 
-def _end(gens: list[Generation], outcome: str, status: int, failed: list[int] | None = None) -> None:
+def end_parts(gens: list[Generation], outcome: str, status: int, failed: list[int] | None = None) -> None:
     """Aborts in the engine and finishes each part not yet finished (the others of a failed part run on
     otherwise; abort and finish are idempotent). With `failed` (the parts that failed; empty or None: not
     known, or all of them) the others are audited as aborted, with the response's status: they did not fail,

@@ -15,7 +15,7 @@ from deepserve.server.errors import APIError, bad_request
 
 
 class Part:
-    """What _collect_all and streaming._end use of a Generation: its id, abort, finish."""
+    """What _collect_all and streaming.end_parts use of a Generation: its id, abort, finish."""
 
     def __init__(self, i: int, aborted: list) -> None:
         self.request_id, self.finished, self.outcome = f"cmpl-x-{i}", False, None
@@ -26,6 +26,16 @@ class Part:
             self.finished, self.outcome = True, (outcome, status)
 
 
+def collecting_with(monkeypatch, collect) -> None:
+    """_collect_all with `collect` in place of each part's generation, and no client to lose."""
+    async def awaited(request, work):
+        return await work
+
+    monkeypatch.setattr(streaming, "collect", collect)
+    monkeypatch.setattr(serving, "_generate", lambda gen, req, core: None)
+    monkeypatch.setattr(serving, "unless_disconnected", awaited)
+
+
 def test_collect_all_audits_the_failed_prompt_as_the_error_and_the_rest_as_aborted(monkeypatch):
     async def collect(gen, req, agen, chat):
         if gen.request_id.endswith("-1"):
@@ -33,12 +43,7 @@ def test_collect_all_audits_the_failed_prompt_as_the_error_and_the_rest_as_abort
             raise bad_request("prompt 1 refused", param="prompt.1")
         await asyncio.sleep(30)  # still generating when its sibling fails
 
-    async def awaited(request, work):
-        return await work
-
-    monkeypatch.setattr(streaming, "collect", collect)
-    monkeypatch.setattr(serving, "_generate", lambda gen, req, core: None)
-    monkeypatch.setattr(serving, "unless_disconnected", awaited)
+    collecting_with(monkeypatch, collect)
     aborted: list = []
     parts = [Part(i, aborted) for i in range(3)]
 
@@ -60,12 +65,7 @@ def test_the_engine_dying_is_every_prompts_error(monkeypatch):
             raise APIError(503, "the engine failed while generating: gone", code="engine_dead")
         await asyncio.sleep(30)
 
-    async def awaited(request, work):
-        return await work
-
-    monkeypatch.setattr(streaming, "collect", collect)
-    monkeypatch.setattr(serving, "_generate", lambda gen, req, core: None)
-    monkeypatch.setattr(serving, "unless_disconnected", awaited)
+    collecting_with(monkeypatch, collect)
     parts = [Part(i, []) for i in range(2)]
     with pytest.raises(APIError):
         asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), parts, [[], []], chat=False))
@@ -76,12 +76,7 @@ def test_one_prompt_that_fails_is_still_an_error(monkeypatch):
     async def collect(gen, req, agen, chat):
         raise RuntimeError("boom")
 
-    async def awaited(request, work):
-        return await work
-
-    monkeypatch.setattr(streaming, "collect", collect)
-    monkeypatch.setattr(serving, "_generate", lambda gen, req, core: None)
-    monkeypatch.setattr(serving, "unless_disconnected", awaited)
+    collecting_with(monkeypatch, collect)
     part = Part(0, [])
     with pytest.raises(RuntimeError):
         asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), [part], [[]], chat=False))
@@ -112,9 +107,9 @@ def test_end_aborts_the_unfailed_parts_and_keeps_finished_ones():
     aborted: list = []
     parts = [Part(i, aborted) for i in range(4)]
     parts[3].finish("ok")  # finished before the failure: untouched
-    streaming._end(parts, "error", 400, [2])
+    streaming.end_parts(parts, "error", 400, [2])
     assert [p.outcome for p in parts] == [("aborted", 400), ("aborted", 400), ("error", 400), ("ok", 200)]
     assert aborted == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
     unknown = [Part(i, []) for i in range(2)]  # no part named (the engine died, or the stream's own code)
-    streaming._end(unknown, "error", 503, [])
+    streaming.end_parts(unknown, "error", 503, [])
     assert [p.outcome for p in unknown] == [("error", 503)] * 2
