@@ -3,6 +3,7 @@ engine process ends open streams with an error, turns /health 503 and exits non-
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -77,11 +78,13 @@ def test_mtls_then_sigterm_drains_and_exits_0(server_factory, tls_dir):
     assert srv.proc.wait(timeout=60) == 0, srv.tail()
 
 
-def test_engine_death_ends_streams_with_error(server_factory):
-    srv = server_factory([])
+def test_engine_death_ends_streams_with_error(server_factory, tmp_path):
+    audit = tmp_path / "audit.jsonl"
+    srv = server_factory(["--audit-log", str(audit)])
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=ADMIN, max_retries=0, timeout=60)
-    stream = client.completions.create(model="deepserve-demo", prompt="go", max_tokens=1000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    # Two prompts in one stream: the engine's death is every prompt's error, not one prompt's failure.
+    stream = client.completions.create(model="deepserve-demo", prompt=["go", "go on"], max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     os.kill(srv.engine_pid(), signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine"):
@@ -90,6 +93,10 @@ def test_engine_death_ends_streams_with_error(server_factory):
     health = httpx.get(f"{srv.url}/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "dead"
     assert srv.proc.wait(timeout=30) == 1, srv.tail()
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    parts = sorted((r["request_id"], r["outcome"], r["status"]) for r in records
+                   if r.get("endpoint") == "completions")
+    assert [(o, s) for _, o, s in parts] == [("error", 503)] * 2 and parts[0][0].endswith("-0"), parts
 
 
 def _open_requests(srv, client: httpx.Client):
