@@ -245,6 +245,11 @@ def _parse_line(line: str | None, number: int) -> dict[str, Any]:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         return {"custom_id": None, "error": f"line {number} is not valid JSON: {e.msg} (column {e.colno})"}
+    except ValueError:  # json.loads' one other failure: an integer literal past Python's digit limit
+        return {"custom_id": None, "error": f"line {number} holds a number too long to read "
+                                            f"(over {sys.get_int_max_str_digits():,} digits)"}
+    except RecursionError:
+        return {"custom_id": None, "error": f"line {number} is nested too deeply"}
     if not isinstance(d, dict):
         return {"custom_id": None, "error": f"line {number} must be a JSON object"}
     cid = d.get("custom_id")

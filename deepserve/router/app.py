@@ -3,6 +3,7 @@ the server: a path missing from ROUTER_ROUTE_ROLES answers 403 to every key):
 
     GET  /health, /ready               public; /ready is 200 while at least one backend is in rotation
     GET  /v1/models                    admin, user: a backend's model list, filtered by the key's scope
+    GET  /v1/models/{model}            admin, user: one model's card from that list (404 if not in it)
     POST /v1/completions               admin, user
     POST /v1/chat/completions          admin, user
     GET  /metrics                      admin, metrics
@@ -43,6 +44,7 @@ _API = frozenset({"admin", "user"})
 _ADMIN = frozenset({"admin"})
 ROUTER_ROUTE_ROLES: dict[str, frozenset[str]] = {
     "/v1/models": _API,
+    "/v1/models/{model:path}": _API,
     "/v1/completions": _API,
     "/v1/chat/completions": _API,
     "/metrics": frozenset({"admin", "metrics"}),
@@ -100,7 +102,18 @@ async def chat_completions(request: Request) -> Response:
 
 
 @routes.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
+async def models(request: Request) -> Response:
+    return await _models(request)
+
+
+@routes.get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> Response:
+    """One model's card, taken from a backend's list (so any OpenAI-compatible backend serves it)."""
+    return await _models(request, model)
+
+
+async def _models(request: Request, name: str | None = None) -> Response:
+    """A backend's model list filtered by the key's scope; with `name`, that model's card or a 404."""
     st = _state(request)
     up = await open_upstream(st, "GET", "/v1/models", None, backend_headers(st, request, "models"), False, None)
     up.backend.outstanding -= 1
@@ -109,7 +122,13 @@ async def models(request: Request) -> JSONResponse:
     doc = json.loads(up.content)
     key = request.state.api_key
     doc["data"] = [m for m in doc.get("data", []) if key.may_use(str(m.get("id")))]
-    return JSONResponse(doc)
+    if name is None:
+        return JSONResponse(doc)
+    for card in doc["data"]:
+        if card.get("id") == name:
+            return JSONResponse(card)
+    raise APIError(404, f"The model `{name}` does not exist. Served: {[m.get('id') for m in doc['data']]}",
+                   param="model", code="model_not_found")
 
 
 @routes.get("/admin/backends")

@@ -62,6 +62,10 @@ def parse_request(st: RouterState, raw: bytes, chat: bool) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # json.loads' one other failure: an integer literal past Python's digit limit
+        raise bad_request(p.too_long_number_message()) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body

@@ -39,6 +39,7 @@ PUBLIC_ROUTES = frozenset({"/health", "/ready"})
 _API = frozenset({"admin", "user"})
 ROUTE_ROLES: dict[str, frozenset[str]] = {
     "/v1/models": _API,
+    "/v1/models/{model:path}": _API,
     "/v1/completions": _API,
     "/v1/chat/completions": _API,
     "/tokenize": _API,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
@@ -238,6 +239,10 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+def too_long_number_message() -> str:
+    return f"request body holds a number too long to read (over {sys.get_int_max_str_digits():,} digits)"
+
+
 def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
     """Bytes of a request body → a validated request, or APIError(400) naming the field."""
     try:
@@ -251,6 +256,8 @@ def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
         raise bad_request(f"request body is not valid JSON: {e.msg} ({where})") from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+    except ValueError:  # the one other failure of json.loads: an integer literal past Python's digit limit
+        raise bad_request(too_long_number_message()) from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:

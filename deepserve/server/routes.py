@@ -61,10 +61,25 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     st = _state(request)
     created = int(time.time())
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "deepserve",
-             "root": st.engine.config.model.model, "max_model_len": st.engine.max_model_len}
-            for name in st.allowed_models(request.state.api_key)]
+    data = [_model_card(st, name, created) for name in st.allowed_models(request.state.api_key)]
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> JSONResponse:
+    """One model's card (the OpenAI client's models.retrieve); a model the key may not use is not there to it,
+    as in the list."""
+    st = _state(request)
+    key = request.state.api_key
+    if model not in st.allowed_models(key):
+        raise APIError(404, f"The model `{model}` does not exist. Served: {st.allowed_models(key)}",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(st, model, int(time.time())))
+
+
+def _model_card(st: ServerState, name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "deepserve",
+            "root": st.engine.config.model.model, "max_model_len": st.engine.max_model_len}
 
 
 @router.post("/v1/completions")

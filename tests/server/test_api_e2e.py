@@ -49,6 +49,11 @@ def post(srv, path: str, body, key: str = USER, **kw) -> httpx.Response:
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)  # GET /v1/models/{id}
+    assert card.id == MODEL and card.object == "model" and card.model_dump()["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
 
 
 def test_chat_reasoning_and_usage(client):
@@ -371,6 +376,13 @@ def test_bad_numbers_name_the_field(srv, raw, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_a_number_too_long_for_python_is_a_counted_400(srv):
+    r = post(srv, "/v1/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}")
+    assert r.status_code == 400 and "number too long to read" in r.json()["error"]["message"], r.text
+    assert r.headers["x-request-id"]  # a refusal, with its id (it was an uncaught 500 without one)
+    assert post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_refused_like_prompt_ids(client):
     """The vocabulary size comes from the prompt-id check; stop_token_ids is held to the same bound, on both
     endpoints, and the largest id in the vocabulary is still accepted."""
@@ -469,13 +481,15 @@ def test_size_limits(srv):
 # ------------------------------------------------------------------ auth
 
 
-ROUTES = [("GET", "/v1/models", {}), ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
+ROUTES = [("GET", "/v1/models", {}), ("GET", f"/v1/models/{MODEL}", None),
+          ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
           ("POST", "/v1/chat/completions", {"messages": MSG, "max_tokens": 1}),
           ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [5]}),
           ("GET", "/metrics", None), ("GET", "/admin/usage", None), ("POST", "/admin/keys/reload", None),
           ("GET", "/admin/openapi.json", None)]
 ALLOWED = {"admin": {r[1] for r in ROUTES},
-           "user": {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"},
+           "user": {"/v1/models", f"/v1/models/{MODEL}", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                    "/detokenize"},
            "metrics": {"/metrics"}}
 
 
@@ -501,6 +515,8 @@ def test_key_for_another_model(srv):
     assert r.status_code == 403 and r.json()["error"]["param"] == "model"
     models = httpx.get(f"{srv.url}/v1/models", headers=auth(OTHER_MODEL)).json()["data"]
     assert models == []
+    hidden = httpx.get(f"{srv.url}/v1/models/{MODEL}", headers=auth(OTHER_MODEL))
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"  # as in the list
 
 
 def test_public_probes(srv):

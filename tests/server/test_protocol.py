@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -167,6 +168,13 @@ def test_tokenize_refuses_chat_template_fields_with_a_prompt():
 def test_malformed_json_and_utf8():
     for raw in (b"{", b"\xc3\x28", b"null", b'"text"', b"[" * 100_000 + b"]" * 100_000):
         assert error_param(raw) is None
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_400_not_a_crash():
+    digits = sys.get_int_max_str_digits() + 1
+    with pytest.raises(APIError) as e:
+        parse_body(b'{"prompt": "x", "max_tokens": 1' + b"0" * digits + b"}", CompletionRequest, LIMITS)
+    assert e.value.status == 400 and "number too long to read" in e.value.message
 
 
 def test_configurable_n_limit():

@@ -67,6 +67,9 @@ def complete(url: str, key: str, prompt: str = "hi", **body) -> httpx.Response:
 def test_openai_client_through_router(cluster):
     client = openai.OpenAI(base_url=f"{cluster['routers'][0].url}/v1", api_key=USER, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["deepserve-demo"]
+    assert client.models.retrieve("deepserve-demo").id == "deepserve-demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     chat = client.chat.completions.create(model="deepserve-demo", max_tokens=5,
                                           messages=[{"role": "user", "content": "hello"}])
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1

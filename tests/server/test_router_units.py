@@ -111,3 +111,19 @@ def test_audit_names_a_known_key_its_role_refuses(tmp_path):
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert [(r["outcome"], r["key"], r["endpoint"]) for r in records] == [
         ("denied_403", "scraper", "/admin/usage"), ("denied_401", None, "/admin/usage")]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_body_json_cannot_read_is_a_400_with_or_without_strict_validation(strict):
+    from types import SimpleNamespace
+
+    from deepserve.router.proxy import parse_request
+    from deepserve.server.errors import APIError
+
+    st = SimpleNamespace(settings=SimpleNamespace(strict_validation=strict))
+    for raw, says in ((b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", "number too long to read"),
+                      (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                      (b"\xc3\x28", "UTF-8" if strict else "not valid JSON")):
+        with pytest.raises(APIError) as e:
+            parse_request(st, raw, chat=False)
+        assert e.value.status == 400 and says in e.value.message, (raw[:20], e.value.message)

@@ -185,3 +185,12 @@ def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it():
         f.write(b"\xef\xbb\xbf" + LINES[0].encode() + b"\r\n" + LINES[1].encode() + b"\n")
     assert [line for _, line in _input_lines(f.name)] == [LINES[0], LINES[1]]
     os.unlink(f.name)
+
+
+def test_a_line_json_cannot_read_is_that_lines_error_not_the_runs():
+    from deepserve.entrypoints.batch import _parse_line
+
+    huge = '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1%s}}'
+    said = _parse_line(huge % ("0" * sys.get_int_max_str_digits()), 3)
+    assert said["custom_id"] is None and said["error"].startswith("line 3 holds a number too long to read")
+    assert _parse_line("[" * 100_000 + "]" * 100_000, 4)["error"] == "line 4 is nested too deeply"
