@@ -104,8 +104,8 @@ def resolve_quantization(hf_config: Any, requested: str | None, device: str = "c
         if block is None:
             raise ValueError(f"--quantization fp8 needs FP8 tensor cores (compute capability >= 8.9: Ada, "
                              f"Hopper); {gpu} has none. Leave --quantization unset to serve in bf16")
-        logger.warning("%s has no FP8 tensor cores (compute capability >= 8.9); the FP8 checkpoint is "
-                       "dequantized to the model dtype at load (twice the weight memory)", gpu)
+        warn_once(f"{gpu} has no FP8 tensor cores (compute capability >= 8.9); the FP8 checkpoint is "
+                  "dequantized to the model dtype at load (twice the weight memory)")  # the planner asks 4 times
         return None
     return wanted
 

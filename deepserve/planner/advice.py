@@ -1,4 +1,5 @@
-"""What would fit when a plan does not: more GPUs, an fp8 KV cache, a shorter context — each with numbers.
+"""What would fit when a plan does not: more GPUs, FP8 or int4 weights, an fp8 KV cache, a shorter context — each
+with numbers.
 
 Every suggestion is a full re-plan with one setting changed, so its figures are as exact as the plan's.
 """
@@ -27,6 +28,7 @@ def advise(failed) -> list[dict]:
     more = _more_gpus(failed, plan)
     if more is not None:
         out.append(more)
+    out += _quantized(failed, plan)
     if req.kv_cache_dtype not in ("fp8", "fp8_e4m3"):  # fp8_e5m2 too: the engine takes fp8 (e4m3) only
         alt = _try(plan, dataclasses.replace(req, kv_cache_dtype="fp8", max_model_len=failed.max_model_len))
         if _runs(alt):
@@ -71,6 +73,23 @@ def _more_gpus(failed, plan) -> dict | None:
             return _entry("more GPUs", flags, alt, f"{tp * pp} GPUs ({where}); weights "
                           f"{alt.weights_bytes / GIB:.1f} GiB per GPU")
     return None
+
+
+def _quantized(failed, plan) -> list[dict]:
+    """Smaller weights on the same GPUs: FP8 quantized at load (a bf16 checkpoint on a GPU with FP8 tensor
+    cores; elsewhere the re-plan is refused, so not advised), then an int4 (AWQ) build of the model."""
+    req = failed.request
+    if failed.quantization is not None or req.quantization in ("awq", "gptq"):
+        return []  # already quantized: int4 advice to an FP8 plan would be a different model build
+    out = []
+    for method, change, why in (("fp8", "fp8 weights", "an FP8 checkpoint as shipped, a bf16 one quantized at load"),
+                                ("awq", "int4 weights", "needs an AWQ int4 build of the model (GPTQ: "
+                                                        "--quantization gptq)")):
+        alt = _try(plan, dataclasses.replace(req, quantization=method, max_model_len=failed.max_model_len))
+        if _runs(alt) and alt.quantization == method:
+            out.append(_entry(change, f"--quantization {method}", alt,
+                              f"{why}; weights {alt.weights_bytes / GIB:.1f} GiB per GPU"))
+    return out
 
 
 def _runs(alt) -> bool:

@@ -145,6 +145,23 @@ def test_does_not_fit_says_what_would():
     assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]
 
 
+def test_smaller_weights_are_advised_where_they_fit():
+    # 7B in bf16 on a 16 GiB GPU: FP8 quantized at load (the bf16 weights still fit while loading) or int4.
+    advice = {a["change"]: a for a in plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096)).advice}
+    for change, method in (("fp8 weights", "fp8"), ("int4 weights", "awq")):
+        assert advice[change]["flags"] == f"--quantization {method}"
+        alt = plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096, quantization=method))
+        assert alt.fits and advice[change]["max_sequences"] == alt.max_sequences > 0
+    # V3 on 8 x A100-80GB: no FP8 tensor cores (FP8 is dequantized there), so int4 only.
+    v3 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8))
+    changes = [a["change"] for a in v3.advice]
+    assert not v3.fits and "int4 weights" in changes and "fp8 weights" not in changes, changes
+    # Already quantized: no weight advice (int4 for an FP8 plan would be another build of the model).
+    fp8 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=2, max_model_len=4096))
+    assert fp8.quantization == "fp8" and not fp8.fits
+    assert not {"fp8 weights", "int4 weights"} & {a["change"] for a in fp8.advice}
+
+
 def test_checkpoint_folder_and_config_json(tmp_path):
     from transformers import LlamaConfig
 
