@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -29,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from deepserve.router.proxy import backend_headers, forward, open_upstream
 from deepserve.router.state import RouterSettings, RouterState
-from deepserve.server.api_server import _install_error_handlers, bind_listener
+from deepserve.server.api_server import _install_error_handlers, bind_listener, install_sighup
 from deepserve.server.auth import authorize
 from deepserve.server.errors import APIError, bad_request
 from deepserve.server.httpio import HeaderLimitMiddleware
@@ -171,17 +170,16 @@ async def usage(request: Request) -> JSONResponse:
 @routes.post("/admin/keys/reload")
 async def reload_keys(request: Request) -> JSONResponse:
     st = _state(request)
-    if not st.keys.reload():
-        raise APIError(500, "key file reload failed; the previous keys stay in force (see the router log)")
+    problem = st.keys.reload()
+    if problem is not None:  # the admin's file is at fault, not the router: a 4xx that says what is wrong
+        raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
     return JSONResponse({"status": "ok", "keys": len(st.keys.names())})
 
 
 def build_app(st: RouterState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if hasattr(signal, "SIGHUP"):
-            with contextlib.suppress(RuntimeError, ValueError):
-                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, st.keys.reload)
+        install_sighup(st)  # the key file and the audit log, as the server does
         client = st.open_client()
         await st.pool.refresh_dns()
         await asyncio.gather(*(st.pool.probe(client, b) for b in list(st.pool.backends.values())))

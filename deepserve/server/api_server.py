@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -47,7 +48,7 @@ EXIT_ENGINE_DEAD = 1
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        _install_sighup(state)
+        install_sighup(state)
         task = asyncio.create_task(_start_engine(state))
         yield
         task.cancel()
@@ -98,9 +99,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal server error ({type(e).__name__})"), status_code=500)
 
 
-def _install_sighup(state: ServerState) -> None:
-    # SIGHUP: reload the key file, and reopen the audit log (after logrotate renamed it). Run by the
-    # event loop between callbacks, never inside an audit write.
+def install_sighup(state: Any) -> None:
+    """SIGHUP: reload the key file, and reopen the audit log (after logrotate renamed it). Run by the
+    event loop between callbacks, never inside an audit write. `state`: the server's or the router's (each
+    has `keys` and `audit`)."""
     def on_sighup() -> None:
         state.keys.reload()
         if state.audit is not None:

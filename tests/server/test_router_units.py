@@ -3,6 +3,8 @@ key check's audit record."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from deepserve.router.balance import Balancer, affinity_key
@@ -127,3 +129,58 @@ def test_a_body_json_cannot_read_is_a_400_with_or_without_strict_validation(stri
         with pytest.raises(APIError) as e:
             parse_request(st, raw, chat=False)
         assert e.value.status == 400 and says in e.value.message, (raw[:20], e.value.message)
+
+
+def test_key_reload_says_what_happened_and_sighup_is_the_servers(tmp_path, monkeypatch):
+    # POST /admin/keys/reload: 200 with the count when the file loads, 422 naming the problem when it does
+    # not (the old keys stay). The lifespan installs the server's SIGHUP handler (keys and audit log).
+    from fastapi.testclient import TestClient
+    from serverkit import ADMIN, USER, auth, hash_key, write_keys
+
+    import deepserve.router.app as router_app
+    from deepserve.router.state import RouterState
+
+    keys = write_keys(str(tmp_path / "k.yaml"), [{"name": "ops", "key_hash": hash_key(ADMIN), "role": "admin"}])
+    st = RouterState(RouterSettings(backends=["http://127.0.0.1:9"], api_keys_file=keys,
+                                    audit_log=str(tmp_path / "audit.jsonl")))
+    installed = []
+    monkeypatch.setattr(router_app, "install_sighup", installed.append)
+    monkeypatch.setattr(st.pool, "run_checks", lambda client: asyncio.sleep(0))
+    with TestClient(router_app.build_app(st)) as client:
+        assert installed == [st]
+        ok = client.post("/admin/keys/reload", headers=auth(ADMIN))
+        assert ok.status_code == 200 and ok.json() == {"status": "ok", "keys": 4}, ok.text
+        (tmp_path / "k.yaml").write_text("keys: [not a mapping")
+        bad = client.post("/admin/keys/reload", headers=auth(ADMIN))
+        assert bad.status_code == 422 and "previous keys stay in force" in bad.json()["error"]["message"]
+        assert client.post("/admin/keys/reload", headers=auth(USER)).status_code == 403  # the old keys, still
+
+
+def test_sighup_reloads_the_keys_and_reopens_the_audit_log(tmp_path):
+    # What logrotate does: rename the file, send SIGHUP; the next record starts a new file at the path.
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from deepserve.server.api_server import install_sighup
+    from deepserve.server.audit import AuditLog
+
+    path = tmp_path / "audit.jsonl"
+    reloads: list[int] = []
+    st = SimpleNamespace(keys=SimpleNamespace(reload=lambda: reloads.append(1)), audit=AuditLog(str(path)))
+    st.audit.write(outcome="ok")
+    path.rename(tmp_path / "audit.jsonl.1")
+
+    async def main() -> None:
+        install_sighup(st)
+        assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL  # else the signal would end pytest
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(100):
+            if reloads:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    st.audit.write(outcome="ok")
+    st.audit.close()
+    assert reloads == [1] and path.exists() and len(path.read_text().splitlines()) == 1
