@@ -27,16 +27,25 @@ logger = logging.getLogger(__name__)
 
 def checkpoint_files(model_path: str) -> list[str]:
     """The checkpoint's shards: *.safetensors, or *.safetensors.enc when it was encrypted at rest
-    (loader/encryption.py)."""
+    (loader/encryption.py). A sealed checkpoint is loaded only whole: a plaintext shard beside sealed ones
+    would be weights nobody authenticated (a substituted file), so that mix is refused."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        names = [n if os.path.exists(os.path.join(model_path, n)) or not _is_sealed(model_path, n) else n + SUFFIX
-                 for n in names]
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        names = [n + SUFFIX if _is_sealed(model_path, n) else n for n in shards]
+        loose = [n for n in shards if _is_sealed(model_path, n) and os.path.exists(os.path.join(model_path, n))]
     else:
-        names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
-        names = names or sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors" + SUFFIX))
+        listed = os.listdir(model_path)
+        plain = sorted(n for n in listed if n.endswith(".safetensors"))
+        sealed = sorted(n for n in listed if n.endswith(".safetensors" + SUFFIX))
+        names, loose = (sealed, plain) if sealed else (plain, [])
+    loose += [n for n in names if not n.endswith(SUFFIX)] if any(n.endswith(SUFFIX) for n in names) else []
+    if loose:
+        raise DecryptionError(
+            f"{model_path} is encrypted (*.safetensors{SUFFIX}) but also holds plaintext shards "
+            f"{sorted(set(loose))}: an encrypted checkpoint loads only whole; remove them (or re-run "
+            "`deepserve encrypt-model` over the plaintext checkpoint)")
     if not names:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_path}; convert the checkpoint to safetensors, "
@@ -47,8 +56,6 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 def _is_sealed(model_path: str, name: str) -> bool:
     return os.path.exists(os.path.join(model_path, name + SUFFIX))
-
-
 
 
 class LazyTensor:
@@ -138,7 +145,12 @@ def iterate_safetensors(model_path: str, decryption_key: bytes | None = None
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, LazyTensor) for every tensor of every shard; a tensor is read when a loader uses it.
     Encrypted shards (*.safetensors.enc) need `decryption_key` and are decrypted in memory, slice by slice."""
-    for path in checkpoint_files(model_path):
+    files = checkpoint_files(model_path)
+    if decryption_key is not None and not files[0].endswith(SUFFIX):  # whole: all sealed or none
+        raise DecryptionError(f"--decryption-key-file was given but {model_path} is not encrypted (no "
+                              f"*.safetensors{SUFFIX}): refusing to load weights the key cannot authenticate; "
+                              "drop the flag to serve a plaintext checkpoint")
+    for path in files:
         if path.endswith(SUFFIX):
             if decryption_key is None:
                 raise DecryptionError(f"{path} is encrypted: pass its key with --decryption-key-file "

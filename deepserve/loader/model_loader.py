@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -29,11 +30,17 @@ def load_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        key = read_key_file(config.decryption_key_file) if config.decryption_key_file else None
-        loaded = model.load_weights(take_kv_scales(model, iterate_safetensors(config.model, key)))
+        loaded = model.load_weights(take_kv_scales(model, checkpoint_tensors(config)))
         check_all_loaded(model, loaded | _tied(model))
     quantize_after_loading(model)  # --quantization fp8 on an unquantized checkpoint: per-channel FP8 now
     return model.eval()
+
+
+def checkpoint_tensors(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model's loaders take them, decrypted with the configured key (an
+    encrypted checkpoint's every reader goes through here: the model, its MTP layer)."""
+    key = read_key_file(config.decryption_key_file) if config.decryption_key_file else None
+    return iterate_safetensors(config.model, key)
 
 
 def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -27,8 +27,8 @@ from deepserve.layers.quantization import quantize_after_loading
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
 from deepserve.layers.sampling_metadata import PenaltyHistory, bitmask_tensor
-from deepserve.loader.checkpoint import init_dummy_weights, iterate_safetensors
-from deepserve.loader.model_loader import load_model
+from deepserve.loader.checkpoint import init_dummy_weights
+from deepserve.loader.model_loader import checkpoint_tensors, load_model
 from deepserve.runner.cuda_graph import DecodeGraphs
 from deepserve.runner.input_batch import StepInputs, prepare_inputs
 from deepserve.runner.kv_swap import HostTier
@@ -169,7 +169,7 @@ class ModelRunner:
         if config.model.load_format == "dummy":
             init_dummy_weights(mtp, config.model.seed)
         else:
-            loaded = self.model.load_mtp_weights(iterate_safetensors(config.model.model))
+            loaded = self.model.load_mtp_weights(checkpoint_tensors(config.model))
             missing = sorted(set(dict(mtp.named_parameters())) - loaded)
             if missing:
                 # The names a user can look for in the files when the layer is absent; deepserve's own

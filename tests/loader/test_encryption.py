@@ -175,3 +175,33 @@ def test_encrypt_model_refuses_its_own_source_folder(tmp_path, key):
     with pytest.raises(ValueError, match="another folder"):
         enc.encrypt_model(tmp_path, tmp_path, key)
     assert struct.unpack("<Q", (tmp_path / "model.safetensors").read_bytes()[:8])[0] > 0  # untouched
+
+
+def test_a_sealed_checkpoint_loads_only_whole_and_a_key_only_sealed_weights(tmp_path, key):
+    # A plaintext shard beside sealed ones (a substituted or left-over file) would load unauthenticated:
+    # refused, with and without an index; a key given for a plaintext checkpoint is refused too.
+    from deepserve.loader.checkpoint import checkpoint_files, iterate_safetensors
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"a": torch.ones(2)}, plain / "model-00001.safetensors")
+    save_file({"b": torch.ones(2)}, plain / "model-00002.safetensors")
+    with pytest.raises(enc.DecryptionError, match="is not encrypted"):
+        next(iterate_safetensors(str(plain), key))
+    assert len(list(iterate_safetensors(str(plain)))) == 2  # without a key: as before
+    sealed = tmp_path / "sealed"
+    enc.encrypt_model(plain, sealed, key)
+    assert [os.path.basename(p) for p in checkpoint_files(str(sealed))] == [
+        "model-00001.safetensors.enc", "model-00002.safetensors.enc"]
+    save_file({"a": torch.zeros(2)}, sealed / "model-00001.safetensors")  # the substitute
+    with pytest.raises(enc.DecryptionError, match=r"plaintext shards \['model-00001.safetensors'\]"):
+        checkpoint_files(str(sealed))
+    (sealed / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001.safetensors", "b": "model-00002.safetensors"}}')
+    with pytest.raises(enc.DecryptionError, match="loads only whole"):
+        checkpoint_files(str(sealed))
+    os.remove(sealed / "model-00001.safetensors")
+    os.remove(sealed / "model-00002.safetensors.enc")
+    save_file({"b": torch.zeros(2)}, sealed / "model-00002.safetensors")  # one sealed, one plain: a mix
+    with pytest.raises(enc.DecryptionError, match=r"plaintext shards \['model-00002.safetensors'\]"):
+        checkpoint_files(str(sealed))

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -203,3 +205,22 @@ def test_a_checkpoint_without_the_layer_is_refused(tmp_path_factory, tokenizer):
     path, _, _ = write_checkpoint(tmp_path_factory, tokenizer, "mtp-missing", repeat=None)
     with pytest.raises(ValueError, match=rf"holds no tensor named model.layers.{N}\.\*.*num_nextn_predict_layers=1"):
         LLM(path, dtype="float32", device="cpu", speculative_config=mtp(1))
+
+
+def test_an_encrypted_checkpoint_decrypts_its_mtp_layer_too(repeating_mtp, tmp_path):
+    # The MTP layer is read after the model, from the same files: with the checkpoint sealed it needs the
+    # key as well (it was once read without it and refused).
+    pytest.importorskip("cryptography")
+    from deepserve.entrypoints.cli import main
+
+    path, hf_model, _ = repeating_mtp
+    sealed, key = tmp_path / "sealed", tmp_path / "key"
+    assert main(["encrypt-model", path, str(sealed), "--key-file", str(key), "--new-key-file"]) == 0
+    assert "model-mtp.safetensors.enc" in os.listdir(sealed)
+    llm = LLM(str(sealed), decryption_key_file=str(key), dtype="float32", device="cpu", speculative_config=mtp(3),
+              num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert_same_greedy(out.outputs[0].token_ids, *hf_greedy(hf_model, prompt, 12))
+    assert llm.llm_engine.stats().spec_decode_num_accepted_tokens_total > 0  # the repeating layer's drafts
