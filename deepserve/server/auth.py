@@ -113,6 +113,18 @@ def load_key_file(path: str) -> list[ApiKey]:
     return keys
 
 
+def _one_entry_per_secret(keys: list[ApiKey], path: str | None) -> list[ApiKey]:
+    """Two entries with one secret would give it the rights of whichever matched last, and revoking one
+    entry would leave the other working: refused, naming both."""
+    seen: dict[bytes, str] = {}
+    for key in keys:
+        if key.digest in seen:
+            raise ValueError(f"{path or 'the key list'}: keys '{seen[key.digest]}' and '{key.name}' are the same "
+                             "secret (one key_hash, or an --api-key also in the file); give each entry its own key")
+        seen[key.digest] = key.name
+    return keys
+
+
 class KeyStore:
     """The keys in force. `reload()` swaps the whole set atomically; a bad file keeps the old set."""
 
@@ -125,7 +137,7 @@ class KeyStore:
         self._keys: list[ApiKey] = list(self._inline)
         self._lock = threading.Lock()
         if path:
-            self._keys = self._inline + load_key_file(path)  # a bad file at startup is fatal
+            self._keys = _one_entry_per_secret(self._inline + load_key_file(path), path)  # bad at start: fatal
 
     @property
     def configured(self) -> bool:
@@ -139,7 +151,7 @@ class KeyStore:
         if not self.path:
             return None
         try:
-            keys = self._inline + load_key_file(self.path)
+            keys = _one_entry_per_secret(self._inline + load_key_file(self.path), self.path)
         except (OSError, ValueError, yaml.YAMLError) as e:
             logger.error("key file reload failed, keeping the previous %d keys: %s", len(self._keys), e)
             return f"{type(e).__name__}: {e}"

@@ -65,6 +65,19 @@ def test_duplicate_names_refused(tmp_path):
         load_key_file(write(tmp_path / "k.yaml", [entry("x"), entry("x", key="other-key-1")]))
 
 
+def test_one_secret_in_two_entries_is_refused_at_start_and_on_reload(tmp_path):
+    # Its rights would be whichever entry matched last; revoking one entry would leave the other working.
+    two = [entry("x", "sk-shared-1"), entry("y", "sk-shared-1", role="admin")]
+    with pytest.raises(ValueError, match="keys 'x' and 'y' are the same secret"):
+        KeyStore(write(tmp_path / "k.yaml", two))
+    with pytest.raises(ValueError, match="'api-key' and 'u' are the same secret"):  # --api-key also in the file
+        KeyStore(write(tmp_path / "k.yaml", [entry("u", "sk-inline-admin")]), ("sk-inline-admin",))
+    path = write(tmp_path / "k.yaml", [entry("x", "sk-shared-1")])
+    store = KeyStore(path)
+    write(path, two)
+    assert "same secret" in store.reload() and store.lookup("sk-shared-1").role == "user"  # the old set stays
+
+
 def test_lookup_and_inline_admin(tmp_path):
     store = KeyStore(write(tmp_path / "k.yaml", [entry("u", "sk-user-1")]), ("sk-inline-admin",))
     assert store.lookup("sk-user-1").name == "u"
