@@ -314,7 +314,9 @@ def _add_server_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
+    ns._argv = argv  # `serve --config` tells the flags given from those left at their defaults
     level = ns.log_level or ("INFO" if ns.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

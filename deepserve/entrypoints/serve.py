@@ -86,8 +86,25 @@ def add_request_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--audit-log-prompts", action="store_true", help="include prompts in the audit log")
 
 
+def flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests that `argv` (the command's own arguments) sets: parsed again with every default hidden, so
+    a flag given with its default value counts as given."""
+    saved = [(a, a.default) for a in parser._actions]
+    for action, _ in saved:
+        action.default = argparse.SUPPRESS
+    try:
+        given, _ = parser.parse_known_args(argv, argparse.Namespace())
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given)) - set(parser._defaults)
+
+
 def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Fill flags left at their defaults from ns.config."""
+    """Fill the flags the command line did not give from ns.config: the command line wins, even where it
+    repeats a default (`--port 8000` over a file's `port: 8100`)."""
+    argv = ns._argv[ns._argv.index("serve") + 1:]  # main() keeps the command line: what came after `serve`
+    given = flags_given(parser, argv)
     doc = load_yaml(ns.config) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{ns.config}: expected a mapping of flag names to values")
@@ -106,7 +123,7 @@ def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -
                 raise ValueError(f"{ns.config}: {key} must be {action.type.__name__}, got {value!r}") from None
         if dest in ("served_model_name", "api_key") and isinstance(value, str):
             value = [value]
-        if getattr(ns, dest) == parser.get_default(dest):
+        if dest not in given:
             setattr(ns, dest, value)
 
 

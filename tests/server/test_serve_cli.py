@@ -22,7 +22,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_keys_parser(sub)
-    return parser.parse_args(argv)
+    ns = parser.parse_args(argv)
+    ns._argv = argv  # as cli.main keeps it
+    return ns
 
 
 def test_vllm_flag_names():
@@ -59,6 +61,11 @@ def test_config_file_fills_defaults_and_flags_win(tmp_path):
     assert (ns.port, ns.max_model_len, ns.served_model_name, ns.max_num_seqs, ns.reasoning_parser) == \
         (7100, 2048, ["r1"], 16, "deepseek_r1")
     assert ns.hf_overrides == {"num_hidden_layers": 8}
+    # A flag given with its default value still wins over the file (it was once taken for "not given").
+    cfg.write_text("port: 7000\nenable-prefix-caching: false\nmax-num-seqs: 16\n")
+    ns = parse(["serve", "--config", str(cfg), "--port", "8000", "--enable-prefix-caching"])
+    apply_config_file(ns, ns._parser)
+    assert (ns.port, ns.enable_prefix_caching, ns.max_num_seqs) == (8000, True, 16)
 
 
 @pytest.mark.parametrize(("text", "message"), [("prot: 1\n", "unknown key 'prot'"),
