@@ -31,7 +31,7 @@ from deepserve.router.state import RouterState
 from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
 from deepserve.server.errors import APIError, bad_request, error_body
-from deepserve.server.httpio import read_body, sse
+from deepserve.server.httpio import incoming_request_id, read_body, sse
 from deepserve.server.serving import client_addr
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
     st: RouterState = request.app.state.router
     key: ApiKey = request.state.api_key
     arrival, endpoint = time.perf_counter(), "chat" if chat else "completions"
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = incoming_request_id(request) or uuid.uuid4().hex  # sent on: the replica audits it as upstream
     audit = {"request_id": request_id, "endpoint": endpoint, "client": client_addr(request)}
     try:
         raw = await read_body(request, st.settings.max_body_bytes)
@@ -186,6 +186,7 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
         ticket = await st.quota.admit(key)
     except APIError as e:
         st.record(key.name, f"rejected_{e.status}", status=e.status, error=e.message, **audit)
+        e.headers.setdefault("x-request-id", request_id)  # the id this router's audit holds for the refusal
         raise
     stream = body.get("stream") is True
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
@@ -200,8 +201,11 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
         await st.quota.give_back(ticket)
         st.record(key.name, "error", status=e.status, error=e.message, **audit)
         st.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrival)
+        e.headers.setdefault("x-request-id", request_id)
         raise
     audit["backend"] = up.backend.url
+    if up.response.headers.get("x-request-id"):  # the replica's own id, which the client gets: joins the two
+        audit["backend_request_id"] = up.response.headers["x-request-id"]
     if up.first is None:
         return await _whole(st, up, ticket, key, endpoint, arrival, audit)
     relay = Relay(st, up, ticket, key, endpoint, arrival, audit, strip_usage)

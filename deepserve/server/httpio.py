@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -15,6 +16,17 @@ from deepserve.server.errors import APIError, bad_request, error_body
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_HEADERS = 100
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def incoming_request_id(request: Request) -> str | None:
+    """The caller's X-Request-ID (a router's, a gateway's, a client's) when it is a plain token of at most 128
+    characters, for the audit log to join the tiers' records on; anything else is ignored (it is the
+    caller's label, not ours to refuse a request over)."""
+    value = request.headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
 
 
 def sse(data: dict[str, Any]) -> bytes:

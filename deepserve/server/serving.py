@@ -28,7 +28,7 @@ from deepserve.server import openai_format as f
 from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
 from deepserve.server.errors import APIError, bad_request
-from deepserve.server.httpio import ClientGone, read_body, unless_disconnected
+from deepserve.server.httpio import ClientGone, incoming_request_id, read_body, unless_disconnected
 from deepserve.server.ratelimit import Admission
 from deepserve.server.state import ServerState
 from deepserve.server.structured import structured_outputs_of
@@ -54,6 +54,7 @@ class Generation:
     finish_reasons: list[str] = field(default_factory=list)
     finished: bool = False
     reads: OutputReading = field(default_factory=OutputReading)
+    upstream_id: str | None = None  # the caller's X-Request-ID (e.g. a router's), audited beside ours
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -92,7 +93,8 @@ class Generation:
             st.metrics.e2e.observe(latency)
         st.record(self.key.name, outcome, self.prompt_tokens, self.completion_tokens, self.finish_reasons,
                   request_id=self.request_id, model=self.model, endpoint=self.endpoint, client=self.client,
-                  status=status, latency_s=round(latency, 6), prompt=self.prompt_text)
+                  status=status, latency_s=round(latency, 6), prompt=self.prompt_text,
+                  **upstream_field(self.upstream_id))
 
 
 class _EventStream(StreamingResponse):
@@ -235,6 +237,7 @@ async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], li
     st: ServerState = request.app.state.server
     key: ApiKey = request.state.api_key
     endpoint, client, rid = ("chat" if chat else "completions"), client_addr(request), uuid.uuid4().hex
+    upstream = incoming_request_id(request)
     admitted: list[Admission] = []
     try:
         st.check_accepting()
@@ -256,13 +259,19 @@ async def admit(request: Request, chat: bool) -> tuple[Any, list[Generation], li
         for adm in admitted:  # the queue refused: the prompts give their reservations back
             st.limiter.unreserve(adm)
         st.record(key.name, f"rejected_{e.status}", request_id=rid, endpoint=endpoint, client=client,
-                  status=e.status, error=e.message)
+                  status=e.status, error=e.message, **upstream_field(upstream))
         e.headers.setdefault("x-request-id", rid)  # the id the audit log holds for this refusal
         raise
     st.in_flight += len(prepared)
-    gens = [Generation(st, key, model, endpoint, part_id, text, len(ids), adm, arrival, client, reads=reads)
+    gens = [Generation(st, key, model, endpoint, part_id, text, len(ids), adm, arrival, client, reads=reads,
+                       upstream_id=upstream)
             for part_id, (text, ids, _, reads), adm in zip(ids_of, prepared, admitted, strict=True)]
     return req, gens, [core_requests for _, _, core_requests, _ in prepared]
+
+
+def upstream_field(upstream_id: str | None) -> dict[str, str]:
+    """The audit record's `upstream_request_id`, present only when a caller sent one."""
+    return {} if upstream_id is None else {"upstream_request_id": upstream_id}
 
 
 def _prepare_part(st: ServerState, req: Any, chat: bool, rid: str, batched: bool,

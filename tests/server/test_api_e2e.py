@@ -189,6 +189,13 @@ def test_request_id_header_matches_body(srv):
     records = [json.loads(line) for line in open(srv.audit_path)]
     assert [r["outcome"] for r in records if r.get("request_id") == refused.headers["x-request-id"]] == \
         ["rejected_400"]
+    # A caller's X-Request-ID (a router's, a gateway's) is audited beside ours; one that is not a plain token
+    # of at most 128 characters is ignored.
+    traced = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"X-Request-ID": "gw:trace-7"})
+    odd = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"X-Request-ID": "a b"})
+    records = {r.get("request_id"): r for r in map(json.loads, open(srv.audit_path))}
+    assert records[traced.headers["x-request-id"]]["upstream_request_id"] == "gw:trace-7"
+    assert "upstream_request_id" not in records[odd.headers["x-request-id"]]
 
 
 def test_tokenize_detokenize(srv):

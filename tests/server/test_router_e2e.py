@@ -33,7 +33,8 @@ def cluster(server_factory, tmp_path_factory):
         {"name": "limited", "key_hash": hash_key(LIMITED), "role": "user", "requests_per_minute": RPM},
         {"name": "tokens", "key_hash": hash_key(TOKENS), "role": "user", "tokens_per_minute": 40},
     ])
-    replicas = [server_factory(["--api-keys", keys], wait=False) for _ in range(2)]
+    replicas = [server_factory(["--api-keys", keys, "--audit-log", os.path.join(tmp, f"replica{i}.jsonl")],
+                               wait=False) for i in range(2)]
     redis = Redis(tmp)
     routers = []
     try:
@@ -43,7 +44,7 @@ def cluster(server_factory, tmp_path_factory):
                 "--affinity-prefix-chars", "300", "--affinity-min-chars", "200"]
         for r in replicas:
             args += ["--backend", r.url]
-        routers = [Router(args, tmp) for _ in range(2)]
+        routers = [Router([*args, "--audit-log", os.path.join(tmp, f"router{i}.jsonl")], tmp) for i in range(2)]
         for rt in routers:
             rt.wait_ready()
         yield {"replicas": replicas, "routers": routers, "redis": redis, "keys": keys, "tmp": tmp}
@@ -90,6 +91,32 @@ def test_openai_client_through_router(cluster):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{cluster['routers'][0].url}/v1", api_key="sk-wrong-key-000",
                       max_retries=0).models.list()
+
+
+def test_one_request_is_joined_across_the_router_and_replica_audit_logs(cluster):
+    # The client's X-Request-ID is the router's audit id and goes on to the replica, which audits it as
+    # upstream_request_id beside its own id; the client gets the replica's id, which the router's record
+    # names as backend_request_id. A refusal at the router carries the router's id.
+    import json
+
+    r = httpx.post(f"{cluster['routers'][0].url}/v1/completions", timeout=60,
+                   json={"model": "deepserve-demo", "prompt": "join me", "max_tokens": 2},
+                   headers={**auth(USER), "X-Request-ID": "client-trace-1"})
+    assert r.status_code == 200, r.text
+    replica_id = r.headers["x-request-id"]
+
+    def records(name: str) -> list[dict]:
+        with open(os.path.join(cluster["tmp"], name)) as f:
+            return [json.loads(line) for line in f]
+
+    routed = [x for x in records("router0.jsonl") if x.get("request_id") == "client-trace-1"]
+    assert [(x["outcome"], x["backend_request_id"]) for x in routed] == [("ok", replica_id)]
+    served = [x for name in ("replica0.jsonl", "replica1.jsonl") for x in records(name)
+              if x.get("request_id") == replica_id]
+    assert [x.get("upstream_request_id") for x in served] == ["client-trace-1"]
+    refused = httpx.post(f"{cluster['routers'][0].url}/v1/completions", json={"prompt": "x", "temperature": 9},
+                         headers=auth(USER), timeout=60)
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
 
 
 def test_roles_on_admin_routes(cluster):
