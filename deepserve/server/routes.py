@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -101,8 +103,28 @@ async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
     return st, req
 
 
+@contextlib.asynccontextmanager
+async def _metered(request: Request) -> AsyncIterator[None]:
+    """/tokenize and /detokenize under the key's limits: each is a request to its requests_per_minute and
+    max_concurrent (no tokens reserved: nothing is generated), and to --ip-requests-per-minute; one at a time
+    on the prepare threads, so large ones cannot hold up the completions' parsing and templating."""
+    st, key = _state(request), request.state.api_key
+    st.limiter.check_ip(client_addr(request), st.settings.ip_requests_per_minute)
+    admission = st.limiter.admit(key, 0)
+    try:
+        async with st.utility_gate:
+            yield
+    finally:
+        st.limiter.settle(admission, 0)
+
+
 @router.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
+    async with _metered(request):
+        return await _tokenize(request)
+
+
+async def _tokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.TokenizeRequest)
     if req.messages is not None:  # the prompt a chat request with these messages and kwargs would get
         kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs), **p.template_flags(req)}
@@ -116,6 +138,11 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
+    async with _metered(request):
+        return await _detokenize(request)
+
+
+async def _detokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.DetokenizeRequest)
     vocab = st.engine.config.model.hf_config.vocab_size
     if bad := [t for t in req.tokens if t >= vocab]:

@@ -40,6 +40,7 @@ class ServerState:
         # CPU work of a request (JSON, chat template, tokenizer) runs here, off the event loop; two
         # threads on any machine: the tokenizer's Rust code releases the GIL, the rest is short.
         self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="deepserve-prepare")
+        self.utility_gate = asyncio.Semaphore(1)  # /tokenize, /detokenize: one of the two threads at most
         engine.on_stats = self.metrics.update_engine
         if not self.keys.configured:
             logger.warning("no API keys configured: every route except /health and /ready answers 401; "

@@ -17,6 +17,7 @@ from serverkit import ADMIN, auth, wait_until, write_keys
 from deepserve.server.auth import hash_key
 
 LIMITED, TOKENS, CONC = "sk-test-limited-0000", "sk-test-tokens-0000", "sk-test-conc-0000"
+TOKENIZER = "sk-test-tokenizer-0000"
 DEFAULTS = "sk-test-defaults-0000"
 LONG = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
@@ -28,6 +29,7 @@ def srv(server_factory, tmp_path_factory):
         {"name": "tokens", "key_hash": hash_key(TOKENS), "role": "user", "tokens_per_minute": 300},
         {"name": "conc", "key_hash": hash_key(CONC), "role": "user", "max_concurrent": 1},
         {"name": "defaults", "key_hash": hash_key(DEFAULTS), "role": "user", "tokens_per_minute": 1000},
+        {"name": "tokenizer", "key_hash": hash_key(TOKENIZER), "role": "user", "requests_per_minute": 2},
     ])
     return server_factory(["--api-keys", keys, "--max-num-seqs", "1", "--max-waiting-requests", "1",
                            "--request-read-timeout", "2"])
@@ -64,6 +66,18 @@ def test_requests_per_minute(srv):
     assert "requests per minute" in third.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_count_against_the_keys_requests(srv):
+    def call(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{srv.url}{path}", json=body, headers=auth(TOKENIZER), timeout=60)
+
+    assert call("/tokenize", {"prompt": "hi"}).status_code == 200
+    assert call("/detokenize", {"tokens": [5]}).status_code == 200
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        r = call(path, body)
+        assert r.status_code == 429 and "requests per minute" in r.json()["error"]["message"], r.text
+    assert complete(srv, TOKENIZER).status_code == 429  # the same budget as its completions
+
+
 def test_tokens_per_minute_reserve_then_settle(srv):
     assert complete(srv, TOKENS, max_tokens=200, ignore_eos=True).status_code == 200
     r = complete(srv, TOKENS, max_tokens=200)  # about 95 tokens left this minute
@@ -94,6 +108,8 @@ def test_concurrency_limit(srv):
         busy = complete(srv, CONC)
         assert busy.status_code == 429 and "max_concurrent" in busy.json()["error"]["message"]
         assert busy.headers["Retry-After"] == "1"
+        tokenize = httpx.post(f"{srv.url}/tokenize", json={"prompt": "hi"}, headers=auth(CONC), timeout=60)
+        assert tokenize.status_code == 429 and "max_concurrent" in tokenize.json()["error"]["message"]
     assert wait_until(lambda: in_flight(srv) == 0, timeout=10)
     assert complete(srv, CONC).status_code == 200
 
