@@ -342,10 +342,13 @@ async def _collect_all(request: Request, req: Any, gens: list[Generation], core_
         if isinstance(e, ClientGone):
             end_parts(gens, "aborted", 499)
             return Response(status_code=499)
-        # The engine's death ends every part, none failed alone: all errors, as the stream records them.
-        failed = [] if getattr(e, "code", None) == "engine_dead" else [
-            i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
-        end_parts(gens, "error", getattr(e, "status", 500), failed)
+        code = getattr(e, "code", None)
+        if code == "server_stopping":  # the shutdown ended them, as it ends streams: aborted, not failed
+            end_parts(gens, "aborted", e.status)
+        else:  # the engine's death ends every part, none failed alone: all errors, as the stream records them
+            failed = [] if code == "engine_dead" else [
+                i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+            end_parts(gens, "error", getattr(e, "status", 500), failed)
         if isinstance(e, APIError):
             e.headers.setdefault("x-request-id", response_id(gens))
         raise

@@ -54,8 +54,9 @@ class ServerState:
         return self.engine.dead_reason or self.load_error
 
     def check_accepting(self) -> None:
-        if self.draining:
-            raise unavailable("the server is shutting down; retry on another replica", retry_after=5)
+        if self.draining:  # the same code as the requests its shutdown ends: a client can tell it from load
+            raise APIError(503, "the server is shutting down; retry on another replica", code="server_stopping",
+                           headers={"Retry-After": "5"})
         if self.dead_reason is not None:
             raise APIError(503, f"the engine is not running: {self.dead_reason}", code="engine_dead")
         if not self.loaded:

@@ -73,6 +73,7 @@ def test_mtls_then_sigterm_drains_and_exits_0(server_factory, tls_dir):
                 assert wait_until(lambda: probe.get(f"{srv.url}/ready").status_code == 503, timeout=10)
                 late = probe.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, headers=auth(ADMIN))
                 assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+                assert late.json()["error"]["code"] == "server_stopping" and late.headers["Retry-After"] == "5"
             rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]" and len(rest) > 10, rest[-3:]  # it kept streaming after SIGTERM
     assert srv.proc.wait(timeout=60) == 0, srv.tail()

@@ -72,6 +72,21 @@ def test_the_engine_dying_is_every_prompts_error(monkeypatch):
     assert [p.outcome for p in parts] == [("error", 503)] * 2
 
 
+def test_the_servers_shutdown_ends_every_prompt_as_aborted(monkeypatch):
+    # As the stream records it: the shutdown ended them, nothing failed (no error to alert on).
+    async def collect(gen, req, agen, chat):
+        if gen.request_id.endswith("-0"):
+            await asyncio.sleep(0)
+            raise APIError(503, "the server is shutting down: timeout", code="server_stopping")
+        await asyncio.sleep(30)
+
+    collecting_with(monkeypatch, collect)
+    parts = [Part(i, []) for i in range(2)]
+    with pytest.raises(APIError):
+        asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), parts, [[], []], chat=False))
+    assert [p.outcome for p in parts] == [("aborted", 503)] * 2
+
+
 def test_one_prompt_that_fails_is_still_an_error(monkeypatch):
     async def collect(gen, req, agen, chat):
         raise RuntimeError("boom")
