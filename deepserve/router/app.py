@@ -184,6 +184,11 @@ def build_app(st: RouterState) -> FastAPI:
         await st.pool.refresh_dns()
         await asyncio.gather(*(st.pool.probe(client, b) for b in list(st.pool.backends.values())))
         checker = asyncio.create_task(st.pool.run_checks(client))
+        if (problem := await st.quota.reachable()) is not None:
+            logger.warning("the quota store (--redis-url) cannot be reached (%s): keys with a rate limit get %s "
+                           "until it can (--quota-redis-down %s)", problem,
+                           "no global limit" if st.settings.quota_redis_down == "open" else "503",
+                           st.settings.quota_redis_down)
         backends = list(st.pool.backends.values())
         logger.info("router listening on http://%s:%d: %d backend(s), %d in rotation; global quotas: %s",
                     st.settings.host, st.settings.port, len(backends), sum(b.in_rotation for b in backends),

@@ -7,15 +7,17 @@ import os
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
+    from deepserve.entrypoints.cli import DefaultsHelp  # cli builds this parser: loaded by then
+
     r = sub.add_parser("router", help="one OpenAI-compatible endpoint over many replicas (prefix affinity, "
-                       "failover, global per-key quotas in Redis)")
+                       "failover, global per-key quotas in Redis)", formatter_class=DefaultsHelp)
     r.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a replica's base URL (repeat the flag for each); any OpenAI-compatible server works")
     r.add_argument("--backend-dns", action="append", default=[], metavar="HOST:PORT",
                    help="every address HOST resolves to is a backend, re-resolved each second (a Kubernetes "
                         "headless Service)")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8080)
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    r.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     r.add_argument("--api-key", action="append", default=[], help="an admin key (repeatable); "
                    "default: $DEEPSERVE_API_KEY")
     r.add_argument("--api-keys", default=None, metavar="FILE",
@@ -44,7 +46,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
                    help="other backends tried when one fails before the response started")
     r.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a backend may stay silent (no byte of its answer) before the request fails there")
-    r.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    r.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body accepted (413 above)")
     r.add_argument("--no-strict-validation", dest="strict_validation", action="store_false",
                    help="pass request fields through unchecked (for backends with fields deepserve lacks); "
                         "default: deepserve's validation and error shapes at the router")

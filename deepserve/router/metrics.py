@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deepserve.router.pool import BackendPool
@@ -19,7 +19,7 @@ class _PoolGauges(Collector):
     def __init__(self, pool: BackendPool, quota) -> None:
         self.pool, self.quota = pool, quota
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         gauges = {
             "healthy": "1 when the backend passes its health checks.",
             "drained": "1 when an operator drained the backend (no new requests).",
@@ -30,7 +30,8 @@ class _PoolGauges(Collector):
             for b in list(self.pool.backends.values()):
                 family.add_metric([b.url], float(getattr(b, name)))
             yield family
-        errors = GaugeMetricFamily("deepserve:router_quota_errors", "Quota store (Redis) calls that failed.")
+        # A running count: a counter (exported as ..._total), so rate() and increase() apply.
+        errors = CounterMetricFamily("deepserve:router_quota_errors", "Quota store (Redis) calls that failed.")
         errors.add_metric([], float(self.quota.errors))
         yield errors
 

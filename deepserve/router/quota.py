@@ -16,7 +16,7 @@ request back (the member is removed), as the replicas' own limiter does.
 
 When Redis cannot be reached: `--quota-redis-down closed` (default) answers 503 to keys that have a
 limit, so a Redis outage never lifts a quota; `open` admits them (the replicas' own per-key limits
-remain the second line) and counts the failures in deepserve:router_quota_errors. Keys without
+remain the second line) and counts the failures in deepserve:router_quota_errors_total. Keys without
 limits never touch Redis.
 """
 
@@ -164,6 +164,14 @@ class RedisQuota:
             h["x-ratelimit-remaining-tokens"] = str(max(0, key.tokens_per_minute - used))
         return h
 
+    async def reachable(self) -> str | None:
+        """None when Redis answers a PING, else why not (said at start-up; requests keep trying)."""
+        try:
+            await self.client.ping()
+        except Exception as e:  # redis' connection and timeout errors, or anything else on the way
+            return f"{type(e).__name__}: {e}"
+        return None
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -181,6 +189,9 @@ class NoQuota:
 
     async def charge(self, ticket: Ticket, tokens: int) -> None:
         pass
+
+    async def reachable(self) -> str | None:
+        return None
 
     async def close(self) -> None:
         pass

@@ -184,3 +184,26 @@ def test_sighup_reloads_the_keys_and_reopens_the_audit_log(tmp_path):
     st.audit.write(outcome="ok")
     st.audit.close()
     assert reloads == [1] and path.exists() and len(path.read_text().splitlines()) == 1
+
+
+def test_quota_errors_are_a_counter_and_an_unreachable_redis_is_said_at_start():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from deepserve.router.metrics import RouterMetrics
+    from deepserve.router.quota import NoQuota, RedisQuota
+
+    text = generate_latest(RouterMetrics(SimpleNamespace(backends={}), SimpleNamespace(errors=3)).registry).decode()
+    assert "# TYPE deepserve:router_quota_errors_total counter" in text
+    assert "deepserve:router_quota_errors_total 3.0" in text
+
+    async def check() -> tuple[str | None, str | None]:
+        down = RedisQuota("redis://127.0.0.1:9/0")  # port 9 (discard): nothing listens
+        try:
+            return await down.reachable(), await NoQuota().reachable()
+        finally:
+            await down.close()
+
+    problem, none = asyncio.run(check())
+    assert none is None and problem is not None and "Error" in problem
