@@ -89,6 +89,10 @@ def backend_headers(st: RouterState, request: Request, request_id: str) -> dict[
         h["authorization"] = auth  # the replicas see the client's key: their own limits are the second line
     if session := request.headers.get(SESSION_HEADER):
         h[SESSION_HEADER] = session
+    # The client's address for the replicas' audit and per-IP limits; they read it only from peers they
+    # trust (deepserve serve --forwarded-allow-ips with the routers' addresses), so appending is safe.
+    peer, chain = client_addr(request), request.headers.get("x-forwarded-for")
+    h["x-forwarded-for"] = f"{chain}, {peer}" if chain else peer
     return h
 
 

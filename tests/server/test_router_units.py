@@ -207,3 +207,22 @@ def test_quota_errors_are_a_counter_and_an_unreachable_redis_is_said_at_start():
 
     problem, none = asyncio.run(check())
     assert none is None and problem is not None and "Error" in problem
+
+
+def test_the_router_tells_replicas_the_clients_address():
+    # X-Forwarded-For: the client as the router saw it, after any chain the client's own proxies sent; a
+    # replica reads it only from peers it trusts (--forwarded-allow-ips).
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from deepserve.router.proxy import backend_headers
+
+    st = SimpleNamespace(settings=SimpleNamespace(backend_api_key="sk-backend"))
+
+    def request(*headers: tuple[bytes, bytes]) -> Request:
+        return Request({"type": "http", "headers": list(headers), "client": ("10.1.2.3", 5555)})
+
+    assert backend_headers(st, request(), "id-1")["x-forwarded-for"] == "10.1.2.3"
+    chained = backend_headers(st, request((b"x-forwarded-for", b"203.0.113.9")), "id-2")
+    assert chained["x-forwarded-for"] == "203.0.113.9, 10.1.2.3" and chained["authorization"] == "Bearer sk-backend"
