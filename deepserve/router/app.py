@@ -149,6 +149,8 @@ async def _set_drained(request: Request, drained: bool) -> JSONResponse:
                        code="backend_not_found")
     b.drained = drained
     logger.warning("backend %s %s by an admin", b.url, "drained" if drained else "undrained")
+    if st.audit is not None:
+        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request), 200, backend=b.url)
     return JSONResponse(b.describe())
 
 
@@ -171,6 +173,9 @@ async def usage(request: Request) -> JSONResponse:
 async def reload_keys(request: Request) -> JSONResponse:
     st = _state(request)
     problem = st.keys.reload()
+    if st.audit is not None:
+        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request),
+                       200 if problem is None else 422, error=problem)
     if problem is not None:  # the admin's file is at fault, not the router: a 4xx that says what is wrong
         raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
     return JSONResponse({"status": "ok", "keys": len(st.keys.names())})

@@ -104,10 +104,11 @@ def install_sighup(state: Any) -> None:
     event loop between callbacks, never inside an audit write. `state`: the server's or the router's (each
     has `keys` and `audit`)."""
     def on_sighup() -> None:
-        state.keys.reload()
+        problem = state.keys.reload()
         if state.audit is not None:
             state.audit.reopen()
             logger.info("audit log reopened: %s", state.audit.path)
+            state.audit.admin(None, "SIGHUP key reload", "signal", 200 if problem is None else 422, error=problem)
 
     if hasattr(signal, "SIGHUP"):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread

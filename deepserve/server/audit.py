@@ -69,6 +69,12 @@ class AuditLog:
             self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
             self._file.flush()
 
+    def admin(self, key_name: str | None, action: str, client: str, status: int, **details: Any) -> None:
+        """An administrator's change (a key reload, a backend drained): who, what, from where, and whether it
+        took (`admin_ok`, or `admin_rejected_<status>` with why: apart from the requests' outcomes)."""
+        self.write(key=key_name, outcome="admin_ok" if status < 400 else f"admin_rejected_{status}", endpoint=action,
+                   client=client, status=status, **{k: v for k, v in details.items() if v is not None})
+
     def close(self) -> None:
         self._file.close()
 

@@ -161,6 +161,9 @@ async def usage(request: Request) -> JSONResponse:
 async def reload_keys(request: Request) -> JSONResponse:
     st = _state(request)
     problem = st.keys.reload()
+    if st.audit is not None:
+        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request),
+                       200 if problem is None else 422, error=problem)
     if problem is not None:  # the admin's file is at fault, not the server: a 4xx that says what is wrong
         raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
     return JSONResponse({"status": "ok", "keys": len(st.keys.names())})

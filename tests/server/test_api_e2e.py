@@ -706,3 +706,7 @@ def test_reloading_a_broken_key_file_is_a_4xx_and_keeps_the_keys(srv, client):
         with open(srv.keys_path, "w") as f:
             f.write(good)
     assert httpx.post(f"{srv.url}/admin/keys/reload", headers=auth(ADMIN), timeout=30).status_code == 200
+    # Both reloads are in the audit log: who asked, and whether it took.
+    reloads = [r for r in map(json.loads, open(srv.audit_path)) if r.get("endpoint") == "/admin/keys/reload"]
+    assert [(r["key"], r["outcome"], "error" in r) for r in reloads[-2:]] == [
+        ("api-key", "admin_rejected_422", True), ("api-key", "admin_ok", False)]

@@ -159,6 +159,12 @@ def test_drained_replica_gets_nothing_new(cluster):
     finally:
         httpx.post(f"{url}/admin/backends/undrain", json={"url": replicas[0].url}, headers=auth(ADMIN))
     assert all(b["in_rotation"] for b in httpx.get(f"{url}/admin/backends", headers=auth(ADMIN)).json()["backends"])
+    import json
+
+    with open(os.path.join(cluster["tmp"], "router0.jsonl")) as f:  # both changes audited, with the backend
+        changes = [r for r in map(json.loads, f) if r.get("endpoint", "").startswith("/admin/backends/")]
+    assert [(r["endpoint"], r["outcome"], r["backend"]) for r in changes[-2:]] == [
+        (f"/admin/backends/{change}", "admin_ok", replicas[0].url) for change in ("drain", "undrain")]
 
 
 def test_requests_per_minute_exact_across_two_routers(cluster):

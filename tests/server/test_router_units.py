@@ -154,6 +154,14 @@ def test_key_reload_says_what_happened_and_sighup_is_the_servers(tmp_path, monke
         bad = client.post("/admin/keys/reload", headers=auth(ADMIN))
         assert bad.status_code == 422 and "previous keys stay in force" in bad.json()["error"]["message"]
         assert client.post("/admin/keys/reload", headers=auth(USER)).status_code == 403  # the old keys, still
+    st.audit.close()
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["endpoint"], r["outcome"]) for r in records] == [
+        ("ops", "/admin/keys/reload", "admin_ok"), ("ops", "/admin/keys/reload", "admin_rejected_422"),
+        ("user", "/admin/keys/reload", "denied_403")]
+    assert "error" not in records[0] and records[1]["error"]  # why the file was refused
 
 
 def test_sighup_reloads_the_keys_and_reopens_the_audit_log(tmp_path):
@@ -183,7 +191,11 @@ def test_sighup_reloads_the_keys_and_reopens_the_audit_log(tmp_path):
     asyncio.run(main())
     st.audit.write(outcome="ok")
     st.audit.close()
-    assert reloads == [1] and path.exists() and len(path.read_text().splitlines()) == 1
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]  # the new file: the reload, then on
+    assert reloads == [1] and [(r.get("endpoint"), r["outcome"]) for r in records] == [
+        ("SIGHUP key reload", "admin_ok"), (None, "ok")]
 
 
 def test_quota_errors_are_a_counter_and_an_unreachable_redis_is_said_at_start():
