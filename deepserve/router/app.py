@@ -33,6 +33,7 @@ from deepserve.server.auth import authorize
 from deepserve.server.errors import APIError, bad_request
 from deepserve.server.httpio import HeaderLimitMiddleware
 from deepserve.server.metrics import CONTENT_TYPE
+from deepserve.server.routes import answer_key_reload
 from deepserve.server.serving import client_addr
 from deepserve.server.timeouts import default_protocol_class, header_timeout_protocol
 
@@ -171,14 +172,7 @@ async def usage(request: Request) -> JSONResponse:
 
 @routes.post("/admin/keys/reload")
 async def reload_keys(request: Request) -> JSONResponse:
-    st = _state(request)
-    problem = st.keys.reload()
-    if st.audit is not None:
-        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request),
-                       200 if problem is None else 422, error=problem)
-    if problem is not None:  # the admin's file is at fault, not the router: a 4xx that says what is wrong
-        raise APIError(422, f"key file not reloaded, the previous keys stay in force: {problem}")
-    return JSONResponse({"status": "ok", "keys": len(st.keys.names())})
+    return answer_key_reload(_state(request), request)  # the server's answer, audit and all
 
 
 def build_app(st: RouterState) -> FastAPI:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -159,7 +160,12 @@ async def usage(request: Request) -> JSONResponse:
 
 @router.post("/admin/keys/reload")
 async def reload_keys(request: Request) -> JSONResponse:
-    st = _state(request)
+    return answer_key_reload(_state(request), request)
+
+
+def answer_key_reload(st: Any, request: Request) -> JSONResponse:
+    """POST /admin/keys/reload on the server and the router (`st`: either's state, with `keys` and `audit`):
+    200 with the key count, or 422 naming what is wrong with the file (the previous keys stay); audited."""
     problem = st.keys.reload()
     if st.audit is not None:
         st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request),

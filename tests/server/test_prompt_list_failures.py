@@ -57,34 +57,21 @@ def test_collect_all_audits_the_failed_prompt_as_the_error_and_the_rest_as_abort
     assert sorted(aborted) == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2"]
 
 
-def test_the_engine_dying_is_every_prompts_error(monkeypatch):
-    # Raised through one part's task (it woke first), but no part failed alone: all are errors.
+@pytest.mark.parametrize(("code", "outcome"), [("engine_dead", "error"), ("server_stopping", "aborted")])
+def test_the_engines_death_or_the_servers_shutdown_ends_every_prompt_alike(monkeypatch, code, outcome):
+    # Raised through one part's task (it woke first), but no part failed alone: the engine's death is every
+    # prompt's error; the shutdown aborted them all, as the stream records it (no error to alert on).
     async def collect(gen, req, agen, chat):
         if gen.request_id.endswith("-0"):
             await asyncio.sleep(0)
-            raise APIError(503, "the engine failed while generating: gone", code="engine_dead")
+            raise APIError(503, "the engine failed, or the server is stopping", code=code)
         await asyncio.sleep(30)
 
     collecting_with(monkeypatch, collect)
     parts = [Part(i, []) for i in range(2)]
     with pytest.raises(APIError):
         asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), parts, [[], []], chat=False))
-    assert [p.outcome for p in parts] == [("error", 503)] * 2
-
-
-def test_the_servers_shutdown_ends_every_prompt_as_aborted(monkeypatch):
-    # As the stream records it: the shutdown ended them, nothing failed (no error to alert on).
-    async def collect(gen, req, agen, chat):
-        if gen.request_id.endswith("-0"):
-            await asyncio.sleep(0)
-            raise APIError(503, "the server is shutting down: timeout", code="server_stopping")
-        await asyncio.sleep(30)
-
-    collecting_with(monkeypatch, collect)
-    parts = [Part(i, []) for i in range(2)]
-    with pytest.raises(APIError):
-        asyncio.run(serving._collect_all(None, SimpleNamespace(n=1), parts, [[], []], chat=False))
-    assert [p.outcome for p in parts] == [("aborted", 503)] * 2
+    assert [p.outcome for p in parts] == [(outcome, 503)] * 2
 
 
 def test_one_prompt_that_fails_is_still_an_error(monkeypatch):
