@@ -247,14 +247,10 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
 
 
 def _report_failure(e: Exception, send: Callable[[bytes], None]) -> int:
-    """Log the core's failure and tell the API server (unless it is gone); the process's exit code. A
-    ValueError is how the loader refuses a model or a setting (the server prints its message as the error):
-    one line here, its traceback at DEBUG; anything else is a bug or a device failure, logged whole."""
-    if isinstance(e, ValueError):
-        logger.error("engine core failed: %s", e)
-        logger.debug("engine core failed", exc_info=True)
-    else:
-        logger.exception("engine core failed")
+    """Log the core's failure and tell the API server (unless it is gone); the process's exit code. Logged
+    with its traceback whatever it is: a refusal and a bug are both ValueErrors, and only the traceback
+    tells them apart."""
+    logger.exception("engine core failed")
     with contextlib.suppress(OSError):
         send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
     return 1

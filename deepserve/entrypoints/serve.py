@@ -103,8 +103,9 @@ def flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 def apply_config_file(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Fill the flags the command line did not give from ns.config: the command line wins, even where it
     repeats a default (`--port 8000` over a file's `port: 8100`)."""
-    argv = ns._argv[ns._argv.index("serve") + 1:]  # main() keeps the command line: what came after `serve`
-    given = flags_given(parser, argv)
+    argv = getattr(ns, "_argv", None)  # main() keeps the command line; what came after `serve` is this command's
+    given = flags_given(parser, argv[argv.index("serve") + 1:]) if argv and "serve" in argv else {
+        a.dest for a in parser._actions if getattr(ns, a.dest, None) != a.default}  # no command line: by value
     doc = load_yaml(ns.config) or {}
     if not isinstance(doc, dict):
         raise ValueError(f"{ns.config}: expected a mapping of flag names to values")

@@ -33,6 +33,10 @@ def checkpoint_files(model_path: str) -> list[str]:
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in shards
+                   if not os.path.exists(os.path.join(model_path, n)) and not _is_sealed(model_path, n)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {model_path}, plain or sealed: {missing}")
         names = [n + SUFFIX if _is_sealed(model_path, n) else n for n in shards]
         loose = [n for n in shards if _is_sealed(model_path, n) and os.path.exists(os.path.join(model_path, n))]
     else:

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -137,10 +138,27 @@ async def backends(request: Request) -> JSONResponse:
 
 
 async def _set_drained(request: Request, drained: bool) -> JSONResponse:
+    """Drain or undrain a backend; audited whether it took or was refused."""
     st = _state(request)
     try:
+        b = await _backend_named(request, st)
+    except APIError as e:
+        if st.audit is not None:
+            st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request), e.status,
+                           error=e.message)
+        raise
+    b.drained = drained
+    logger.warning("backend %s %s by an admin", b.url, "drained" if drained else "undrained")
+    if st.audit is not None:
+        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request), 200, backend=b.url)
+    return JSONResponse(b.describe())
+
+
+async def _backend_named(request: Request, st: RouterState) -> Any:
+    """The backend a drain/undrain body names ({"url": ...}), or a 400/404 that says what to send."""
+    try:
         url = json.loads(await request.body()).get("url")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         url = None
     if not isinstance(url, str):
         raise bad_request('send {"url": "<backend URL as GET /admin/backends lists it>"}', param="url")
@@ -148,11 +166,7 @@ async def _set_drained(request: Request, drained: bool) -> JSONResponse:
     if b is None:
         raise APIError(404, f"no backend {url!r}; known: {sorted(st.pool.backends)}", param="url",
                        code="backend_not_found")
-    b.drained = drained
-    logger.warning("backend %s %s by an admin", b.url, "drained" if drained else "undrained")
-    if st.audit is not None:
-        st.audit.admin(request.state.api_key.name, request.url.path, client_addr(request), 200, backend=b.url)
-    return JSONResponse(b.describe())
+    return b
 
 
 @routes.post("/admin/backends/drain")

@@ -32,7 +32,7 @@ from deepserve.server import protocol as p
 from deepserve.server.auth import ApiKey
 from deepserve.server.errors import APIError, bad_request, error_body
 from deepserve.server.httpio import incoming_request_id, read_body, sse
-from deepserve.server.serving import client_addr
+from deepserve.server.serving import client_addr, upstream_field
 
 logger = logging.getLogger(__name__)
 _PASS_HEADERS = ("content-type", "x-request-id", "cache-control")
@@ -89,10 +89,10 @@ def backend_headers(st: RouterState, request: Request, request_id: str) -> dict[
         h["authorization"] = auth  # the replicas see the client's key: their own limits are the second line
     if session := request.headers.get(SESSION_HEADER):
         h[SESSION_HEADER] = session
-    # The client's address for the replicas' audit and per-IP limits; they read it only from peers they
-    # trust (deepserve serve --forwarded-allow-ips with the routers' addresses), so appending is safe.
-    peer, chain = client_addr(request), request.headers.get("x-forwarded-for")
-    h["x-forwarded-for"] = f"{chain}, {peer}" if chain else peer
+    # The client's address as this router saw it, for the replicas' audit and per-IP limits (read by replicas
+    # whose --forwarded-allow-ips names the routers). Only that: a client's own X-Forwarded-For is replaced,
+    # never passed on, so no client can choose the address a replica sees.
+    h["x-forwarded-for"] = client_addr(request)
     return h
 
 
@@ -181,8 +181,10 @@ async def forward(request: Request, path: str, chat: bool) -> Response:
     st: RouterState = request.app.state.router
     key: ApiKey = request.state.api_key
     arrival, endpoint = time.perf_counter(), "chat" if chat else "completions"
-    request_id = incoming_request_id(request) or uuid.uuid4().hex  # sent on: the replica audits it as upstream
-    audit = {"request_id": request_id, "endpoint": endpoint, "client": client_addr(request)}
+    # This router's own id (unique; sent on, the replica audits it as upstream_request_id) and the client's.
+    request_id = uuid.uuid4().hex
+    audit = {"request_id": request_id, "endpoint": endpoint, "client": client_addr(request),
+             **upstream_field(incoming_request_id(request))}
     try:
         raw = await read_body(request, st.settings.max_body_bytes)
         body = parse_request(st, raw, chat)

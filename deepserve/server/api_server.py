@@ -108,7 +108,9 @@ def install_sighup(state: Any) -> None:
         if state.audit is not None:
             state.audit.reopen()
             logger.info("audit log reopened: %s", state.audit.path)
-            state.audit.admin(None, "SIGHUP key reload", "signal", 200 if problem is None else 422, error=problem)
+            if state.keys.path:  # a key file to reload: record whether it took
+                state.audit.admin(None, "SIGHUP key reload", "signal", 200 if problem is None else 422,
+                                  error=problem)
 
     if hasattr(signal, "SIGHUP"):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread

@@ -130,9 +130,9 @@ class KeyStore:
 
     def __init__(self, path: str | None = None, inline_keys: tuple[str, ...] = ()) -> None:
         self.path = path
-        self._inline = [
+        self._inline = [  # one entry per distinct key: --api-key X with $DEEPSERVE_API_KEY=X is one key
             ApiKey(f"api-key-{i}" if i else "api-key", "admin", hashlib.sha256(k.encode()).digest())
-            for i, k in enumerate(inline_keys)
+            for i, k in enumerate(dict.fromkeys(inline_keys))
         ]
         self._keys: list[ApiKey] = list(self._inline)
         self._lock = threading.Lock()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +20,7 @@ from deepserve.server.serving import chat_prompt, client_addr, run_request
 from deepserve.server.state import ServerState
 from deepserve.server.tools import template_kwargs_of
 
+T = TypeVar("T")
 router = APIRouter()
 
 
@@ -98,23 +99,28 @@ async def chat_completions(request: Request) -> Response:
 async def _parse(request: Request, model: type) -> tuple[ServerState, object]:
     st = _state(request)
     st.check_accepting()
-    req = await st.off_loop(p.parse_body, await read_body(request, st.settings.max_body_bytes), model,
-                            st.settings.limits)
+    raw = await read_body(request, st.settings.max_body_bytes)  # outside the gate: a slow sender holds nothing
+    req = await _utility_work(st, p.parse_body, raw, model, st.settings.limits)
     st.resolve_model(req.model, request.state.api_key)
     return st, req
+
+
+async def _utility_work(st: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """A /tokenize or /detokenize step on the prepare threads, one such step at a time, so large ones cannot
+    hold up the completions' parsing and templating."""
+    async with st.utility_gate:
+        return await st.off_loop(fn, *args)
 
 
 @contextlib.asynccontextmanager
 async def _metered(request: Request) -> AsyncIterator[None]:
     """/tokenize and /detokenize under the key's limits: each is a request to its requests_per_minute and
-    max_concurrent (no tokens reserved: nothing is generated), and to --ip-requests-per-minute; one at a time
-    on the prepare threads, so large ones cannot hold up the completions' parsing and templating."""
+    max_concurrent (no tokens reserved: nothing is generated), and to --ip-requests-per-minute."""
     st, key = _state(request), request.state.api_key
     st.limiter.check_ip(client_addr(request), st.settings.ip_requests_per_minute)
     admission = st.limiter.admit(key, 0)
     try:
-        async with st.utility_gate:
-            yield
+        yield
     finally:
         st.limiter.settle(admission, 0)
 
@@ -129,11 +135,11 @@ async def _tokenize(request: Request) -> JSONResponse:
     st, req = await _parse(request, p.TokenizeRequest)
     if req.messages is not None:  # the prompt a chat request with these messages and kwargs would get
         kwargs = {**template_kwargs_of(st.settings, req.chat_template_kwargs), **p.template_flags(req)}
-        _, ids = await st.off_loop(chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs,
-                                   bool(req.add_special_tokens))
+        _, ids = await _utility_work(st, chat_prompt, st, p.ChatCompletionRequest(messages=req.messages), kwargs,
+                                     bool(req.add_special_tokens))
     else:
         special = req.add_special_tokens is not False
-        ids = await st.off_loop(lambda: list(st.engine.tokenizer.encode(req.prompt, add_special_tokens=special)))
+        ids = await _utility_work(st, lambda: list(st.engine.tokenizer.encode(req.prompt, add_special_tokens=special)))
     return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids})
 
 
@@ -148,7 +154,7 @@ async def _detokenize(request: Request) -> JSONResponse:
     vocab = st.engine.config.model.hf_config.vocab_size
     if bad := [t for t in req.tokens if t >= vocab]:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-    return JSONResponse({"prompt": await st.off_loop(st.engine.tokenizer.decode, req.tokens)})
+    return JSONResponse({"prompt": await _utility_work(st, st.engine.tokenizer.decode, req.tokens)})
 
 
 @router.get("/admin/usage")

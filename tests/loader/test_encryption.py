@@ -202,6 +202,8 @@ def test_a_sealed_checkpoint_loads_only_whole_and_a_key_only_sealed_weights(tmp_
         checkpoint_files(str(sealed))
     os.remove(sealed / "model-00001.safetensors")
     os.remove(sealed / "model-00002.safetensors.enc")
+    with pytest.raises(FileNotFoundError, match=r"lists shards .* plain or sealed: \['model-00002.safetensors'\]"):
+        checkpoint_files(str(sealed))  # a shard the index lists is neither: said as missing, not as plaintext
     save_file({"b": torch.zeros(2)}, sealed / "model-00002.safetensors")  # one sealed, one plain: a mix
     with pytest.raises(enc.DecryptionError, match=r"plaintext shards \['model-00002.safetensors'\]"):
         checkpoint_files(str(sealed))

@@ -198,6 +198,19 @@ def test_request_id_header_matches_body(srv):
     assert "upstream_request_id" not in records[odd.headers["x-request-id"]]
 
 
+def test_a_slow_tokenize_body_holds_up_no_other_tokenize(srv):
+    # The one-at-a-time gate of /tokenize covers the tokenizer's work, not the wait for a body: a sender
+    # trickling its bytes (here: stopped after one) must not make another key's /tokenize wait for it.
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 40\r\n\r\n{".encode())
+        time.sleep(0.3)  # its handler is now waiting for the rest of the body
+        started = time.monotonic()
+        r = post(srv, "/tokenize", {"prompt": "hello"})
+        assert r.status_code == 200 and time.monotonic() - started < 5, time.monotonic() - started
+
+
 def test_tokenize_detokenize(srv):
     tok = post(srv, "/tokenize", {"prompt": "hello world", "add_special_tokens": False}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024

@@ -72,6 +72,9 @@ def test_one_secret_in_two_entries_is_refused_at_start_and_on_reload(tmp_path):
         KeyStore(write(tmp_path / "k.yaml", two))
     with pytest.raises(ValueError, match="'api-key' and 'u' are the same secret"):  # --api-key also in the file
         KeyStore(write(tmp_path / "k.yaml", [entry("u", "sk-inline-admin")]), ("sk-inline-admin",))
+    # The same inline key twice (--api-key X and $DEEPSERVE_API_KEY=X) is one key, with a file or without.
+    twice = KeyStore(write(tmp_path / "k.yaml", [entry("u", "sk-user-1")]), ("sk-inline-admin", "sk-inline-admin"))
+    assert twice.names() == ["api-key", "u"]
     path = write(tmp_path / "k.yaml", [entry("x", "sk-shared-1")])
     store = KeyStore(path)
     write(path, two)

@@ -94,9 +94,9 @@ def test_openai_client_through_router(cluster):
 
 
 def test_one_request_is_joined_across_the_router_and_replica_audit_logs(cluster):
-    # The client's X-Request-ID is the router's audit id and goes on to the replica, which audits it as
-    # upstream_request_id beside its own id; the client gets the replica's id, which the router's record
-    # names as backend_request_id. A refusal at the router carries the router's id.
+    # The router audits the client's X-Request-ID as upstream_request_id beside its own id, which goes on to
+    # the replica, which audits it as upstream_request_id beside its own; the client gets the replica's id,
+    # which the router's record names as backend_request_id. A refusal at the router carries the router's id.
     import json
 
     r = httpx.post(f"{cluster['routers'][0].url}/v1/completions", timeout=60,
@@ -109,11 +109,11 @@ def test_one_request_is_joined_across_the_router_and_replica_audit_logs(cluster)
         with open(os.path.join(cluster["tmp"], name)) as f:
             return [json.loads(line) for line in f]
 
-    routed = [x for x in records("router0.jsonl") if x.get("request_id") == "client-trace-1"]
+    routed = [x for x in records("router0.jsonl") if x.get("upstream_request_id") == "client-trace-1"]
     assert [(x["outcome"], x["backend_request_id"]) for x in routed] == [("ok", replica_id)]
     served = [x for name in ("replica0.jsonl", "replica1.jsonl") for x in records(name)
               if x.get("request_id") == replica_id]
-    assert [x.get("upstream_request_id") for x in served] == ["client-trace-1"]
+    assert [x.get("upstream_request_id") for x in served] == [routed[0]["request_id"]] != ["client-trace-1"]
     refused = httpx.post(f"{cluster['routers'][0].url}/v1/completions", json={"prompt": "x", "temperature": 9},
                          headers=auth(USER), timeout=60)
     assert refused.status_code == 400 and refused.headers["x-request-id"]

@@ -66,6 +66,11 @@ def test_config_file_fills_defaults_and_flags_win(tmp_path):
     ns = parse(["serve", "--config", str(cfg), "--port", "8000", "--enable-prefix-caching"])
     apply_config_file(ns, ns._parser)
     assert (ns.port, ns.enable_prefix_caching, ns.max_num_seqs) == (8000, True, 16)
+    # Reached without cli.main (no command line kept): flags at their defaults take the file's values.
+    ns = parse(["serve", "--config", str(cfg), "--port", "8000"])
+    del ns._argv
+    apply_config_file(ns, ns._parser)
+    assert (ns.port, ns.max_num_seqs) == (7000, 16)
 
 
 @pytest.mark.parametrize(("text", "message"), [("prot: 1\n", "unknown key 'prot'"),
