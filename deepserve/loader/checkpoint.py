@@ -33,23 +33,22 @@ def checkpoint_files(model_path: str) -> list[str]:
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in shards
-                   if not os.path.exists(os.path.join(model_path, n)) and not _is_sealed(model_path, n)]
+        plain = [n for n in shards if os.path.exists(os.path.join(model_path, n))]
+        sealed = [n + SUFFIX for n in shards if _is_sealed(model_path, n)]
+        missing = [n for n in shards if n not in plain and n + SUFFIX not in sealed]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are not in {model_path}, plain or sealed: {missing}")
-        names = [n + SUFFIX if _is_sealed(model_path, n) else n for n in shards]
-        loose = [n for n in shards if _is_sealed(model_path, n) and os.path.exists(os.path.join(model_path, n))]
+        names = [n + SUFFIX if n + SUFFIX in sealed else n for n in shards]
     else:
         listed = os.listdir(model_path)
         plain = sorted(n for n in listed if n.endswith(".safetensors"))
         sealed = sorted(n for n in listed if n.endswith(".safetensors" + SUFFIX))
-        names, loose = (sealed, plain) if sealed else (plain, [])
-    loose += [n for n in names if not n.endswith(SUFFIX)] if any(n.endswith(SUFFIX) for n in names) else []
-    if loose:
+        names = sealed or plain
+    if sealed and plain:
         raise DecryptionError(
-            f"{model_path} is encrypted (*.safetensors{SUFFIX}) but also holds plaintext shards "
-            f"{sorted(set(loose))}: an encrypted checkpoint loads only whole; remove them (or re-run "
-            "`deepserve encrypt-model` over the plaintext checkpoint)")
+            f"{model_path} is encrypted (*.safetensors{SUFFIX}) but also holds plaintext shards {plain}: an "
+            "encrypted checkpoint loads only whole; remove them (or re-run `deepserve encrypt-model` over the "
+            "plaintext checkpoint)")
     if not names:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_path}; convert the checkpoint to safetensors, "

@@ -21,12 +21,12 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from deepserve.router.pool import Backend
 from deepserve.router.proxy import backend_headers, forward, open_upstream
 from deepserve.router.state import RouterSettings, RouterState
 from deepserve.server.api_server import _install_error_handlers, bind_listener, install_sighup
@@ -154,7 +154,7 @@ async def _set_drained(request: Request, drained: bool) -> JSONResponse:
     return JSONResponse(b.describe())
 
 
-async def _backend_named(request: Request, st: RouterState) -> Any:
+async def _backend_named(request: Request, st: RouterState) -> Backend:
     """The backend a drain/undrain body names ({"url": ...}), or a 400/404 that says what to send."""
     try:
         url = json.loads(await request.body()).get("url")

@@ -137,7 +137,11 @@ class KeyStore:
         self._keys: list[ApiKey] = list(self._inline)
         self._lock = threading.Lock()
         if path:
-            self._keys = _one_entry_per_secret(self._inline + load_key_file(path), path)  # bad at start: fatal
+            self._keys = self._load()  # a bad file at startup is fatal
+
+    def _load(self) -> list[ApiKey]:
+        """The inline keys and the file's, one entry per secret."""
+        return _one_entry_per_secret(self._inline + load_key_file(self.path), self.path)
 
     @property
     def configured(self) -> bool:
@@ -151,7 +155,7 @@ class KeyStore:
         if not self.path:
             return None
         try:
-            keys = _one_entry_per_secret(self._inline + load_key_file(self.path), self.path)
+            keys = self._load()
         except (OSError, ValueError, yaml.YAMLError) as e:
             logger.error("key file reload failed, keeping the previous %d keys: %s", len(self._keys), e)
             return f"{type(e).__name__}: {e}"
