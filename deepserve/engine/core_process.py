@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import msgpack
 
 from deepserve import envs
+from deepserve.errors import ConfigRefused
 from deepserve.heap import freeze_startup_heap
 
 if TYPE_CHECKING:  # the core is built lazily, in the child process
@@ -247,10 +248,13 @@ def serve_core(core: Any, sock: socket.socket, inbox: queue.Queue) -> int:
 
 
 def _report_failure(e: Exception, send: Callable[[bytes], None]) -> int:
-    """Log the core's failure and tell the API server (unless it is gone); the process's exit code. Logged
-    with its traceback whatever it is: a refusal and a bug are both ValueErrors, and only the traceback
-    tells them apart."""
-    logger.exception("engine core failed")
+    """Log the core's failure and tell the API server (unless it is gone); the process's exit code. A
+    ConfigRefused (input that was checked) is logged as its message alone; anything else, ValueErrors
+    included, may be a bug and is logged with its traceback."""
+    if isinstance(e, ConfigRefused):
+        logger.error("engine core refused to start: %s", e)
+    else:
+        logger.exception("engine core failed")
     with contextlib.suppress(OSError):
         send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
     return 1

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from deepserve.errors import FilesMissing
 from deepserve.loader.encryption import SAFETENSORS_DTYPES as _DTYPES
 from deepserve.loader.encryption import SUFFIX, DecryptionError, EncryptedSafetensors
 
@@ -37,7 +38,7 @@ def checkpoint_files(model_path: str) -> list[str]:
         sealed = [n + SUFFIX for n in shards if _is_sealed(model_path, n)]
         missing = [n for n in shards if n not in plain and n + SUFFIX not in sealed]
         if missing:
-            raise FileNotFoundError(f"{index} lists shards that are not in {model_path}, plain or sealed: {missing}")
+            raise FilesMissing(f"{index} lists shards that are not in {model_path}, plain or sealed: {missing}")
         names = [n + SUFFIX if n + SUFFIX in sealed else n for n in shards]
     else:
         listed = os.listdir(model_path)
@@ -50,7 +51,7 @@ def checkpoint_files(model_path: str) -> list[str]:
             "encrypted checkpoint loads only whole; remove them (or re-run `deepserve encrypt-model` over the "
             "plaintext checkpoint)")
     if not names:
-        raise FileNotFoundError(
+        raise FilesMissing(
             f"no *.safetensors weights in {model_path}; convert the checkpoint to safetensors, "
             "or pass load_format='dummy' (--load-format dummy) for random weights"
         )

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from deepserve.errors import ConfigRefused
+
 MAGIC = b"DSENC1\0\0"
 SUFFIX = ".enc"
 CIPHERS = ("aes-256-gcm", "sm4-gcm")
@@ -42,7 +44,7 @@ CACHED_CHUNKS = 8  # neighbouring small tensors share chunks: keep the last few 
 PLAINTEXT_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".py", ".md", ".tiktoken")
 
 
-class DecryptionError(ValueError):
+class DecryptionError(ConfigRefused):
     """A wrong key, a tampered or truncated file, or an encrypted checkpoint loaded without its key."""
 
 

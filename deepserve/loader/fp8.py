@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from deepserve.errors import ConfigRefused
 from deepserve.kernels.fp8_ref import dequantize_weight_block
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
         return None
     block = quant.get("weight_block_size")
     if not block or len(block) != 2:
-        raise ValueError(
+        raise ConfigRefused(
             f"config.json quantization_config.weight_block_size is {block!r}; only block-scaled FP8 "
             "(e.g. [128, 128]) is supported"
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from deepserve.errors import ConfigRefused
+
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -13,11 +15,17 @@ def load_hf_config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     from transformers import AutoConfig
 
     if not os.path.isdir(model):
-        raise FileNotFoundError(
+        raise ConfigRefused(
             f"model {model!r} is not a local folder; deepserve loads Hugging Face checkpoints from disk "
             "(config.json + *.safetensors + tokenizer files)"
         )
-    config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConfigRefused(f"model folder {model!r} has no config.json; --model takes a Hugging Face checkpoint "
+                            "folder (config.json + *.safetensors + tokenizer files) or a preset name")
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except ValueError as e:  # transformers' refusal: no model_type, a model_type it does not know
+        raise ConfigRefused(f"{model}/config.json: {e}") from e
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     return config
@@ -32,7 +40,7 @@ def resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
         config_dtype = config_dtype.removeprefix("torch.")
         return "float16" if config_dtype == "float16" else "bfloat16"
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+        raise ConfigRefused(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -41,9 +49,9 @@ def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
     if requested is None:
         return int(limit)
     if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+        raise ConfigRefused(f"max_model_len must be >= 1, got {requested}")
     if requested > limit:
-        raise ValueError(
+        raise ConfigRefused(
             f"max_model_len {requested} is longer than the model's max_position_embeddings ({limit}); "
             f"lower --max-model-len to at most {limit}"
         )

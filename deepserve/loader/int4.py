@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepserve.errors import ConfigRefused
 from deepserve.kernels import int4_ref
 from deepserve.layers.quantization import Int4Config
 from deepserve.loader.checkpoint import materialize
@@ -41,14 +42,14 @@ def checkpoint_method(hf_config: Any) -> str | None:
         return None
     method = str(quant.get("quant_method", "")).lower()
     if method not in ("fp8", *METHODS):
-        raise ValueError(f"config.json quantization_config.quant_method {quant.get('quant_method')!r} is not "
+        raise ConfigRefused(f"config.json quantization_config.quant_method {quant.get('quant_method')!r} is not "
                          "supported; supported: fp8 (DeepSeek's block-scaled format), awq (AutoAWQ GEMM), "
                          "gptq, or an unquantized checkpoint")
     return method
 
 
 def _refuse(field: str, value: object, supported: str) -> None:
-    raise ValueError(f"config.json quantization_config.{field} {value!r} is not supported; supported: {supported}")
+    raise ConfigRefused(f"config.json quantization_config.{field} {value!r} is not supported; supported: {supported}")
 
 
 def int4_config(hf_config: Any, method: str) -> Int4Config:

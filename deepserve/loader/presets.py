@@ -10,6 +10,8 @@ import copy
 import os
 from typing import Any
 
+from deepserve.errors import ConfigRefused
+
 _DEEPSEEK_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1)
 
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -60,7 +62,7 @@ def preset_config(name: str) -> Any:
     from transformers import AutoConfig
 
     if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+        raise ConfigRefused(f"unknown model preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
     model_type, fields = _PRESETS[name]
     return AutoConfig.for_model(model_type, **copy.deepcopy(fields))  # transformers edits rope dicts in place
 
@@ -78,7 +80,7 @@ def resolve_hf_config(model: str, overrides: dict[str, Any] | None = None, load_
     if not is_preset(model):
         return load_hf_config(model, overrides)
     if load_format != "dummy":
-        raise ValueError(
+        raise ConfigRefused(
             f"{model!r} is a shape preset without weights; pass load_format='dummy' (--load-format dummy), "
             "or point --model at a checkpoint folder"
         )

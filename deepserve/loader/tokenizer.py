@@ -14,6 +14,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from deepserve.errors import FilesMissing
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -25,9 +27,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer folder {path!r} does not exist; pass a local model folder")
+        raise FilesMissing(f"tokenizer folder {path!r} does not exist; pass a local model folder")
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
-        raise FileNotFoundError(
+        raise FilesMissing(
             f"no tokenizer files in {path!r} (expected one of {', '.join(_TOKENIZER_FILES)}); "
             "use the folder of the original Hugging Face checkpoint, which ships them"
         )

@@ -474,21 +474,30 @@ def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):
     assert not os.path.exists(spawned[0].tmpdir)
 
 
-def test_a_failure_to_build_is_logged_with_its_traceback_and_reaches_the_server(caplog):
-    # A refusal (a ValueError) and a bug (a ValueError too, or anything else) look alike but for the traceback:
-    # it is always logged; the server gets the type and message to print as its error.
+def test_a_failure_to_build_is_logged_with_its_traceback_unless_a_refusal_and_reaches_the_server(caplog):
+    # A ValueError may be a bug: logged with its traceback, as anything else. A ConfigRefused (input the code
+    # checked, e.g. a folder without config.json) is one line. The server gets each one's type and message.
     from deepserve.engine.core_process import _HEADER, _report_failure
+    from deepserve.errors import ConfigRefused
 
     sent: list[bytes] = []
-    for error in (ValueError("Unrecognized model in /tmp/x"), RuntimeError("CUDA error: an illegal access")):
+    errors = (ValueError("Unrecognized model in /tmp/x"), RuntimeError("CUDA error: an illegal access"),
+              ConfigRefused("model folder '/tmp/x' has no config.json"))
+    for error in errors:
         caplog.clear()
         with caplog.at_level("ERROR", logger="deepserve.engine.core_process"):
             try:
                 raise error
             except Exception as e:
                 assert _report_failure(e, sent.append) == 1
-        assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [error]
+        logged = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(logged) == 1
+        if isinstance(error, ConfigRefused):
+            assert logged[0].exc_info is None and "has no config.json" in logged[0].getMessage()
+        else:
+            assert logged[0].exc_info[1] is error
     said = [decode(frame[_HEADER.size:]) for frame in sent]
     assert all(isinstance(m, EngineFailed) for m in said)
     assert [m.error for m in said] == ["ValueError: Unrecognized model in /tmp/x",
-                                       "RuntimeError: CUDA error: an illegal access"]
+                                       "RuntimeError: CUDA error: an illegal access",
+                                       "ConfigRefused: model folder '/tmp/x' has no config.json"]
