@@ -273,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo_model)
 
     enc = sub.add_parser("encrypt-model", help="encrypt a checkpoint's weights at rest (SRC stays as it is)",
-                         description="Seal every *.safetensors of SRC into DST as *.safetensors.enc (authenticated "
-                                     "encryption, random access by 1 MiB chunk); config and tokenizer files are "
-                                     "copied as they are. Serve DST with --decryption-key-file KEY.")
+                         description="Seal every shard of SRC (those its model.safetensors.index.json lists, subfolders "
+                                     "kept, and its top-level *.safetensors) into DST as *.safetensors.enc "
+                                     "(authenticated encryption, random access by 1 MiB chunk); config and "
+                                     "tokenizer files are copied as they are. Serve DST with "
+                                     "--decryption-key-file KEY.")
     enc.add_argument("src", help="checkpoint folder")
     enc.add_argument("dst", help="folder for the encrypted checkpoint (created)")
     enc.add_argument("--key-file", required=True, metavar="PATH",

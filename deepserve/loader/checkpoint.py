@@ -14,31 +14,35 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import PurePosixPath
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from deepserve.errors import FilesMissing
+from deepserve.errors import ConfigRefused, FilesMissing
 from deepserve.loader.encryption import SAFETENSORS_DTYPES as _DTYPES
 from deepserve.loader.encryption import SUFFIX, DecryptionError, EncryptedSafetensors
 
 logger = logging.getLogger(__name__)
 
+INDEX = "model.safetensors.index.json"
+
 
 def checkpoint_files(model_path: str) -> list[str]:
     """The checkpoint's shards: *.safetensors, or *.safetensors.enc when it was encrypted at rest
-    (loader/encryption.py). A sealed checkpoint is loaded only whole: a plaintext shard beside sealed ones
-    would be weights nobody authenticated (a substituted file), so that mix is refused."""
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+    (loader/encryption.py). With an index, the shards it lists (subfolders allowed, never outside the
+    folder: index_shards); without one, the folder's top-level shards. A sealed checkpoint is loaded only
+    whole: a plaintext shard beside sealed ones would be weights nobody authenticated (a substituted file),
+    so that mix is refused."""
+    shards = index_shards(model_path)
+    if shards is not None:
         plain = [n for n in shards if os.path.exists(os.path.join(model_path, n))]
         sealed = [n + SUFFIX for n in shards if _is_sealed(model_path, n)]
         missing = [n for n in shards if n not in plain and n + SUFFIX not in sealed]
         if missing:
-            raise FilesMissing(f"{index} lists shards that are not in {model_path}, plain or sealed: {missing}")
+            raise FilesMissing(f"{os.path.join(model_path, INDEX)} lists shards that are not in {model_path}, "
+                               f"plain or sealed: {missing}")
         names = [n + SUFFIX if n + SUFFIX in sealed else n for n in shards]
     else:
         listed = os.listdir(model_path)
@@ -56,6 +60,23 @@ def checkpoint_files(model_path: str) -> list[str]:
             "or pass load_format='dummy' (--load-format dummy) for random weights"
         )
     return [os.path.join(model_path, n) for n in names]
+
+
+def index_shards(model_path: str) -> list[str] | None:
+    """The shards model_path's index lists (its weight_map's values: paths relative to model_path, each
+    once, sorted), or None without an index. encrypt-model seals the same list. An entry that would leave
+    the folder (absolute, or with a `..` part) is refused before any shard is opened: the index is input
+    like the weights, and a crafted one must not make us read (or seal) files outside the checkpoint."""
+    index = os.path.join(model_path, INDEX)
+    if not os.path.exists(index):
+        return None
+    with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    outside = [n for n in shards if os.path.isabs(n) or ".." in PurePosixPath(n).parts]
+    if outside:
+        raise ConfigRefused(f"{index} lists shards outside {model_path}: {outside}; its weight_map must name "
+                            "files inside the checkpoint folder, by paths relative to it without '..'")
+    return shards
 
 
 def _is_sealed(model_path: str, name: str) -> bool:

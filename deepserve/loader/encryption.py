@@ -28,11 +28,11 @@ import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from deepserve.errors import ConfigRefused
+from deepserve.errors import ConfigRefused, FilesMissing
 
 MAGIC = b"DSENC1\0\0"
 SUFFIX = ".enc"
@@ -149,24 +149,52 @@ def encrypt_file(src: str | os.PathLike, dst: str | os.PathLike, master: bytes, 
 
 def encrypt_model(src: str | os.PathLike, dst: str | os.PathLike, master: bytes,
                   cipher: str = "aes-256-gcm") -> list[str]:
-    """Every *.safetensors of the checkpoint folder src sealed into dst as *.safetensors.enc; config,
-    tokenizer and index files copied as they are (they hold no weights). Returns the files written."""
+    """The checkpoint folder src sealed into dst: each shard (_shards) as NAME.safetensors.enc, config,
+    tokenizer and index files copied as they are (they hold no weights), all at their paths relative to src
+    (subfolders kept: the copied index still names its shards). Returns the files written, relative to dst."""
     src, dst = Path(src), Path(dst)
-    shards = sorted(src.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no *.safetensors weights in {src}")
+    shards = _shards(src)
     if dst.resolve() == src.resolve():
         raise ValueError("encrypt-model: DST must be another folder than SRC (the plaintext stays in SRC)")
-    dst.mkdir(parents=True, exist_ok=True)
     written = []
     for shard in shards:
-        encrypt_file(shard, dst / (shard.name + SUFFIX), master, cipher)
-        written.append(shard.name + SUFFIX)
-    for other in sorted(src.iterdir()):
-        if other.is_file() and other.name.endswith(PLAINTEXT_SUFFIXES):
-            shutil.copy2(other, dst / other.name)
-            written.append(other.name)
+        (dst / shard).parent.mkdir(parents=True, exist_ok=True)
+        encrypt_file(src / shard, dst / (shard + SUFFIX), master, cipher)
+        written.append(shard + SUFFIX)
+    for other in _plaintext_files(src, dst):
+        (dst / other).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / other, dst / other)
+        written.append(other.as_posix())
     return written
+
+
+def _shards(src: Path) -> list[str]:
+    """What the loader may read of src (checkpoint_files): the shards its index lists, checked to stay
+    inside src, and every top-level *.safetensors (sealed as well when the index leaves one out, as before
+    indexes were read, rather than dropped from the sealed copy). All checked to exist before anything is
+    written, so a refusal leaves no half-sealed DST behind."""
+    from deepserve.loader.checkpoint import INDEX, index_shards  # lazily: checkpoint.py imports this module
+
+    listed = {PurePosixPath(n).as_posix() for n in index_shards(str(src)) or []}  # "./a" and "a" are one file
+    missing = sorted(n for n in listed if not (src / n).is_file())
+    if missing:
+        raise FilesMissing(f"{src / INDEX} lists shards that are not in {src}: {missing}")
+    shards = sorted(listed | {p.name for p in src.glob("*.safetensors") if p.is_file()})
+    if not shards:
+        raise FilesMissing(f"no *.safetensors weights in {src}")
+    return shards
+
+
+def _plaintext_files(src: Path, dst: Path) -> list[Path]:
+    """src's files ending in PLAINTEXT_SUFFIXES, subfolders included, relative to src. Hidden folders (.git,
+    .cache: tools' state, not the checkpoint) are left out, and so is dst when it lies inside src (our own
+    output, which would otherwise be copied into itself)."""
+    found, skip = [], dst.resolve()
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and Path(root, d).resolve() != skip)
+        found += [Path(root, f).relative_to(src) for f in sorted(files)
+                  if f.endswith(PLAINTEXT_SUFFIXES) and Path(root, f).is_file()]
+    return found
 
 
 # --- reading --------------------------------------------------------------------------------------------

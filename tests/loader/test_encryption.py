@@ -5,7 +5,9 @@ transformers' greedy output of the model the checkpoint came from."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import struct
 
 import pytest
@@ -207,3 +209,75 @@ def test_a_sealed_checkpoint_loads_only_whole_and_a_key_only_sealed_weights(tmp_
     save_file({"b": torch.zeros(2)}, sealed / "model-00002.safetensors")  # one sealed, one plain: a mix
     with pytest.raises(enc.DecryptionError, match=r"plaintext shards \['model-00002.safetensors'\]"):
         checkpoint_files(str(sealed))
+
+
+def _index(folder, weight_map: dict[str, str]) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_shards_in_subfolders_seal_and_load_as_the_plaintext(tmp_path):
+    # An index may name shards in subfolders: encrypt-model seals them at the same relative paths (the copied
+    # index still names them) and copies the subfolders' config files; both checkpoints load the same tensors.
+    from deepserve.entrypoints.cli import main
+    from deepserve.loader.checkpoint import checkpoint_files, iterate_safetensors, materialize
+
+    plain, sealed, key_file = tmp_path / "plain", tmp_path / "sealed", tmp_path / "key"
+    (plain / "sub" / "deeper").mkdir(parents=True)
+    torch.manual_seed(1)
+    save_file({"a": torch.randn(5, 3), "b": torch.randn(4)}, plain / "sub" / "model-00001-of-00003.safetensors")
+    save_file({"c": torch.randn(2, 2, 2)}, plain / "sub" / "deeper" / "model-00002-of-00003.safetensors")
+    save_file({"d": torch.randn(7, dtype=torch.float64)}, plain / "model-00003-of-00003.safetensors")
+    _index(plain, {"a": "sub/model-00001-of-00003.safetensors", "b": "sub/model-00001-of-00003.safetensors",
+                   "c": "sub/deeper/model-00002-of-00003.safetensors", "d": "model-00003-of-00003.safetensors"})
+    (plain / "config.json").write_text("{}")
+    (plain / "sub" / "config.json").write_text('{"sub": 1}')
+    (plain / "sub" / "deeper" / "tokenizer.model").write_bytes(b"spm")
+    (plain / "sub" / "notes.bin").write_bytes(b"not a config")
+    (plain / ".cache").mkdir()
+    (plain / ".cache" / "download.json").write_text("{}")  # a tool's state, not the checkpoint's
+
+    want = {n: materialize(t) for n, t in iterate_safetensors(str(plain))}  # plaintext subfolder shards load
+    assert sorted(want) == ["a", "b", "c", "d"]
+    assert main(["encrypt-model", str(plain), str(sealed), "--key-file", str(key_file), "--new-key-file"]) == 0
+    files = sorted(p.relative_to(sealed).as_posix() for p in sealed.rglob("*") if p.is_file())
+    assert files == ["config.json", "model-00003-of-00003.safetensors.enc", "model.safetensors.index.json",
+                     "sub/config.json", "sub/deeper/model-00002-of-00003.safetensors.enc", "sub/deeper/tokenizer.model",
+                     "sub/model-00001-of-00003.safetensors.enc"]
+    assert (sealed / "sub" / "config.json").read_text() == '{"sub": 1}'
+    assert [os.path.relpath(p, sealed) for p in checkpoint_files(str(sealed))] == [
+        "model-00003-of-00003.safetensors.enc", "sub/deeper/model-00002-of-00003.safetensors.enc",
+        "sub/model-00001-of-00003.safetensors.enc"]
+    got = {n: materialize(t) for n, t in iterate_safetensors(str(sealed), enc.read_key_file(key_file))}
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
+@pytest.mark.parametrize("entry", ["../x.safetensors", "sub/../../x.safetensors", "ABSOLUTE"])
+def test_an_index_entry_outside_the_folder_is_refused_by_encrypt_model_and_the_loader(tmp_path, key, entry):
+    # A crafted index must not make either read a file outside the checkpoint, though one is there to read.
+    from deepserve.errors import ConfigRefused
+    from deepserve.loader.checkpoint import checkpoint_files, iterate_safetensors
+
+    entry = str(tmp_path / "x.safetensors") if entry == "ABSOLUTE" else entry
+    plain, sealed = tmp_path / "plain", tmp_path / "sealed"
+    plain.mkdir()
+    save_file({"a": torch.ones(2)}, plain / "model-00001.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "x.safetensors")
+    _index(plain, {"a": "model-00001.safetensors", "b": entry})
+    refusal = rf"model.safetensors.index.json lists shards outside .*plain: \[{re.escape(repr(entry))}\]"
+    with pytest.raises(ConfigRefused, match=refusal):
+        enc.encrypt_model(plain, sealed, key)
+    assert not sealed.exists()  # refused before anything was written
+    with pytest.raises(ConfigRefused, match=refusal):
+        checkpoint_files(str(plain))
+    with pytest.raises(ConfigRefused, match=refusal):
+        next(iterate_safetensors(str(plain)))
+
+    # A sealed checkpoint whose index is edited afterwards, with a sealed file waiting outside: refused too.
+    _index(plain, {"a": "model-00001.safetensors"})
+    enc.encrypt_model(plain, sealed, key)
+    enc.encrypt_file(tmp_path / "x.safetensors", tmp_path / "x.safetensors.enc", key)
+    _index(sealed, {"a": "model-00001.safetensors", "b": entry})
+    with pytest.raises(ConfigRefused, match=refusal.replace("plain", "sealed")):
+        next(iterate_safetensors(str(sealed), key))
