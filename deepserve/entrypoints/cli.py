@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo_model)
 
     enc = sub.add_parser("encrypt-model", help="encrypt a checkpoint's weights at rest (SRC stays as it is)",
-                         description="Seal every shard of SRC (those its model.safetensors.index.json lists, subfolders "
-                                     "kept, and its top-level *.safetensors) into DST as *.safetensors.enc "
+                         description="Seal every shard of SRC (those its model.safetensors.index.json lists, "
+                                     "subfolders kept, and its top-level *.safetensors) into DST as *.safetensors.enc "
                                      "(authenticated encryption, random access by 1 MiB chunk); config and "
                                      "tokenizer files are copied as they are. Serve DST with "
                                      "--decryption-key-file KEY.")
