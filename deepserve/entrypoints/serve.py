@@ -198,6 +198,10 @@ def check_tls_files(settings: ServerSettings) -> None:
             raise ValueError(f"--ssl-ca-certs {settings.ssl_ca_certs}: cannot be loaded ({e.strerror or e})") from None
 
 
+# What makes a running server (or router) read the key file again; both keep the old keys if it does not load.
+RELOAD_HOW = "SIGHUP (kill -HUP <pid>) or POST /admin/keys/reload with an admin key"
+
+
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("keys", help="manage the API key file")
     sub = p.add_subparsers(dest="keys_command", required=True)
@@ -217,6 +221,14 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ls = sub.add_parser("list", help="show the keys in a file (names, roles, models, limits; never secrets)")
     ls.add_argument("--file", default="keys.yaml")
     ls.set_defaults(func=cmd_keys_list)
+    revoke = sub.add_parser("revoke", help="remove a key from the file (a running server drops it on reload)")
+    revoke.add_argument("name")
+    revoke.add_argument("--file", default="keys.yaml")
+    revoke.set_defaults(func=cmd_keys_revoke)
+    rotate = sub.add_parser("rotate", help="give a key a new secret, same role, models and limits; print it once")
+    rotate.add_argument("name")
+    rotate.add_argument("--file", default="keys.yaml")
+    rotate.set_defaults(func=cmd_keys_rotate)
     return p
 
 
@@ -245,7 +257,29 @@ def cmd_keys_add(ns: argparse.Namespace) -> int:
     secret = add_key_to_file(ns.file, ns.name, ns.role, ns.models, limits)
     print(secret)
     print(f"added key '{ns.name}' ({ns.role}) to {ns.file}; this is the only time it is shown. "
-          "A running server picks it up on SIGHUP (kill -HUP <pid>).", file=sys.stderr)
+          f"A running server picks it up on {RELOAD_HOW}.", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_revoke(ns: argparse.Namespace) -> int:
+    from deepserve.server.auth import revoke_key_in_file
+
+    key = revoke_key_in_file(ns.file, ns.name)
+    # A server checks the set it loaded, not the file: the revoke is not done there until it reloads.
+    print(f"revoked key '{key.name}' ({key.role}, models={','.join(key.models)}) from {ns.file}. "
+          f"A running server drops it when it reloads the file ({RELOAD_HOW}) and accepts it until then.",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_keys_rotate(ns: argparse.Namespace) -> int:
+    from deepserve.server.auth import rotate_key_in_file
+
+    secret, key = rotate_key_in_file(ns.file, ns.name)
+    print(secret)  # stdout holds the secret alone, as for add, so `$(deepserve keys rotate ...)` captures it
+    print(f"rotated key '{key.name}' ({key.role}) in {ns.file}; this is the only time the new secret is shown. "
+          f"A running server swaps the old secret for it when it reloads the file ({RELOAD_HOW}); "
+          "until then only the old one works there.", file=sys.stderr)
     return 0
 
 

@@ -1,12 +1,18 @@
-"""Keys: file parsing with clear errors, hashing, roles per route, reload, and the route table."""
+"""Keys: file parsing with clear errors, hashing, roles per route, reload, the route table, and
+`deepserve keys revoke|rotate` (on the file, and on a running server after a reload)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 
+import httpx
 import pytest
 import yaml
+from serverkit import ADMIN, OTHER_MODEL, USER, auth, wait_until, write_keys
 
+from deepserve.entrypoints.cli import main
 from deepserve.server.auth import (
     PUBLIC_ROUTES,
     ROUTE_ROLES,
@@ -136,3 +142,111 @@ def test_every_app_route_has_a_policy():
 
     paths = {r.path for r in router.routes if isinstance(r, APIRoute)}
     assert paths == set(ROUTE_ROLES) | PUBLIC_ROUTES
+
+
+# ------------------------------------------------------------------ keys revoke / rotate
+
+
+def three_keys(path: str) -> dict[str, str]:
+    """alice, bob, carol written by add (so, as the CLI writes them); their secrets by name."""
+    return {name: add_key_to_file(path, name, role, ["*"], {"requests_per_minute": 5})
+            for name, role in (("alice", "user"), ("bob", "admin"), ("carol", "metrics"))}
+
+
+def file_entries(path: str) -> list[dict]:
+    with open(path) as f:
+        return yaml.safe_load(f)["keys"]
+
+
+def keys_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["keys", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_keys_revoke_removes_that_entry_and_the_others_still_authenticate(tmp_path, capsys):
+    path = str(tmp_path / "keys.yaml")
+    sk = three_keys(path)
+    os.chmod(path, 0o644)
+    before = file_entries(path)
+    code, out, err = keys_cli(capsys, "revoke", "bob", "--file", path)
+    assert code == 0 and out == ""  # nothing secret to print
+    assert "revoked key 'bob' (admin, models=*)" in err
+    assert "kill -HUP <pid>" in err and "POST /admin/keys/reload" in err
+    # Exactly that entry is gone; the others are as they were, in their order; the mode is add's.
+    assert file_entries(path) == [before[0], before[2]]
+    assert [k.name for k in load_key_file(path)] == ["alice", "carol"]
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600" and os.listdir(tmp_path) == ["keys.yaml"]
+    store = KeyStore(path)  # what the server loads
+    assert store.lookup(sk["alice"]).name == "alice" and store.lookup(sk["carol"]).name == "carol"
+    assert store.lookup(sk["bob"]) is None
+    assert authorize(store, "/v1/models", [f"Bearer {sk['alice']}"]).name == "alice"
+    with pytest.raises(APIError) as e:
+        authorize(store, "/admin/usage", [f"Bearer {sk['bob']}"])
+    assert e.value.status == 401
+
+
+def test_keys_revoke_or_rotate_an_unknown_name_is_exit_2_naming_it_and_the_keys(tmp_path, capsys):
+    path = str(tmp_path / "keys.yaml")
+    three_keys(path)
+    text = open(path).read()
+    for command in ("revoke", "rotate"):
+        code, out, err = keys_cli(capsys, command, "mallory", "--file", path)
+        assert (code, out) == (2, "")
+        assert err == (f"deepserve: error: no key named 'mallory' in {path}; "
+                       "the keys there are: alice, bob, carol\n"), err
+    empty = write(tmp_path / "empty.yaml", [])
+    assert keys_cli(capsys, "revoke", "bob", "--file", empty)[2].endswith("it has no keys\n")
+    assert open(path).read() == text  # untouched
+    # A file the server would refuse is not rewritten either (duplicate names cannot get in: add and
+    # load_key_file refuse them), nor is a missing one created.
+    dupes = write(tmp_path / "dupes.yaml", [entry("x"), entry("x", key="other-key-1")])
+    code, _, err = keys_cli(capsys, "revoke", "x", "--file", dupes)
+    assert code == 2 and "duplicate key name(s) ['x']" in err and len(file_entries(dupes)) == 2
+    code, _, err = keys_cli(capsys, "rotate", "x", "--file", str(tmp_path / "none.yaml"))
+    assert code == 2 and "none.yaml" in err and not os.path.exists(tmp_path / "none.yaml")
+    assert sorted(os.listdir(tmp_path)) == ["dupes.yaml", "empty.yaml", "keys.yaml"]
+
+
+def test_keys_rotate_gives_a_new_secret_and_keeps_role_models_and_limits(tmp_path, capsys):
+    path = str(tmp_path / "keys.yaml")
+    old = add_key_to_file(path, "alice", "user", ["m1", "m2"], {"tokens_per_minute": 1000, "max_concurrent": 2})
+    add_key_to_file(path, "bob", "metrics", ["*"], {})
+    store = KeyStore(path)
+    was = store.lookup(old)
+    code, out, err = keys_cli(capsys, "rotate", "alice", "--file", path)
+    new = out.strip()
+    assert code == 0 and out == new + "\n" and new.startswith("sk-ds-") and new != old  # the secret alone, as add
+    assert "rotated key 'alice' (user)" in err and "only time" in err and "POST /admin/keys/reload" in err
+    assert new not in open(path).read() and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert store.lookup(old) == was  # the running set, until it reloads
+    assert store.reload() is None
+    assert store.lookup(old) is None
+    now = store.lookup(new)
+    assert now == dataclasses.replace(was, digest=now.digest) and now.digest != was.digest
+    assert (now.role, now.models, now.tokens_per_minute, now.max_concurrent) == ("user", ("m1", "m2"), 1000, 2)
+    assert [k.name for k in load_key_file(path)] == ["alice", "bob"]  # same place in the file
+
+
+def test_revoked_and_rotated_keys_take_effect_on_a_running_server_when_it_reloads(server_factory, tmp_path, capsys):
+    # As test_api_e2e's SIGHUP test: a real server; the CLI edits its file, SIGHUP / the admin route reload it.
+    keys = write_keys(str(tmp_path / "keys.yaml"))
+    srv = server_factory(["--api-keys", keys])
+
+    def status(key: str) -> int:
+        return httpx.get(f"{srv.url}/v1/models", headers=auth(key), timeout=30).status_code
+
+    assert status(OTHER_MODEL) == 200 and status(USER) == 200
+    assert keys_cli(capsys, "revoke", "other", "--file", keys)[0] == 0
+    assert status(OTHER_MODEL) == 200  # the file alone changes nothing until the server reloads it
+    os.kill(srv.proc.pid, signal.SIGHUP)
+    assert wait_until(lambda: status(OTHER_MODEL) == 401, 10)
+    assert status(USER) == 200
+
+    code, new, _ = keys_cli(capsys, "rotate", "user", "--file", keys)
+    assert code == 0 and status(USER) == 200
+    r = httpx.post(f"{srv.url}/admin/keys/reload", headers=auth(ADMIN), timeout=30)
+    assert r.status_code == 200 and r.json()["keys"] == 3  # --api-key admin, user, scraper
+    assert status(USER) == 401 and status(new.strip()) == 200
+    assert srv.proc.poll() is None

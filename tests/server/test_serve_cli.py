@@ -144,6 +144,7 @@ def test_node_other_than_0_runs_its_ranks_without_binding_the_http_port(monkeypa
 
 @pytest.mark.parametrize("argv", [["serve", "--api-keys", "bad.yaml"], ["keys", "list", "--file", "bad.yaml"],
                                   ["keys", "add", "bob", "--role", "user", "--file", "bad.yaml"],
+                                  ["keys", "revoke", "bob", "--file", "bad.yaml"],
                                   ["serve", "--config", "bad.yaml"]])
 def test_malformed_yaml_is_one_line_error_not_a_traceback(tmp_path, argv):
     (tmp_path / "bad.yaml").write_text("port: 8000\nkeys: [\n")
@@ -174,7 +175,8 @@ def test_a_bad_key_file_fails_before_the_port_is_bound_or_the_model_loaded(tmp_p
     (lambda p: p.write_bytes(b"keys:\n  - name: caf\xe9\n"), "not UTF-8 text (byte 19: invalid continuation byte)"),
     (lambda p: p.mkdir(), "Is a directory"),
     (lambda p: None, "No such file or directory")])
-@pytest.mark.parametrize("command", [["keys", "list", "--file"], ["serve", "--config"]])
+@pytest.mark.parametrize("command", [["keys", "list", "--file"], ["keys", "revoke", "bob", "--file"],
+                                     ["keys", "rotate", "bob", "--file"], ["serve", "--config"]])
 def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, make, message, command):
     # A Latin-1 file once printed "'utf-8' codec can't decode byte 0xe9 ..." without the file's name, and
     # a directory gave an IsADirectoryError traceback.
