@@ -250,7 +250,7 @@ def cmd_audit_verify(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys_add(ns: argparse.Namespace) -> int:
-    from deepserve.server.auth import add_key_to_file
+    from deepserve.server.key_file import add_key_to_file
 
     limits: dict[str, Any] = {"requests_per_minute": ns.requests_per_minute,
                               "tokens_per_minute": ns.tokens_per_minute, "max_concurrent": ns.max_concurrent}
@@ -262,7 +262,7 @@ def cmd_keys_add(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(ns: argparse.Namespace) -> int:
-    from deepserve.server.auth import revoke_key_in_file
+    from deepserve.server.key_file import revoke_key_in_file
 
     key = revoke_key_in_file(ns.file, ns.name)
     # A server checks the set it loaded, not the file: the revoke is not done there until it reloads.
@@ -273,7 +273,7 @@ def cmd_keys_revoke(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys_rotate(ns: argparse.Namespace) -> int:
-    from deepserve.server.auth import rotate_key_in_file
+    from deepserve.server.key_file import rotate_key_in_file
 
     secret, key = rotate_key_in_file(ns.file, ns.name)
     print(secret)  # stdout holds the secret alone, as for add, so `$(deepserve keys rotate ...)` captures it

@@ -5,7 +5,8 @@ public. The decision is keyed by the route template Starlette actually matched (
 from Host or X-Forwarded-* headers), and the key check compares digests in constant time against every
 stored key, without an early exit.
 
-Key file (`deepserve keys add|revoke|rotate` write it; SIGHUP or POST /admin/keys/reload reloads it):
+Key file (`deepserve keys add|revoke|rotate` write it: server/key_file.py; SIGHUP or POST /admin/keys/reload
+reloads it):
 
     keys:
       - name: alice
@@ -19,11 +20,9 @@ Key file (`deepserve keys add|revoke|rotate` write it; SIGHUP or POST /admin/key
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -102,7 +101,12 @@ def parse_key_entry(i: int, entry: object) -> ApiKey:
 
 
 def load_key_file(path: str) -> list[ApiKey]:
-    doc = load_yaml(path) or {}
+    return keys_from_doc(load_yaml(path), path)
+
+
+def keys_from_doc(doc: object, path: str) -> list[ApiKey]:
+    """The keys of a key file's parsed document (`path` names it in errors); the document is not changed."""
+    doc = doc or {}
     entries = doc.get("keys", []) if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a mapping with a 'keys' list")
@@ -209,71 +213,3 @@ class RoleDenied(APIError):
         super().__init__(403, f"key '{key.name}' (role {key.role}) may not access {route_path}",
                          code="insufficient_role")
         self.key_name = key.name
-
-
-def add_key_to_file(path: str, name: str, role: str, models: list[str], limits: dict[str, int | None]) -> str:
-    """Append a new key to `path` (created if absent) and return the secret; only its hash is stored."""
-    keys_doc = _read_key_doc(path) if os.path.exists(path) else {"keys": []}
-    if any(e.get("name") == name for e in keys_doc["keys"]):
-        raise ValueError(f"a key named {name!r} already exists in {path}; pick another NAME")
-    secret = generate_key()
-    entry = {"name": name, "key_hash": hash_key(secret), "role": role, "models": models}
-    entry.update({k: v for k, v in limits.items() if v is not None})
-    parse_key_entry(len(keys_doc["keys"]), entry)
-    keys_doc["keys"].append(entry)
-    _write_key_doc(path, keys_doc)
-    return secret
-
-
-def revoke_key_in_file(path: str, name: str) -> ApiKey:
-    """Remove the key named `name` from `path` and return what it was (no secret: none is stored).
-    Names are unique in any file this accepts (load_key_file refuses duplicates), so it is one entry."""
-    keys_doc = _read_key_doc(path)
-    i = _entry_index(keys_doc, path, name)
-    removed = parse_key_entry(i, keys_doc["keys"].pop(i))
-    _write_key_doc(path, keys_doc)
-    return removed
-
-
-def rotate_key_in_file(path: str, name: str) -> tuple[str, ApiKey]:
-    """Give the key named `name` a new secret, keeping its place, role, models and limits; return the
-    secret (shown once, like add's) and the entry. Only the hash changes, so nothing else can drift."""
-    keys_doc = _read_key_doc(path)
-    i = _entry_index(keys_doc, path, name)
-    secret = generate_key()
-    keys_doc["keys"][i]["key_hash"] = hash_key(secret)
-    rotated = parse_key_entry(i, keys_doc["keys"][i])
-    _write_key_doc(path, keys_doc)
-    return secret, rotated
-
-
-def _read_key_doc(path: str) -> dict:
-    """The file's document as written, to edit and write back; a file that does not load as keys is
-    refused rather than rewritten, so a typo is never made worse or half-fixed by a command."""
-    load_key_file(path)
-    doc = load_yaml(path) or {}  # a mapping now, or empty: load_key_file refused anything else
-    doc.setdefault("keys", [])
-    return doc
-
-
-def _entry_index(keys_doc: dict, path: str, name: str) -> int:
-    names = [e["name"] for e in keys_doc["keys"]]
-    if name not in names:
-        present = f"the keys there are: {', '.join(names)}" if names else "it has no keys"
-        raise ValueError(f"no key named {name!r} in {path}; {present}")
-    return names.index(name)
-
-
-def _write_key_doc(path: str, keys_doc: dict) -> None:
-    """Write `keys_doc` to `path`, owner-only (0600) whatever the old file's mode was, through a rename:
-    readers (a SIGHUP reload) see the old file or the new one, never half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yaml.safe_dump(keys_doc, f, sort_keys=False)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # no stray temporary file beside the key file
-            os.unlink(tmp)
-        raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import subprocess
@@ -187,6 +188,40 @@ def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, mak
     assert main([*command, str(path)]) == 2
     err = capsys.readouterr().err
     assert err == f"deepserve: error: {path}: {message}\n"
+
+
+@pytest.mark.parametrize("lock_exists", [False, True], ids=["no-lock", "lock"])  # made while it was writable
+@pytest.mark.parametrize("command", [["keys", "revoke", "alice", "--file"], ["keys", "rotate", "alice", "--file"],
+                                     ["keys", "add", "bob", "--role", "user", "--file"]])
+@pytest.mark.parametrize("err, message", [(errno.EROFS, "on a read-only filesystem (Read-only file system"),
+                                          (errno.EACCES, "not writable here (Permission denied")],
+                         ids=["EROFS", "EACCES"])
+def test_a_key_file_that_cannot_be_written_is_one_line_error_naming_it(tmp_path, capsys, monkeypatch, lock_exists,
+                                                                       command, err, message):
+    # A Kubernetes Secret mount is read-only: the edit was a PermissionError / OSError traceback. Nothing may be
+    # created in the folder (simulated: this runs as root in CI, which a chmod does not stop).
+    from deepserve.entrypoints.cli import main
+    from deepserve.server.key_file import add_key_to_file
+
+    path = str(tmp_path / "keys.yaml")
+    add_key_to_file(path, "alice", "user", ["*"], {})
+    if not lock_exists:
+        os.unlink(path + ".lock")
+    before = sorted(os.listdir(tmp_path)), open(path).read()
+    real_open = os.open
+
+    def refusing_open(file, flags, *args, **kwargs):  # as Linux: O_CREAT|O_EXCL on a file there is EEXIST
+        exists = flags & os.O_EXCL and os.path.lexists(file)
+        if flags & os.O_CREAT and os.path.dirname(os.fspath(file)) == str(tmp_path) and not exists:
+            raise OSError(err, os.strerror(err), file)
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert main([*command, path]) == 2
+    out = capsys.readouterr().err
+    assert out.startswith(f"deepserve: error: {path}: the key file is {message}") and out.count("\n") == 1, out
+    assert "nothing was changed" in out and (("Secret" in out) == (err == errno.EROFS)), out
+    assert (sorted(os.listdir(tmp_path)), open(path).read()) == before
 
 
 def test_missing_tls_files_fail_before_the_engine_process_starts(tmp_path, monkeypatch, capsys):
