@@ -318,6 +318,13 @@ class EngineArgs:
                              "use --swap-space 0 (preempted requests then recompute)")
 
         check_swap_space(self.swap_space, max(1, self.tensor_parallel_size // max(1, self.nnodes)))
+        if self.decryption_key_file and self.load_format != "dummy":
+            from deepserve.loader.encryption import read_key_file
+
+            # Read here as well as where the weights load (every rank): the server's process runs this while
+            # the engine process starts, so a missing or malformed key is refused at once, in one line, instead
+            # of by the engine after its start. The key itself is not kept.
+            read_key_file(self.decryption_key_file)
         speculative = SpeculativeConfig.from_user(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import PurePosixPath
@@ -37,7 +38,7 @@ def checkpoint_files(model_path: str) -> list[str]:
     so that mix is refused."""
     shards = index_shards(model_path)
     if shards is not None:
-        plain = [n for n in shards if os.path.exists(os.path.join(model_path, n))]
+        plain = [n for n in shards if os.path.isfile(os.path.join(model_path, n))]
         sealed = [n + SUFFIX for n in shards if _is_sealed(model_path, n)]
         missing = [n for n in shards if n not in plain and n + SUFFIX not in sealed]
         if missing:
@@ -63,20 +64,48 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 
 def index_shards(model_path: str) -> list[str] | None:
-    """The shards model_path's index lists (its weight_map's values: paths relative to model_path, each
-    once, sorted), or None without an index. encrypt-model seals the same list. An entry that would leave
-    the folder (absolute, or with a `..` part) is refused before any shard is opened: the index is input
-    like the weights, and a crafted one must not make us read (or seal) files outside the checkpoint."""
+    """The shards model_path's index lists (its weight_map's values: paths relative to model_path, normalized,
+    each once, sorted), or None without an index. encrypt-model seals the same list. The index is input like
+    the weights, so it is checked before any shard is opened, and refused naming it: it must be a JSON object
+    whose weight_map maps tensor names to file paths. An entry that would leave the folder (absolute, or with
+    a `..` part) is refused: a crafted index must not make us read (or seal) files outside the checkpoint."""
     index = os.path.join(model_path, INDEX)
     if not os.path.exists(index):
         return None
-    with open(index) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
-    outside = [n for n in shards if os.path.isabs(n) or ".." in PurePosixPath(n).parts]
+    entries = _weight_map_files(index)
+    outside = sorted({n for n in entries if os.path.isabs(n) or ".." in PurePosixPath(n).parts})
     if outside:
         raise ConfigRefused(f"{index} lists shards outside {model_path}: {outside}; its weight_map must name "
                             "files inside the checkpoint folder, by paths relative to it without '..'")
-    return shards
+    # "", "." and "sub/" name the folder or a subfolder: opened as a shard, each would fail with a traceback.
+    folders = sorted({n for n in entries if n.rsplit("/", 1)[-1] in ("", ".")})
+    if folders:
+        raise ConfigRefused(f"{index} lists entries that name no file: {folders}; each weight_map value must be "
+                            "a shard's path, e.g. model-00001-of-00002.safetensors")
+    # "./a.safetensors", "a.safetensors" and "sub//b.safetensors" are the files they normalize to: one shard
+    # each, so it is read (and sealed) once.
+    return sorted({posixpath.normpath(n) for n in entries})
+
+
+def _weight_map_files(index: str) -> list[str]:
+    """The values of the index's weight_map, checked to be strings."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigRefused(f"cannot read {index}: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ConfigRefused(f"{index} is not valid JSON: {e}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigRefused(f"{index} has no weight_map object (tensor name -> shard file); write the index again, "
+                            "or remove it to load the *.safetensors at the folder's top level")
+    bad = {name: file for name, file in weight_map.items() if not isinstance(file, str)}
+    if bad:
+        shown = dict(list(bad.items())[:3])
+        raise ConfigRefused(f"{index}: weight_map values must be shard file paths (strings); got {shown}"
+                            + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+    return list(weight_map.values())
 
 
 def _is_sealed(model_path: str, name: str) -> bool:

@@ -8,8 +8,10 @@ the Chinese national standard), behind a short plaintext header:
 
 The header names the cipher, the chunk size, the plaintext size, a random per-file nonce prefix and a key
 id. Chunk i is `ciphertext || 16-byte tag`; its nonce is the prefix followed by i (so no nonce repeats
-under one key), and its associated data binds the header (file name included), i and whether it is the
-last chunk, so a reordered, truncated, renamed or edited file fails authentication instead of loading.
+under one key), and its associated data binds the header (the file's base name included), i and whether it
+is the last chunk, so a reordered, truncated, renamed or edited file fails authentication instead of loading.
+Only the base name is bound: a shard moved to another subfolder under its name loads, which substitutes no
+weight (tensor names are inside the sealed data, and every parameter must load).
 Chunks make the file random-access: a rank reads and decrypts only the chunks that hold the tensor rows
 it keeps (tensor parallelism: a slice along the first dimension is contiguous; a slice along a later
 dimension spans whole rows, so that tensor is decrypted whole). Nothing decrypted is written to disk.
@@ -22,13 +24,14 @@ be named as such before any chunk is tried.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
@@ -58,17 +61,21 @@ def new_key_file(path: str | os.PathLike) -> None:
 
 
 def read_key_file(path: str | os.PathLike, flag: str = "--decryption-key-file") -> bytes:
+    """The key in `path`; a file that is missing, unreadable or not a key is refused naming `flag` (user input:
+    one line in the engine's log, no traceback)."""
     try:
-        text = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise FilesMissing(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    except OSError as exc:  # a folder, no permission
+        raise ConfigRefused(f"{flag}: cannot read {path}: {exc.strerror}") from None
     try:
-        key = bytes.fromhex(text)
-    except ValueError:
+        key = bytes.fromhex(data.decode("ascii").strip())
+    except ValueError:  # not hex, or not text at all (raw key bytes): the message below says what is expected
         key = b""
     if len(key) != 32:
-        raise ValueError(f"{flag}: {path} must hold 32 bytes as 64 hex characters (deepserve encrypt-model "
-                         "--new-key-file PATH writes one)")
+        raise ConfigRefused(f"{flag}: {path} must hold 32 bytes as 64 hex characters (deepserve encrypt-model "
+                            "--new-key-file PATH writes one)")
     return key
 
 
@@ -175,7 +182,7 @@ def _shards(src: Path) -> list[str]:
     written, so a refusal leaves no half-sealed DST behind."""
     from deepserve.loader.checkpoint import INDEX, index_shards  # lazily: checkpoint.py imports this module
 
-    listed = {PurePosixPath(n).as_posix() for n in index_shards(str(src)) or []}  # "./a" and "a" are one file
+    listed = set(index_shards(str(src)) or [])  # normalized there: the loader reads the same list
     missing = sorted(n for n in listed if not (src / n).is_file())
     if missing:
         raise FilesMissing(f"{src / INDEX} lists shards that are not in {src}: {missing}")
@@ -188,10 +195,19 @@ def _shards(src: Path) -> list[str]:
 def _plaintext_files(src: Path, dst: Path) -> list[Path]:
     """src's files ending in PLAINTEXT_SUFFIXES, subfolders included, relative to src. Hidden folders (.git,
     .cache: tools' state, not the checkpoint) are left out, and so is dst when it lies inside src (our own
-    output, which would otherwise be copied into itself)."""
+    output, which would otherwise be copied into itself). Symlinked subfolders are followed, as the index's
+    shards in them are (paths are checked by name, and Hugging Face cache snapshots are links), except a link
+    back to a folder above it: that would loop forever."""
     found, skip = [], dst.resolve()
-    for root, dirs, files in os.walk(src):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and Path(root, d).resolve() != skip)
+    above = {str(src): {os.path.realpath(src)}}  # each folder walked -> the real paths of it and its parents
+    for root, dirs, files in os.walk(src, followlinks=True):
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(root, d))
+            if not d.startswith(".") and Path(real) != skip and real not in above[root]:
+                kept.append(d)
+                above[os.path.join(root, d)] = above[root] | {real}
+        dirs[:] = kept
         found += [Path(root, f).relative_to(src) for f in sorted(files)
                   if f.endswith(PLAINTEXT_SUFFIXES) and Path(root, f).is_file()]
     return found
@@ -229,8 +245,11 @@ class EncryptedFile:
         self.chunks_decrypted = 0  # tests read it: a rank's slice must not decrypt the whole file
 
     def read(self, offset: int, length: int) -> bytearray:
-        if offset < 0 or offset + length > self.size:
-            raise DecryptionError(f"{self.path}: read of {length} bytes at {offset} is past its {self.size}")
+        if offset < 0 or length < 0 or offset + length > self.size:
+            # Not a refusal of the file: its size was checked when it was opened, and EncryptedSafetensors
+            # checks every tensor's bytes lie inside it; a read past the end is our own offset arithmetic.
+            raise RuntimeError(f"{self.path}: read of {length} bytes at offset {offset} is outside the plaintext's "
+                               f"{self.size} bytes (a bug in deepserve's encrypted-shard reader)")
         out = bytearray(length)
         first, last = offset // self.chunk_bytes, (offset + max(length, 1) - 1) // self.chunk_bytes
         for i in range(first, last + 1):
@@ -316,6 +335,12 @@ class EncryptedSafetensors:
         header.pop("__metadata__", None)
         self._data_start = 8 + length
         self._tensors = header
+        # encrypt-model seals any *.safetensors as it is: one cut short before it was sealed (an interrupted
+        # download) is refused here, rather than read past its end later.
+        bad = [name for name, info in header.items() if not _fits(info, self.file.size - self._data_start)]
+        if bad:
+            raise DecryptionError(f"{path}: tensors {bad[:3]} lie outside the shard's data: the safetensors file "
+                                  "was not whole when it was sealed; seal a complete copy again")
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -324,3 +349,15 @@ class EncryptedSafetensors:
         info = self._tensors[name]
         return EncryptedSlice(self.file, info["dtype"], tuple(info["shape"]),
                               self._data_start + info["data_offsets"][0])
+
+
+def _fits(info: dict, room: int) -> bool:
+    """Whether a safetensors header entry puts the tensor's bytes inside the data section (`room` bytes), as many
+    as its shape and dtype need: then no read of it goes past the plaintext."""
+    try:
+        begin, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        need = math.prod(info["shape"]) * dtype.itemsize if dtype is not None else end - begin  # exotic: read as is
+        return 0 <= begin <= end <= room and end - begin == need
+    except (KeyError, TypeError, ValueError):  # not an entry of a safetensors header
+        return False

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from deepserve.errors import ConfigRefused
+from deepserve.errors import ConfigRefused, FilesMissing
 
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -15,13 +16,15 @@ def load_hf_config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     from transformers import AutoConfig
 
     if not os.path.isdir(model):
-        raise ConfigRefused(
+        raise FilesMissing(
             f"model {model!r} is not a local folder; deepserve loads Hugging Face checkpoints from disk "
             "(config.json + *.safetensors + tokenizer files)"
         )
-    if not os.path.isfile(os.path.join(model, "config.json")):
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
         raise ConfigRefused(f"model folder {model!r} has no config.json; --model takes a Hugging Face checkpoint "
                             "folder (config.json + *.safetensors + tokenizer files) or a preset name")
+    _check_json(path)
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=False)
     except ValueError as e:  # transformers' refusal: no model_type, a model_type it does not know
@@ -29,6 +32,21 @@ def load_hf_config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     return config
+
+
+def _check_json(path: str) -> None:
+    """Refuse a config.json that is not a JSON object, naming the file and the spot. Read here first:
+    transformers reports such a file with an OSError (the type it uses for files it can't find), which is no
+    refusal, so the engine logged it with a traceback."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigRefused(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ConfigRefused(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigRefused(f"{path} must hold a JSON object (the model's settings), not a {type(data).__name__}")
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from deepserve.config import ModelConfig
+from deepserve.errors import ConfigRefused
 from deepserve.layers.quantization import quantize_after_loading
 from deepserve.loader.checkpoint import check_all_loaded, init_dummy_weights, iterate_safetensors
 from deepserve.loader.encryption import read_key_file
@@ -55,11 +56,12 @@ def _build(model_class: type[nn.Module], config: ModelConfig, device: torch.devi
 
 
 def _check_host_memory(meta_model: nn.Module, dtype: torch.dtype) -> None:
-    """Refuse, with the numbers, a model that cannot fit in this machine's free memory."""
+    """Refuse, with the numbers and what to change, a model that cannot fit in this machine's free memory
+    (a refusal of the configuration: one line in the engine's log)."""
     need = sum(p.numel() * p.element_size() for p in meta_model.parameters())
     available = _available_host_bytes()
     if available is not None and need > 0.9 * available:
-        raise ValueError(
+        raise ConfigRefused(
             f"the model's weights need {need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} and this "
             f"machine has {available / 2**30:.1f} GiB free; run it on a GPU (--device cuda), with a smaller "
             "dtype (--dtype bfloat16), or pick a smaller model"

@@ -6,6 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from deepserve.errors import ConfigRefused
+
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("deepserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("deepserve.models.qwen2", "Qwen2ForCausalLM"),
@@ -26,6 +28,7 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)
-    raise ValueError(
-        f"config.json architectures {archs} are not supported; supported: {supported_architectures()}"
+    # The checkpoint's own field: a refusal of the input (one line in the engine's log), not a bug.
+    raise ConfigRefused(
+        f"config.json's architectures {archs} are not supported; supported: {', '.join(supported_architectures())}"
     )

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from deepserve import envs
 from deepserve.config import EngineConfig
+from deepserve.errors import ConfigRefused
 from deepserve.heap import freeze_startup_heap
 from deepserve.runner.rank_start import rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_from_message
@@ -155,6 +156,10 @@ def worker_process(*args: Any) -> None:
     try:
         worker_main(*args)
         code = 0
+    except ConfigRefused as e:
+        # Input the loader checked (no weights, a bad key): rank 0 reads the same and reports it in one
+        # line; a traceback per rank would bury that line.
+        print(f"deepserve rank {args[0]} refused to start: {e}", file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepserve.errors import ConfigRefused, FilesMissing
 from deepserve.loader import encryption as enc
 
 pytest.importorskip("cryptography")
@@ -44,8 +45,9 @@ def test_random_reads_equal_the_plaintext_and_touch_only_their_chunks(tmp_path, 
     fresh.read(130, 10)  # inside chunk 2 only
     assert fresh.chunks_decrypted == 1
     assert b"".join(data[i:i + 16] for i in range(0, 64, 16)) not in (tmp_path / "x.bin.enc").read_bytes()
-    with pytest.raises(enc.DecryptionError, match="past"):
+    with pytest.raises(RuntimeError, match="outside the plaintext's 1000 bytes") as caught:
         f.read(990, 20)
+    assert not isinstance(caught.value, ValueError)  # our own bug: not a refusal, so it keeps its traceback
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
@@ -127,11 +129,52 @@ def test_key_files(tmp_path):
     assert len(enc.read_key_file(path)) == 32 and oct(path.stat().st_mode & 0o777) == "0o600"
     with pytest.raises(FileExistsError):
         enc.new_key_file(path)
+    # Refusals naming the flag and the file (the engine logs them in one line): a missing file is still a
+    # FileNotFoundError, a folder or a file that is no key a ValueError.
     (tmp_path / "short").write_text("abcd")
-    with pytest.raises(ValueError, match="--decryption-key-file: .* 64 hex characters"):
-        enc.read_key_file(tmp_path / "short")
-    with pytest.raises(ValueError, match="--key-file: cannot read"):
+    (tmp_path / "raw").write_bytes(bytes(range(200, 232)))  # 32 bytes, but not as hex
+    for name in ("short", "raw"):
+        with pytest.raises(ConfigRefused, match=rf"--decryption-key-file: .*{name} must hold 32 bytes as 64 hex"):
+            enc.read_key_file(tmp_path / name)
+    with pytest.raises(FilesMissing, match=r"--key-file: cannot read .*missing: No such file") as caught:
         enc.read_key_file(tmp_path / "missing", "--key-file")
+    assert isinstance(caught.value, FileNotFoundError)
+    with pytest.raises(ConfigRefused, match=r"--decryption-key-file: cannot read .*: Is a directory"):
+        enc.read_key_file(tmp_path)
+
+
+def test_a_bad_key_file_is_refused_before_the_engine_loads(tmp_path):
+    # Checked where the configuration is made, so the server's process refuses it at once (the engine process
+    # reads it again to load); with dummy weights no key is read, as before.
+    from transformers import LlamaConfig
+
+    from deepserve.config import EngineArgs
+
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=64).save_pretrained(tmp_path)
+    args = EngineArgs(model=str(tmp_path), device="cpu", decryption_key_file=str(tmp_path / "missing"))
+    with pytest.raises(FilesMissing, match=r"--decryption-key-file: cannot read .*missing"):
+        args.create_engine_config()
+    (tmp_path / "key").write_text("not a key")
+    with pytest.raises(ConfigRefused, match="64 hex characters"):
+        EngineArgs(model=str(tmp_path), device="cpu", decryption_key_file=str(tmp_path / "key")).create_engine_config()
+    enc.new_key_file(tmp_path / "good")
+    EngineArgs(model=str(tmp_path), device="cpu", decryption_key_file=str(tmp_path / "good")).create_engine_config()
+    EngineArgs(model=str(tmp_path), device="cpu", load_format="dummy",
+               decryption_key_file=str(tmp_path / "missing")).create_engine_config()
+
+
+def test_a_shard_cut_short_before_it_was_sealed_is_refused_when_opened(tmp_path, key):
+    # encrypt-model seals any *.safetensors as it is; its tensors must lie inside it, or reading one would go
+    # past the plaintext's end (which EncryptedFile.read treats as a bug of ours).
+    save_file({"a": torch.ones(64), "b": torch.ones(64)}, tmp_path / "m.safetensors")
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-100])
+    enc.encrypt_file(tmp_path / "cut.safetensors", tmp_path / "cut.safetensors.enc", key)
+    with pytest.raises(enc.DecryptionError, match=r"tensors \['b'\] lie outside the shard's data: .* not whole"):
+        enc.EncryptedSafetensors(tmp_path / "cut.safetensors.enc", key)
+    enc.encrypt_file(tmp_path / "m.safetensors", tmp_path / "m.safetensors.enc", key)
+    assert sorted(enc.EncryptedSafetensors(tmp_path / "m.safetensors.enc", key).keys()) == ["a", "b"]
 
 
 def test_an_encrypted_checkpoint_serves_what_transformers_computes(tmp_path, tokenizer):
@@ -281,3 +324,81 @@ def test_an_index_entry_outside_the_folder_is_refused_by_encrypt_model_and_the_l
     _index(sealed, {"a": "model-00001.safetensors", "b": entry})
     with pytest.raises(ConfigRefused, match=refusal.replace("plain", "sealed")):
         next(iterate_safetensors(str(sealed), key))
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('{"weight_map": ', "is not valid JSON: Expecting value"),
+    ('{"metadata": {}}', "has no weight_map object"),
+    ('["m.safetensors"]', "has no weight_map object"),
+    ('{"weight_map": ["m.safetensors"]}', "has no weight_map object"),
+    ('{"weight_map": {"a": "m.safetensors", "b": 3, "c": null}}', r"weight_map values must be shard file paths "
+                                                                   r"\(strings\); got \{'b': 3, 'c': None\}"),
+    ('{"weight_map": {"a": "m.safetensors", "b": ""}}', r"lists entries that name no file: \[''\]"),
+    ('{"weight_map": {"a": "m.safetensors", "b": "."}}', r"lists entries that name no file: \['.'\]"),
+    ('{"weight_map": {"a": "m.safetensors", "b": "sub/", "c": "sub/."}}',
+     r"lists entries that name no file: \['sub/', 'sub/.'\]"),
+], ids=["json", "no-map", "list", "map-list", "non-string", "empty", "dot", "folder"])
+def test_a_malformed_index_is_refused_naming_it_by_the_loader_and_encrypt_model(tmp_path, key, text, said):
+    # Once a KeyError, a TypeError, or a JSON error that did not name the file: tracebacks from the engine.
+    from deepserve.loader.checkpoint import checkpoint_files
+
+    plain = tmp_path / "plain"
+    (plain / "sub").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, plain / "m.safetensors")
+    (plain / "model.safetensors.index.json").write_text(text)
+    refusal = rf"{re.escape(str(plain / 'model.safetensors.index.json'))}:? {said}"
+    with pytest.raises(ConfigRefused, match=refusal):
+        checkpoint_files(str(plain))
+    with pytest.raises(ConfigRefused, match=refusal):
+        enc.encrypt_model(plain, tmp_path / "sealed", key)
+    assert not (tmp_path / "sealed").exists()
+
+
+def test_an_index_entry_naming_a_folder_is_a_missing_shard(tmp_path):
+    # "sub" names a folder, not a shard: once taken for a plaintext shard and opened (a traceback).
+    from deepserve.errors import FilesMissing
+    from deepserve.loader.checkpoint import checkpoint_files
+
+    plain = tmp_path / "plain"
+    (plain / "sub").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, plain / "m.safetensors")
+    _index(plain, {"a": "m.safetensors", "b": "sub"})
+    with pytest.raises(FilesMissing, match=r"lists shards that are not in .*plain or sealed: \['sub'\]"):
+        checkpoint_files(str(plain))
+
+
+def test_index_entries_that_name_one_file_are_one_shard(tmp_path, key):
+    # "./m.safetensors", "m.safetensors" and "sub//n.safetensors" normalize to two files: the loader reads each
+    # once (its tensors twice would be loaded twice) and encrypt-model seals the same two.
+    from deepserve.loader.checkpoint import checkpoint_files, index_shards, iterate_safetensors
+
+    plain = tmp_path / "plain"
+    (plain / "sub").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, plain / "m.safetensors")
+    save_file({"b": torch.ones(3), "c": torch.ones(4)}, plain / "sub" / "n.safetensors")
+    _index(plain, {"a": "./m.safetensors", "b": "sub//n.safetensors", "c": "sub/./n.safetensors"})
+    assert index_shards(str(plain)) == ["m.safetensors", "sub/n.safetensors"]
+    assert [os.path.relpath(p, plain) for p in checkpoint_files(str(plain))] == ["m.safetensors", "sub/n.safetensors"]
+    assert [n for n, _ in iterate_safetensors(str(plain))] == ["a", "b", "c"]
+    assert enc.encrypt_model(plain, tmp_path / "sealed", key)[:2] == ["m.safetensors.enc", "sub/n.safetensors.enc"]
+    assert [n for n, _ in iterate_safetensors(str(tmp_path / "sealed"), key)] == ["a", "b", "c"]
+
+
+def test_a_symlinked_subfolder_is_sealed_whole_and_a_link_loop_is_not_followed(tmp_path, key):
+    # Hugging Face cache style: the index's shards in a linked subfolder were sealed (paths are checked by name)
+    # but its config files were not copied. A link back up the tree must not make the walk loop.
+    plain, elsewhere, sealed = tmp_path / "plain", tmp_path / "elsewhere", tmp_path / "sealed"
+    (elsewhere / "deeper").mkdir(parents=True)
+    plain.mkdir()
+    save_file({"a": torch.ones(2)}, elsewhere / "n.safetensors")
+    (elsewhere / "config.json").write_text('{"linked": 1}')
+    (elsewhere / "deeper" / "tokenizer.json").write_text("{}")
+    (plain / "sub").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "deeper" / "up").symlink_to(plain, target_is_directory=True)  # plain/sub/deeper/up -> plain
+    (elsewhere / "deeper" / "self").symlink_to(elsewhere / "deeper", target_is_directory=True)
+    (plain / "config.json").write_text("{}")
+    _index(plain, {"a": "sub/n.safetensors"})
+    written = enc.encrypt_model(plain, sealed, key)
+    assert sorted(written) == ["config.json", "model.safetensors.index.json", "sub/config.json",
+                               "sub/deeper/tokenizer.json", "sub/n.safetensors.enc"]
+    assert (sealed / "sub" / "config.json").read_text() == '{"linked": 1}'

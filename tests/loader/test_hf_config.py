@@ -2,10 +2,11 @@
 (the engine process logs it in one line: tests/server/test_core_process.py)."""
 
 import json
+import re
 
 import pytest
 
-from deepserve.errors import ConfigRefused
+from deepserve.errors import ConfigRefused, FilesMissing
 from deepserve.loader.hf_config import load_hf_config, resolve_max_model_len
 
 
@@ -14,9 +15,44 @@ def test_a_folder_without_config_json_is_refused_naming_the_file(tmp_path):
         load_hf_config(str(tmp_path))
 
 
-def test_a_missing_folder_is_refused(tmp_path):
-    with pytest.raises(ConfigRefused, match="is not a local folder"):
+def test_a_missing_folder_is_refused_and_still_a_file_not_found_error(tmp_path):
+    with pytest.raises(FilesMissing, match="is not a local folder") as caught:
         load_hf_config(str(tmp_path / "nowhere"))
+    assert isinstance(caught.value, FileNotFoundError)  # what it was before it became a refusal
+
+
+@pytest.mark.parametrize(("text", "said"), [('{"model_type": "llama",', r"is not valid JSON: Expecting property name"),
+                                            (b"\xff\xfe{}", "is not valid JSON"),
+                                            ('["llama"]', "must hold a JSON object .* not a list")])
+def test_a_config_json_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, text, said):
+    # transformers says "not a valid JSON file" with an OSError, which was no refusal: a traceback, exit 1.
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigRefused, match=rf"^{re.escape(str(path))} {said}"):
+        load_hf_config(str(tmp_path))
+
+
+def test_an_unsupported_architecture_is_a_refusal_naming_the_supported_ones():
+    from types import SimpleNamespace
+
+    from deepserve.models.registry import get_model_class
+
+    with pytest.raises(ConfigRefused, match=r"config.json's architectures \['GPT2LMHeadModel'\] are not supported; "
+                                            r"supported: DeepseekV2ForCausalLM, .*LlamaForCausalLM"):
+        get_model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"]))
+
+
+def test_too_little_host_memory_is_a_refusal_saying_what_to_change(monkeypatch):
+    import torch
+
+    from deepserve.loader import model_loader
+
+    monkeypatch.setattr(model_loader, "_available_host_bytes", lambda: 2**30)
+    with torch.device("meta"):
+        model = torch.nn.Linear(2**15, 2**15, bias=False)  # 4 GiB of float32, none of it allocated
+    with pytest.raises(ConfigRefused, match=r"need 4\.0 GiB in float32 and this machine has 1\.0 GiB free; "
+                                            r"run it on a GPU \(--device cuda\)"):
+        model_loader._check_host_memory(model, torch.float32)
 
 
 def test_a_config_transformers_cannot_read_is_refused_naming_the_file(tmp_path):

@@ -119,3 +119,31 @@ def test_unsupported_pipeline_parallel_is_refused_clearly(llama_path):
     # 2 layers cannot make 3 stages: refused before any process starts, naming the field.
     with pytest.raises(ValueError, match=r"num_hidden_layers \(2\) is less than pipeline_parallel_size \(3\)"):
         LLM(llama_path, device="cpu", pipeline_parallel_size=3)
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("no *.safetensors weights in /m"), RuntimeError("a bug")])
+def test_a_rank_that_fails_prints_one_line_for_a_refusal_and_a_traceback_otherwise(monkeypatch, capsys, error):
+    # Rank 0 reads the same input and reports a refusal in one line; a traceback from every other rank would
+    # bury it. Anything else may be a bug: its traceback stays.
+    from deepserve.errors import ConfigRefused, FilesMissing
+    from deepserve.runner import worker
+
+    if isinstance(error, FileNotFoundError):
+        error = FilesMissing(str(error))
+
+    def fail(*args):
+        raise error
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(worker, "worker_main", fail)
+    monkeypatch.setattr(worker, "leave_now", leave)
+    with pytest.raises(SystemExit) as left:
+        worker.worker_process(1, 2, 0, "gloo", 30.0, None, None, None, None)
+    assert left.value.code == 1
+    err = capsys.readouterr().err
+    if isinstance(error, ConfigRefused):
+        assert err == "deepserve rank 1 refused to start: no *.safetensors weights in /m\n"
+    else:
+        assert "Traceback" in err and err.endswith("RuntimeError: a bug\n")

@@ -65,3 +65,24 @@ def test_serve_tp2_matches_tp1_and_leaves_no_workers(llama_path, tmp_path):
     assert code == 0, server.tail()
     assert wait_until(lambda: not any(_alive(p) for p in procs), timeout=20), server.tail()
     assert text == _offline_text(llama_path)
+
+
+def test_serve_tp2_without_weights_is_refused_without_a_traceback(llama_path, tmp_path):
+    # Every rank finds the weights missing: rank 0's one line reaches the log, and rank 1 says so in one line
+    # too instead of printing its traceback.
+    import shutil
+
+    folder = tmp_path / "no-weights"
+    shutil.copytree(llama_path, folder, ignore=shutil.ignore_patterns("*.safetensors*"))
+    server = Server([str(folder), "--tensor-parallel-size", "2", "--dtype", "float32", "--device", "cpu",
+                     "--max-model-len", "256"], str(tmp_path))
+    try:
+        server.proc.wait(timeout=120)
+    finally:
+        code = server.stop()
+    with open(server.log_path) as f:
+        log = f.read()
+    assert code == 1, log
+    assert "Traceback" not in log, log
+    assert f"deepserve rank 1 refused to start: no *.safetensors weights in {folder}" in log, log
+    assert f"engine core refused to start: no *.safetensors weights in {folder}" in log, log

@@ -460,7 +460,12 @@ def _alive(pid: int) -> bool:
     return _stat(pid)[:1] not in ([], [b"Z"])
 
 
-def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):
+@pytest.mark.parametrize(("args", "said"), [
+    (dict(max_model_len=10**9), "max_model_len"),
+    # A missing key file is refused by the server's process too, at once, not by the engine after a traceback.
+    (dict(decryption_key_file="/nonexistent/deepserve.key"), "--decryption-key-file: cannot read"),
+])
+def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch, args, said):
     spawned = []
 
     def spawn(engine_args):
@@ -468,8 +473,8 @@ def test_a_server_side_start_up_failure_stops_the_spawned_child(monkeypatch):
         return spawned[-1]
 
     monkeypatch.setattr(async_llm, "spawn_core_process", spawn)
-    with pytest.raises(ValueError, match="max_model_len"):
-        AsyncLLM.from_engine_args(EngineArgs(max_model_len=10**9))
+    with pytest.raises(ValueError, match=said):
+        AsyncLLM.from_engine_args(EngineArgs(**args))
     assert len(spawned) == 1 and spawned[0].proc.poll() is not None
     assert not os.path.exists(spawned[0].tmpdir)
 
