@@ -149,8 +149,10 @@ def settings_from(ns: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from deepserve.server.api_server import bind_listener, defer_sighup, run_server
+
+    defer_sighup()  # before the slow work: a SIGHUP while we start is a key reload once the app runs, not our end
     from deepserve.entrypoints.cli import engine_args_from, preset_tokenizer
-    from deepserve.server.api_server import bind_listener, run_server
     from deepserve.server.async_llm import AsyncLLM
     from deepserve.server.state import ServerState
 

@@ -72,7 +72,9 @@ def index_shards(model_path: str) -> list[str] | None:
     index = os.path.join(model_path, INDEX)
     if not os.path.exists(index):
         return None
-    entries = _weight_map_files(index)
+    # Each file once (a 671B index maps ~100k tensors to a few hundred files); after the type check, so a
+    # list among the values is refused by name rather than a TypeError here.
+    entries = set(_weight_map_files(index))
     outside = sorted({n for n in entries if os.path.isabs(n) or ".." in PurePosixPath(n).parts})
     if outside:
         raise ConfigRefused(f"{index} lists shards outside {model_path}: {outside}; its weight_map must name "

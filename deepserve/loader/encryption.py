@@ -250,8 +250,12 @@ class EncryptedFile:
             # checks every tensor's bytes lie inside it; a read past the end is our own offset arithmetic.
             raise RuntimeError(f"{self.path}: read of {length} bytes at offset {offset} is outside the plaintext's "
                                f"{self.size} bytes (a bug in deepserve's encrypted-shard reader)")
+        if length == 0:
+            # No chunk to open: at the end of a plaintext that fills its chunks (an empty last tensor), the
+            # chunk the offset falls in does not exist, and opening it would fail authentication.
+            return bytearray()
         out = bytearray(length)
-        first, last = offset // self.chunk_bytes, (offset + max(length, 1) - 1) // self.chunk_bytes
+        first, last = offset // self.chunk_bytes, (offset + length - 1) // self.chunk_bytes
         for i in range(first, last + 1):
             chunk, start = self._chunk(i), i * self.chunk_bytes
             lo, hi = max(offset, start), min(offset + length, start + len(chunk))

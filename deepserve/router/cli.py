@@ -55,6 +55,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_router(ns: argparse.Namespace) -> int:
+    from deepserve.server.api_server import defer_sighup
+
+    defer_sighup()  # a SIGHUP before the app's lifespan is a reload once it runs, not our end
     from deepserve.router.app import run_router
     from deepserve.router.state import RouterSettings
 

@@ -115,6 +115,34 @@ def install_sighup(state: Any) -> None:
     if hasattr(signal, "SIGHUP"):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
+    if _take_early_sighup():
+        # Once, however many came: the key file may have changed while we loaded, so reload, not drop it.
+        logger.info("applying the SIGHUP received during start-up")
+        on_sighup()
+
+
+_early_sighup = False  # a SIGHUP came between defer_sighup() and install_sighup()
+
+
+def defer_sighup() -> None:
+    """Called first by `deepserve serve` and `deepserve router`: until install_sighup replaces it, a SIGHUP
+    is recorded for install_sighup to apply instead of ending the process (its default action). Loading a
+    model takes minutes, and docs/deploy.md has operators SIGHUP every pod after a key change."""
+    def record(signum: int, frame: object) -> None:
+        global _early_sighup
+        _early_sighup = True
+
+    if hasattr(signal, "SIGHUP"):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGHUP, record)
+            # Restart interrupted system calls, as asyncio's handler does: the loading code need not expect EINTR.
+            signal.siginterrupt(signal.SIGHUP, False)
+
+
+def _take_early_sighup() -> bool:
+    global _early_sighup
+    taken, _early_sighup = _early_sighup, False
+    return taken
 
 
 async def _start_engine(state: ServerState) -> None:

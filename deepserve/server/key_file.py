@@ -14,7 +14,7 @@ import os
 import pwd
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import yaml
 
@@ -163,23 +163,38 @@ def _keep_owner_and_mode(fd: int, old: os.stat_result, path: str) -> None:
         try:
             os.fchown(fd, old.st_uid, old.st_gid)
         except OSError as e:
-            raise ValueError(
-                f"{path}: cannot keep the file's owner {_owner(old.st_uid, old.st_gid)} ({e.strerror or e}) "
-                f"when run as {_owner(os.geteuid(), os.getegid())}; nothing was changed. Run the command as "
-                "that user or as root, so that a server reading the file as its owner or group can still "
-                "reload it") from None
+            raise _owner_refused(path, old, e) from None
     os.fchmod(fd, stat.S_IMODE(old.st_mode))
+
+
+def _owner_refused(path: str, old: os.stat_result, e: OSError) -> ValueError:
+    """Why the old owner could not be kept, and who can keep it. A caller who owns the file may give it only
+    a group they are in: running as "that user" (themselves) would not help, so they are told so."""
+    why = e.strerror or e
+    if old.st_uid == os.geteuid() and old.st_gid not in (os.getegid(), *os.getgroups()):
+        group = _name(grp.getgrgid, old.st_gid)
+        return ValueError(
+            f"{path}: cannot keep the file's group {group} ({why}): {_name(pwd.getpwuid, old.st_uid)} owns the "
+            f"file but is not a member of group {group}; nothing was changed. Run the command as root or as a "
+            "member of that group, so that a server reading the file through its group can still reload it")
+    return ValueError(
+        f"{path}: cannot keep the file's owner {_owner(old.st_uid, old.st_gid)} ({why}) "
+        f"when run as {_owner(os.geteuid(), os.getegid())}; nothing was changed. Run the command as "
+        "that user or as root, so that a server reading the file as its owner or group can still "
+        "reload it")
 
 
 def _owner(uid: int, gid: int) -> str:
     """'user:group', by name where the system knows it."""
-    def name(lookup, i: int) -> str:
-        try:
-            return lookup(i)[0]
-        except KeyError:
-            return str(i)
+    return f"{_name(pwd.getpwuid, uid)}:{_name(grp.getgrgid, gid)}"
 
-    return f"{name(pwd.getpwuid, uid)}:{name(grp.getgrgid, gid)}"
+
+def _name(lookup: Callable[[int], tuple], i: int) -> str:
+    """A user's or group's name (lookup: pwd.getpwuid or grp.getgrgid), or its number if it has none."""
+    try:
+        return lookup(i)[0]
+    except KeyError:
+        return str(i)
 
 
 def _not_writable(path: str, e: OSError) -> ValueError:

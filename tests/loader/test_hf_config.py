@@ -35,11 +35,13 @@ def test_a_config_json_that_is_not_a_json_object_is_refused_naming_the_file(tmp_
 def test_an_unsupported_architecture_is_a_refusal_naming_the_supported_ones():
     from types import SimpleNamespace
 
-    from deepserve.models.registry import get_model_class
+    from deepserve.models.registry import get_model_class, supported_architectures
 
-    with pytest.raises(ConfigRefused, match=r"config.json's architectures \['GPT2LMHeadModel'\] are not supported; "
-                                            r"supported: DeepseekV2ForCausalLM, .*LlamaForCausalLM"):
+    with pytest.raises(ConfigRefused) as refused:
         get_model_class(SimpleNamespace(architectures=["GPT2LMHeadModel"]))
+    said = str(refused.value)
+    assert "\n" not in said and "config.json" in said and "GPT2LMHeadModel" in said, said
+    assert all(arch in said for arch in supported_architectures()), said
 
 
 def test_too_little_host_memory_is_a_refusal_saying_what_to_change(monkeypatch):
@@ -50,9 +52,11 @@ def test_too_little_host_memory_is_a_refusal_saying_what_to_change(monkeypatch):
     monkeypatch.setattr(model_loader, "_available_host_bytes", lambda: 2**30)
     with torch.device("meta"):
         model = torch.nn.Linear(2**15, 2**15, bias=False)  # 4 GiB of float32, none of it allocated
-    with pytest.raises(ConfigRefused, match=r"need 4\.0 GiB in float32 and this machine has 1\.0 GiB free; "
-                                            r"run it on a GPU \(--device cuda\)"):
+    with pytest.raises(ConfigRefused) as refused:
         model_loader._check_host_memory(model, torch.float32)
+    said = str(refused.value)  # one line: the weights' size and dtype, the memory free, the flags that help
+    assert "\n" not in said, said
+    assert all(fact in said for fact in ("4.0 GiB", "float32", "1.0 GiB", "--device", "--dtype")), said
 
 
 def test_a_config_transformers_cannot_read_is_refused_naming_the_file(tmp_path):

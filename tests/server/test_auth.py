@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import grp
 import os
 import signal
 import subprocess
@@ -320,6 +321,28 @@ def test_an_owner_that_cannot_be_kept_is_refused_and_the_file_is_unchanged(tmp_p
     assert (code, out) == (2, "") and err.startswith(f"deepserve: error: {path}: ") and err.count("\n") == 1, err
     assert "cannot keep the file's owner 4242:4343" in err and "nothing was changed" in err, err
     assert open(path).read() == text and (os.stat(path).st_uid, os.stat(path).st_gid) == (4242, 4343)
+    assert sorted(os.listdir(tmp_path)) == ["keys.yaml", "keys.yaml.lock"]
+
+
+@as_root
+def test_an_owner_outside_the_files_group_is_told_so_not_to_run_as_themselves(tmp_path, capsys, monkeypatch):
+    # The caller owns the file, whose group they are not in (alice:deepserve, alice outside deepserve): only
+    # root or a member may give the new file that group. "Run as that user" would send them back to themselves.
+    path = str(tmp_path / "keys.yaml")
+    three_keys(path)
+    named = {g.gr_gid for g in grp.getgrall()}  # a gid without a name is shown as its number
+    group = next(g for g in range(4343, 5000) if g not in (os.getegid(), *os.getgroups(), *named))
+    os.chown(path, os.geteuid(), group)
+    text = open(path).read()
+
+    def fchown(fd, uid, gid):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", fchown)
+    code, out, err = keys_cli(capsys, "revoke", "bob", "--file", path)
+    assert (code, out) == (2, "") and err.startswith(f"deepserve: error: {path}: ") and err.count("\n") == 1, err
+    assert f"not a member of group {group}" in err and "that user" not in err, err
+    assert open(path).read() == text and os.stat(path).st_gid == group
     assert sorted(os.listdir(tmp_path)) == ["keys.yaml", "keys.yaml.lock"]
 
 

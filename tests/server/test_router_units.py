@@ -200,6 +200,43 @@ def test_sighup_reloads_the_keys_and_reopens_the_audit_log(tmp_path):
         ("SIGHUP key reload", "admin_ok"), (None, "ok")]
 
 
+def test_a_sighup_before_the_lifespan_is_one_reload_when_it_starts(tmp_path, monkeypatch):
+    # `deepserve serve` and `router` call defer_sighup first: a SIGHUP while they load is recorded (its
+    # default action would end the process) and the lifespan reloads once, since the keys may have changed.
+    import os
+    import signal
+
+    import deepserve.router.app as router_app
+    from deepserve.router.state import RouterState
+    from deepserve.server.api_server import defer_sighup
+
+    st = RouterState(RouterSettings(backends=["http://127.0.0.1:9"]))
+    reloads: list[int] = []
+    monkeypatch.setattr(st.keys, "reload", lambda: reloads.append(1))
+    monkeypatch.setattr(st.pool, "run_checks", lambda client: asyncio.sleep(0))
+
+    async def serve() -> None:
+        app = router_app.build_app(st)
+        async with app.router.lifespan_context(app):  # in this thread, as uvicorn runs it: the real handler
+            assert reloads == [1]
+            os.kill(os.getpid(), signal.SIGHUP)  # now the running router's handler
+            for _ in range(100):
+                if len(reloads) == 2:
+                    break
+                await asyncio.sleep(0.01)
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        defer_sighup()
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert reloads == []  # recorded, not applied: nothing to reload into yet
+        asyncio.run(serve())
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert reloads == [1, 1]
+
+
 def test_quota_errors_are_a_counter_and_an_unreachable_redis_is_said_at_start():
     from types import SimpleNamespace
 

@@ -193,11 +193,9 @@ def test_unreadable_yaml_is_one_line_error_naming_the_file(tmp_path, capsys, mak
 @pytest.mark.parametrize("lock_exists", [False, True], ids=["no-lock", "lock"])  # made while it was writable
 @pytest.mark.parametrize("command", [["keys", "revoke", "alice", "--file"], ["keys", "rotate", "alice", "--file"],
                                      ["keys", "add", "bob", "--role", "user", "--file"]])
-@pytest.mark.parametrize("err, message", [(errno.EROFS, "on a read-only filesystem (Read-only file system"),
-                                          (errno.EACCES, "not writable here (Permission denied")],
-                         ids=["EROFS", "EACCES"])
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES], ids=["EROFS", "EACCES"])
 def test_a_key_file_that_cannot_be_written_is_one_line_error_naming_it(tmp_path, capsys, monkeypatch, lock_exists,
-                                                                       command, err, message):
+                                                                       command, err):
     # A Kubernetes Secret mount is read-only: the edit was a PermissionError / OSError traceback. Nothing may be
     # created in the folder (simulated: this runs as root in CI, which a chmod does not stop).
     from deepserve.entrypoints.cli import main
@@ -219,8 +217,9 @@ def test_a_key_file_that_cannot_be_written_is_one_line_error_naming_it(tmp_path,
     monkeypatch.setattr(os, "open", refusing_open)
     assert main([*command, path]) == 2
     out = capsys.readouterr().err
-    assert out.startswith(f"deepserve: error: {path}: the key file is {message}") and out.count("\n") == 1, out
-    assert "nothing was changed" in out and (("Secret" in out) == (err == errno.EROFS)), out
+    # One line naming the file and the system's reason; a read-only mount points at the Secret's way (deploy.md).
+    assert out.startswith(f"deepserve: error: {path}: ") and out.count("\n") == 1, out
+    assert os.strerror(err) in out and (("Secret" in out) == (err == errno.EROFS)), out
     assert (sorted(os.listdir(tmp_path)), open(path).read()) == before
 
 
