@@ -179,6 +179,16 @@ class MLP(nn.Module):
         return self.w2(self.act(self.w13(x)))  # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
 
 
+def expert_shard_blocks(start: int, size: int, block: int) -> tuple[int, int]:
+    """(start, size) in scale blocks of `block` of a rank's share [start, start + size) of an FP8 expert's
+    intermediate size; the share must start on a block boundary. The loaders call it, and the planner with
+    rank 1's start (deepserve plan refuses what serve would, in the same words)."""
+    if start % block:
+        raise ValueError(f"moe_intermediate_size shard of {size} per rank cuts FP8 blocks of {block}; "
+                         "choose a tensor_parallel_size (or --enable-expert-parallel) that keeps whole blocks")
+    return start // block, fp8_ref.cdiv(size, block)
+
+
 class RoutedExperts(nn.Module):
     """Every routed expert's SwiGLU weights stacked: w13 [X, 2I, E] (w1 rows, then w3 rows), w2 [X, E, I].
 
@@ -291,10 +301,7 @@ class RoutedExperts(nn.Module):
         start, size = self.inter_rank * self.inter, self.inter
         if block is None:
             return start, size
-        if start % block:
-            raise ValueError(f"moe_intermediate_size shard of {self.inter} per rank cuts FP8 blocks of {block}; "
-                             "choose a tensor_parallel_size (or --enable-expert-parallel) that keeps whole blocks")
-        return start // block, fp8_ref.cdiv(size, block)
+        return expert_shard_blocks(start, size, block)
 
     def _inter_extent(self, block: int | None) -> int:
         """The whole I of a checkpoint expert tensor, in elements or in scale blocks of `block`."""

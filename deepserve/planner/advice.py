@@ -43,9 +43,8 @@ def advise(failed) -> list[dict]:
         out.append({"change": "shorter context", "flags": None, "num_gpus": failed.num_gpus, "max_sequences": 0,
                     "max_model_len": 0,
                     "detail": f"no context length helps: weights {failed.weights_bytes / GIB:.1f} GiB + activations "
-                              f"and graphs {(failed.activation_bytes + failed.cuda_graph_bytes) / GIB:.1f} GiB "
-                              f"leave {failed.kv_cache_bytes / GIB:.1f} GiB of the {failed.budget_bytes / GIB:.1f} "
-                              "GiB budget for the KV cache"})
+                              f"{failed.activation_bytes / GIB:.1f} GiB leave {failed.kv_cache_bytes / GIB:.1f} GiB of "
+                              f"the {failed.budget_bytes / GIB:.1f} GiB budget for the KV cache"})
     return out
 
 
@@ -77,24 +76,39 @@ def _more_gpus(failed, plan) -> dict | None:
 
 def _quantized(failed, plan) -> list[dict]:
     """Smaller weights on the same GPUs: FP8 quantized at load (a bf16 checkpoint on a GPU with FP8 tensor
-    cores; elsewhere the re-plan is refused, so not advised), then an int4 (AWQ) build of the model."""
+    cores; elsewhere the re-plan is refused, so not advised), then an int4 (AWQ) build of the model, for an
+    FP8 plan too. A preset's serve line takes --quantization awq (dummy int4 weights); a checkpoint on disk
+    is served int4 only from an int4 checkpoint of the model, so that is what the advice names."""
     req = failed.request
-    if failed.quantization is not None or req.quantization in ("awq", "gptq"):
-        return []  # already quantized: int4 advice to an FP8 plan would be a different model build
+    if failed.quantization in ("awq", "gptq") or req.quantization in ("awq", "gptq"):
+        return []  # int4 already: nothing smaller to offer
     out = []
-    for method, change, why in (("fp8", "fp8 weights", "an FP8 checkpoint as shipped, a bf16 one quantized at load"),
-                                ("awq", "int4 weights", "needs an AWQ int4 build of the model (GPTQ: "
-                                                        "--quantization gptq)")):
-        alt = _try(plan, dataclasses.replace(req, quantization=method, max_model_len=failed.max_model_len))
-        if _runs(alt) and alt.quantization == method:
-            out.append(_entry(change, f"--quantization {method}", alt,
-                              f"{why}; weights {alt.weights_bytes / GIB:.1f} GiB per GPU"))
+    if failed.quantization is None:  # an FP8 plan is FP8 already
+        alt = _try(plan, dataclasses.replace(req, quantization="fp8", max_model_len=failed.max_model_len))
+        if _runs(alt) and alt.quantization == "fp8":
+            out.append(_entry("fp8 weights", "--quantization fp8", alt, "an FP8 checkpoint as shipped, a bf16 one "
+                              f"quantized at load; weights {alt.weights_bytes / GIB:.1f} GiB per GPU"))
+    alt = _try(plan, dataclasses.replace(req, quantization="awq", max_model_len=failed.max_model_len))
+    if _runs(alt) and alt.quantization == "awq":
+        out.append(_entry("int4 weights", "--quantization awq", alt, "needs an AWQ int4 build of the model (GPTQ: "
+                          f"--quantization gptq); weights {alt.weights_bytes / GIB:.1f} GiB per GPU"))
+    elif _runs_from_another_checkpoint(alt):
+        out.append(_entry("int4 weights", None, alt, "an AWQ int4 checkpoint of this model would fit: serve that "
+                          "folder instead (its quantization_config selects int4; GPTQ too); weights "
+                          f"{alt.weights_bytes / GIB:.1f} GiB per GPU"))
     return out
 
 
 def _runs(alt) -> bool:
     """A re-plan worth advising: it fits, and this engine version would take its serve line."""
     return alt is not None and alt.fits and not alt.engine_refuses
+
+
+def _runs_from_another_checkpoint(alt) -> bool:
+    """A re-plan that fits and that serve refuses only because the checkpoint on disk is not the int4 format
+    asked for: an int4 checkpoint of the model would run it."""
+    # the mismatch's note is its only one: any other refusal would stand with an int4 checkpoint too
+    return alt is not None and alt.fits and alt.checkpoint_mismatch is not None and len(alt.warnings) == 1
 
 
 def _try(plan, req):
@@ -104,7 +118,7 @@ def _try(plan, req):
         return None
 
 
-def _entry(change: str, flags: str, alt, detail: str) -> dict:
+def _entry(change: str, flags: str | None, alt, detail: str) -> dict:
     return {"change": change, "flags": flags, "num_gpus": alt.num_gpus, "max_sequences": alt.max_sequences,
             "max_model_len": alt.max_model_len,
             "detail": f"{detail}; {alt.kv_tokens:,} KV tokens, {alt.max_sequences:,} sequences of "

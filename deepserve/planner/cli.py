@@ -13,17 +13,26 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="capacity plan: memory per GPU, sequences that fit, serve flags")
     p.add_argument("model", help="checkpoint folder, its config.json, or a preset (e.g. deepseek-v2-lite)")
     p.add_argument("--gpu", default="h200", help=f"{', '.join(GPUS)}, or a size in GiB (default: h200)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    # The flags that mirror serve's carry serve's words (entrypoints/cli.py add_engine_args; a test holds them
+    # equal) and the default the plan assumes, which is serve's.
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs each layer is split over (default: 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (consecutive layers per stage) (default: 1)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) or fp8 (fp8_e4m3), as serve takes them; bf16 / fp16 plan as auto on "
                         "a model of that dtype")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights' and activations' dtype (auto: the checkpoint's 16-bit type on a GPU, float32 on "
+                        "CPU) (default: auto)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may use (weights, activations, KV cache) "
+                        "(default: 0.9)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step (default: 8192 with chunked prefill, else max_model_len)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--enforce-eager", action="store_true", help="plan without the CUDA-graph reserve")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8", "awq", "gptq", "none"],
                    help="as deepserve serve's (default: the checkpoint's; FP8 checkpoints stay FP8); awq / gptq "
@@ -67,9 +76,9 @@ def format_plan(p) -> str:
         f"  budget       {_gib(p.budget_bytes)}  GPU memory × {p.request.gpu_memory_utilization:g}",
         f"  weights      {_gib(p.weights_bytes)}  {f['weights']}",
         f"  activations  {_gib(p.activation_bytes)}  {f['activations']}",
-        f"  CUDA graphs  {_gib(p.cuda_graph_bytes)}  {f['cuda_graphs']}",
         f"  KV cache     {_gib(p.kv_cache_bytes)}  {f['kv_cache']}",
         f"  KV per token {p.kv_bytes_per_token:,} bytes  {f['kv_bytes_per_token']}",
+        f"  CUDA graphs  {_gib(p.cuda_graph_bytes)}  {f['cuda_graphs']}",
         "",
         f"KV tokens that fit   {p.kv_tokens:,} ({p.num_blocks:,} blocks of {p.request.block_size})",
         f"sequences of {p.max_model_len:,}  {p.max_sequences:,}"
@@ -77,14 +86,28 @@ def format_plan(p) -> str:
         "",
     ]
     if p.fits and p.engine_refuses:
-        lines += ["fits in memory, but this deepserve version refuses the command (see the note below):",
+        lines += ["fits in memory, but deepserve serve refuses the command (see the note below):",
                   "  " + shlex.join(p.serve_command)]
     elif p.fits:
         lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
         if "--nnodes" in p.serve_command:
             lines += ["  (that is node 0, with NODE0_ADDRESS its address; on node k the same with --node-rank k)"]
     else:
-        lines += ["does NOT fit: not one sequence of max_model_len has room in the KV cache. What would:"]
-        lines += [f"  - {a['change']}: {a['flags'] or '(none)'} — {a['detail']}" for a in p.advice]
+        lines += [f"does NOT fit: {_why_not(p)}. What would:"]
+        lines += [f"  - {a['change']}: " + (f"{a['flags']} — " if a["flags"] else "") + a["detail"] for a in p.advice]
     lines += [f"note: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _why_not(p) -> str:
+    """The first thing that does not fit, largest first: the weights, then the step's activations, then
+    the fp8-at-load peak (its note has the numbers), then the KV cache of one sequence."""
+    if p.weights_bytes > p.budget_bytes:
+        return (f"the weights alone do not fit: {p.weights_bytes / GIB:.1f} GiB per GPU against the "
+                f"{p.budget_bytes / GIB:.1f} GiB budget")
+    if p.kv_cache_bytes < 0:
+        return (f"the weights and activations do not fit: {(p.weights_bytes + p.activation_bytes) / GIB:.1f} GiB "
+                f"per GPU against the {p.budget_bytes / GIB:.1f} GiB budget")
+    if p.num_blocks == 0 and p.kv_cache_bytes >= p.kv_bytes_per_token * p.request.block_size:
+        return "the weights do not fit while loading (see the note below)"
+    return "not one sequence of max_model_len has room in the KV cache"

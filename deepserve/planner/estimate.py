@@ -1,7 +1,8 @@
 """The planner's arithmetic: per-GPU memory, KV tokens that fit, sequences that fit, the serve flags.
 
 Budget per GPU = total × gpu_memory_utilization, as in ModelRunner._profile_gpu_blocks; the KV cache gets
-what the weights, the activations of the profiling step and the CUDA-graph reserve leave of it.
+what the weights and the activations of the profiling step leave of it. The CUDA context and the decode CUDA
+graphs are not taken from it: the engine does not count them either (see _graphs).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import shlex
 from dataclasses import dataclass, field
 
 from deepserve.planner.advice import nodes_needed
-from deepserve.planner.gpus import MIB, gpu_capability, gpu_memory_bytes
+from deepserve.planner.gpus import gpu_capability, gpu_memory_bytes
 from deepserve.planner.shapes import ModelShape, model_shape, resolve_model
 
 _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
            "half": "float16", "float32": "float32", "fp32": "float32"}
+INT4_METHODS = ("awq", "gptq")  # layers.quantization.INT4_METHODS (that module imports torch)
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_BATCHED_TOKENS = 8192  # the engine's chunked-prefill budget (config.DEFAULT_CHUNKED_TOKEN_BUDGET)
-GRAPH_FIXED_BYTES = 512 * MIB  # CUDA context + graph pool bookkeeping, outside torch's allocator
 
 FORMULAS = {
     "weights": "parameters and buffers of this rank's layers × their bytes (engine classes on the meta device; "
@@ -31,9 +32,10 @@ FORMULAS = {
                    "T = min(max_num_batched_tokens, max_model_len); ffn_width per rank (MoE: (top_k + shared) "
                    "× expert width), attn_width = q + k + v columns per rank (MLA: q, latent and expanded k/v)",
     "cuda_graphs": "0 with --enforce-eager or tensor parallelism (its ranks run eager by default), "
-                   "else max_num_seqs × (vocab × 4 + 8·hidden × dtype bytes "
-                   "+ 4·⌈max_model_len/block_size⌉) + 512 MiB (CUDA context, graph pool)",
-    "kv_cache": "GPU memory × gpu_memory_utilization − weights − activations − cuda_graphs",
+                   "else max_num_seqs × (vocab × 4 + 8·hidden × dtype bytes + 4·⌈max_model_len/block_size⌉); "
+                   "outside the budget, like the CUDA context: the engine captures the graphs after sizing "
+                   "the KV cache, in the GPU memory × (1 − gpu_memory_utilization) left over",
+    "kv_cache": "GPU memory × gpu_memory_utilization − weights − activations",
 }
 
 
@@ -80,9 +82,12 @@ class Plan:
     fits: bool
     serve_command: list[str]
     warnings: list[str] = field(default_factory=list)
-    # The memory fits but this engine version refuses a setting of the serve command (said in warnings):
-    # the CLI exits 1 as when it does not fit, so a script gating a rollout on it does not go ahead.
+    # The memory fits but serve refuses a setting of the serve command (said in warnings): the CLI exits 1
+    # as when it does not fit, so a script gating a rollout on it does not go ahead.
     engine_refuses: bool = False
+    # serve's refusal of --quantization awq / gptq on a checkpoint on disk that is not that int4 format (the
+    # memory is the int4 build's: an int4 checkpoint of the model would be served instead); None otherwise
+    checkpoint_mismatch: str | None = None
     advice: list[dict] = field(default_factory=list)
     formulas: dict[str, str] = field(default_factory=lambda: dict(FORMULAS))
 
@@ -104,7 +109,8 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
     from deepserve.layers.quantization import resolve_quantization
 
-    # The planner reads no weights: --quantization awq / gptq plans the model's int4 build.
+    # The planner reads no weights: --quantization awq / gptq plans the model's int4 build (whether serve
+    # takes it for this checkpoint is _checkpoint_mismatch's question).
     quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu,
                                         without_checkpoint=True)
     shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization, req.enable_expert_parallel)
@@ -117,7 +123,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     best = None
     for weights, kv_elems in _stages(shape, req.pipeline_parallel_size):
         kv_per_token = kv_elems * kv_elem
-        free = budget - weights - act - graphs
+        free = budget - weights - act  # no graphs: see _graphs
         blocks = max(0, free) // (kv_per_token * req.block_size)
         if best is None or blocks < best[3]:
             best = (weights, kv_per_token, free, blocks)
@@ -138,7 +144,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
         kv_cache_bytes=free, num_blocks=blocks, kv_tokens=tokens, max_sequences=tokens // max_len,
         fits=tokens // max_len >= 1, serve_command=_serve_command(engine_req, name, max_len, is_preset),
     )
-    result.warnings = _engine_warnings(engine_req)
+    result.checkpoint_mismatch = _checkpoint_mismatch(req, hf_config, is_preset)
+    result.warnings = _engine_warnings(engine_req, max_len) + _load_refusals(shape, result.checkpoint_mismatch,
+                                                                             is_preset)
     result.engine_refuses = bool(result.warnings)
     if load_peak > budget:
         result.warnings.append(
@@ -213,6 +221,12 @@ def _activations(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes:
 
 
 def _graphs(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int, hf_config) -> int:
+    """The decode CUDA graphs' memory, an estimate shown beside the budget but not taken from it, to match
+    the engine: ModelRunner._profile_gpu_blocks gives the KV cache total × gpu_memory_utilization minus the
+    peak torch allocated in the profile step (plus the caching allocator's stranded bytes), and captures the
+    graphs only after allocating the cache (initialize_cache), so they and the CUDA context (outside torch's
+    allocator) both live in the (1 − gpu_memory_utilization) share (bench/RESULTS.md: "the graph pool, which
+    start-up's KV sizing does not count"). Neither is measured here, so no fixed size is added for them."""
     from deepserve.models.registry import get_model_class
 
     # The engine runs tensor-parallel ranks eager unless asked otherwise (EngineArgs.enforce_eager).
@@ -221,7 +235,7 @@ def _graphs(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int,
         return 0
     block_table = 4 * -(-max_len // req.block_size)
     per_seq = shape.vocab_size * 4 + 8 * shape.hidden_size * dtype_bytes + block_table
-    return req.max_num_seqs * per_seq + GRAPH_FIXED_BYTES
+    return req.max_num_seqs * per_seq
 
 
 def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) -> list[str]:
@@ -252,15 +266,45 @@ def _serve_command(req: PlanRequest, model: str, max_len: int, is_preset: bool) 
     return cmd
 
 
-def _engine_warnings(req: PlanRequest) -> list[str]:
-    """What this version of the engine would still refuse: the plan is right, the engine is behind it."""
-    from deepserve.config import CacheConfig, ParallelConfig
+def _engine_warnings(req: PlanRequest, max_len: int) -> list[str]:
+    """What serve's own config checks (deepserve.config, as EngineArgs builds them) refuse of the serve line:
+    the memory plan may be right, the engine would not start."""
+    from deepserve.config import DEFAULT_CHUNKED_TOKEN_BUDGET, CacheConfig, ParallelConfig, SchedulerConfig
 
+    batched = req.max_num_batched_tokens or DEFAULT_CHUNKED_TOKEN_BUDGET
     warnings = []
     for build in (lambda: ParallelConfig(req.tensor_parallel_size, req.pipeline_parallel_size),
-                  lambda: CacheConfig(kv_cache_dtype=req.kv_cache_dtype)):
+                  lambda: CacheConfig(block_size=req.block_size, gpu_memory_utilization=req.gpu_memory_utilization,
+                                      kv_cache_dtype=req.kv_cache_dtype),
+                  lambda: SchedulerConfig(max_num_seqs=req.max_num_seqs, max_num_batched_tokens=batched,
+                                          max_model_len=max_len)):
         try:
             build()
         except ValueError as exc:
             warnings.append(f"this deepserve version refuses it at startup: {exc}")
     return warnings
+
+
+def _load_refusals(shape: ModelShape, mismatch: str | None, is_preset: bool) -> list[str]:
+    """What serve refuses while loading the weights. A preset's serve line loads dummy weights, which no
+    loader slices, but the plan is for the model it describes: its checkpoint would be refused the same."""
+    out = [f"deepserve serve refuses it while loading: {mismatch}"] if mismatch else []
+    if shape.fp8_shard_problem:
+        who = "this model's FP8 checkpoint is refused" if is_preset else "deepserve serve refuses it"
+        out.append(f"{who} while loading at this tensor-parallel size: {shape.fp8_shard_problem}")
+    return out
+
+
+def _checkpoint_mismatch(req: PlanRequest, hf_config, is_preset: bool) -> str | None:
+    """serve's refusal of --quantization awq / gptq that the checkpoint on disk does not ship: the same
+    resolve_quantization, now reading the checkpoint as serve does (a preset's serve line loads dummy
+    weights, which take any int4 build). None where serve takes it."""
+    if is_preset or req.quantization not in INT4_METHODS:
+        return None
+    from deepserve.layers.quantization import resolve_quantization
+
+    try:
+        resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu)
+    except ValueError as exc:
+        return str(exc)
+    return None

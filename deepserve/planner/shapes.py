@@ -36,6 +36,8 @@ class ModelShape:
     attn_width: int                # q + k + v (or MLA's q and latent) columns per token on this rank
     is_mla: bool
     max_position_embeddings: int
+    # The loaders' refusal of a tensor-parallel shard that cuts an FP8 weight block (None: none is cut)
+    fp8_shard_problem: str | None = None
 
 
 def resolve_model(model: str) -> tuple[str, Any, bool]:
@@ -78,7 +80,8 @@ def _fake_tp_group(tp: int):
 
 
 def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str | None = None,
-                expert_parallel: bool = False) -> nn.Module:
+                expert_parallel: bool = False) -> tuple[nn.Module, str | None]:
+    """The model on the meta device, and what the weight loaders would refuse (fp8_shard_problem)."""
     from deepserve.layers.quantization import quantize_after_loading
     from deepserve.models.registry import get_model_class
 
@@ -88,10 +91,39 @@ def _build_meta(hf_config: Any, dtype: torch.dtype, tp: int, quantization: str |
     try:
         with _fake_tp_group(tp), torch.device("meta"):
             model = model_class(hf_config, enable_expert_parallel=expert_parallel, quantization=quantization)
+            problem = fp8_shard_problem(model)  # before the after-load fusions: the loaders see these layers
             quantize_after_loading(model)  # per-channel FP8 made at load: the bytes the engine ends with
-            return model
+            return model, problem
     finally:
         torch.set_default_dtype(previous)
+
+
+def fp8_shard_problem(model: nn.Module) -> str | None:
+    """The first FP8 weight block a tensor-parallel shard would cut, in the weight loaders' own words (their
+    check, called here with rank 1's start): serve refuses such a checkpoint while loading it. Rank r's
+    share starts at r × its size, so some rank cuts a block exactly when rank 1 does."""
+    from deepserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, _whole_blocks
+    from deepserve.layers.moe import RoutedExperts, expert_shard_blocks
+
+    try:
+        for m in model.modules():
+            if getattr(m, "block", None) is None:
+                continue
+            bn, bk = m.block
+            if isinstance(m, RoutedExperts) and m.inter_ranks > 1:
+                for block in (bn, bk):  # w13's rows and w2's columns
+                    expert_shard_blocks(m.inter, m.inter, block)
+            elif isinstance(m, ColumnParallelLinear):
+                for member, rows in enumerate(m.member_rows):
+                    # QKVParallelLinear's k and v: replicated kv heads make fewer shards (its weight_loader)
+                    shards = m.tp_size // m.kv_replicas if isinstance(m, QKVParallelLinear) and member else m.tp_size
+                    if shards > 1:
+                        _whole_blocks(rows, rows, bn, f"{type(m).__name__} output rows")
+            elif isinstance(m, RowParallelLinear) and m.tp_size > 1:
+                _whole_blocks(m.in_per_rank, m.in_per_rank, bk, f"{type(m).__name__} input columns")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -128,7 +160,7 @@ def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None
     """quantization: the engine's resolved value (layers/quantization.resolve_quantization);
     expert_parallel: the routed experts whole, tp-th of them a rank (--enable-expert-parallel)."""
     _, hf_config, _ = resolve_model(model)
-    built = _build_meta(hf_config, getattr(torch, dtype), tp, quantization, expert_parallel)
+    built, fp8_problem = _build_meta(hf_config, getattr(torch, dtype), tp, quantization, expert_parallel)
     layers = _decoder_layers(built, hf_config.num_hidden_layers)
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     outside = [(n, t) for n, t in [*built.named_parameters(), *built.named_buffers()] if id(t) not in in_layers]
@@ -148,6 +180,7 @@ def model_shape(model: str, dtype: str, tp: int, quantization: str | None = None
         attn_width=_attn_width(hf_config, tp),
         is_mla=bool(getattr(hf_config, "kv_lora_rank", None)),
         max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 4096),
+        fp8_shard_problem=fp8_problem,
     )
 
 

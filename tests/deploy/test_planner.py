@@ -106,7 +106,7 @@ def test_cli_exits_1_when_the_engine_would_refuse_the_planned_command(capsys):
     # fp8_e5m2 sizes like fp8 in memory, but serve refuses it: a rollout gated on the exit code must stop.
     assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--kv-cache-dtype", "fp8_e5m2"]) == 1
     out = capsys.readouterr().out
-    assert "fits in memory, but this deepserve version refuses the command" in out and "fits. run:" not in out
+    assert "fits in memory, but deepserve serve refuses the command" in out and "fits. run:" not in out
     assert main(["plan", "deepseek-v3", "--gpu", "h200", "-tp", "8", "--kv-cache-dtype", "fp8"]) == 0
 
 
@@ -114,7 +114,7 @@ def test_tokens_and_sequences_follow_the_budget_arithmetic():
     p = plan(PlanRequest("deepseek-llm-7b", gpu="h100", max_model_len=4096))
     _, total = gpu_memory_bytes("h100")
     assert p.budget_bytes == int(total * 0.9)
-    free = p.budget_bytes - p.weights_bytes - p.activation_bytes - p.cuda_graph_bytes
+    free = p.budget_bytes - p.weights_bytes - p.activation_bytes  # graphs are outside the budget, as in the engine
     assert p.kv_tokens == free // (491_520 * 16) * 16
     assert p.max_sequences == p.kv_tokens // 4096 and p.fits
     # activations: T = min(8192, 4096) tokens × (4·4096 + 3·4096 + 2·11008) × 2 bytes + 256 × 102400 × 4
@@ -156,7 +156,7 @@ def test_smaller_weights_are_advised_where_they_fit():
     v3 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8))
     changes = [a["change"] for a in v3.advice]
     assert not v3.fits and "int4 weights" in changes and "fp8 weights" not in changes, changes
-    # Already quantized: no weight advice (int4 for an FP8 plan would be another build of the model).
+    # FP8 already: no fp8 advice; int4 neither where it does not fit (V3 on 2 GPUs)
     fp8 = plan(PlanRequest("deepseek-v3", tensor_parallel_size=2, max_model_len=4096))
     assert fp8.quantization == "fp8" and not fp8.fits
     assert not {"fp8 weights", "int4 weights"} & {a["change"] for a in fp8.advice}
@@ -235,8 +235,8 @@ def test_more_gpus_advice_uses_the_largest_tensor_parallel_size_the_model_divide
 def test_advice_never_offers_a_re_plan_the_engine_would_refuse():
     # fp8_e5m2 sizes like fp8 but serve refuses it: TP 2 would fit in memory (as it does with the model's
     # own cache dtype) yet is not offered with it; the note says what the engine refuses.
-    refused = plan(PlanRequest("deepseek-llm-7b", gpu="16", kv_cache_dtype="fp8_e5m2", max_model_len=4096))
-    auto = plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096))
+    refused = plan(PlanRequest("deepseek-llm-7b", gpu="15", kv_cache_dtype="fp8_e5m2", max_model_len=4096))
+    auto = plan(PlanRequest("deepseek-llm-7b", gpu="15", max_model_len=4096))
     assert not refused.fits and refused.engine_refuses and "refuses it" in refused.warnings[0]
     assert [a["change"] for a in auto.advice][0] == "more GPUs"
     assert "more GPUs" not in [a["change"] for a in refused.advice]
@@ -283,3 +283,137 @@ def test_the_load_time_fusions_plan_the_same_model(quantization, monkeypatch):
     monkeypatch.setenv("DEEPSERVE_FUSED_QKV_A", "1")
     fused = plan(request)
     assert (fused.num_params, fused.weights_bytes) == (plain.num_params, plain.weights_bytes)
+
+
+# --- plan's verdict is serve's: what serve refuses, plan refuses (exit 1, a note) --------------------------
+
+
+def _config(path, config) -> str:
+    path.mkdir()
+    config.save_pretrained(path)
+    return str(path)
+
+
+def _fp8_v3(path, moe_intermediate_size: int = 128) -> str:
+    # DeepSeek's 128 x 128 FP8 blocks; only the routed experts' width (moe_intermediate_size) can be cut
+    # at -tp 2: the shared experts (2 x 128), the dense MLP and the attention split in whole blocks.
+    from transformers import DeepseekV3Config
+
+    return _config(path, DeepseekV3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1, max_position_embeddings=256,
+        architectures=["DeepseekV3ForCausalLM"], torch_dtype="bfloat16",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3",
+                             "activation_scheme": "dynamic"}))
+
+
+def _llama(path, quantization_config: dict | None = None) -> str:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    if quantization_config:
+        config.quantization_config = quantization_config
+    return _config(path, config)
+
+
+def _plan_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(["plan", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_a_tensor_parallel_shard_that_cuts_an_fp8_block_is_refused_as_serve_refuses_it(tmp_path, capsys):
+    model = _fp8_v3(tmp_path / "v3-fp8")
+    # 128 / 2 = 64 rows a rank: rank 1's share starts inside the first 128-row block (layers/moe.py's loader)
+    code, out = _plan_cli(capsys, model, "--gpu", "24", "-tp", "2")
+    assert code == 1 and "fits in memory, but deepserve serve refuses the command" in out
+    assert "note: " in out and "moe_intermediate_size shard of 64 per rank cuts FP8 blocks of 128" in out
+    assert _plan_cli(capsys, model, "--gpu", "24")[0] == 0  # one GPU cuts nothing
+    # experts whole (expert parallelism): nothing is cut
+    assert _plan_cli(capsys, model, "--gpu", "24", "-tp", "2", "--enable-expert-parallel")[0] == 0
+    # the preset plans the release: V3 at -tp 32 splits its dense MLP (18,432) into 576 rows, the experts (2,048)
+    # into 64: its FP8 checkpoint cannot load so (the preset's dummy weights would hide it)
+    code, out = _plan_cli(capsys, "deepseek-v3", "--gpu", "h100", "-tp", "32")
+    assert code == 1 and "note: this model's FP8 checkpoint is refused" in out and "cuts an FP8 block of 128" in out
+
+
+@pytest.mark.parametrize("checkpoint, flag, has", [
+    (None, "awq", "no quantization_config"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "gptq",
+     "quant_method 'awq'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}, "awq", "quant_method 'fp8'"),
+])
+def test_quantization_that_the_checkpoint_does_not_ship_is_refused_as_serve_refuses_it(
+        tmp_path, capsys, checkpoint, flag, has):
+    model = _llama(tmp_path / "llama", checkpoint)
+    code, out = _plan_cli(capsys, model, "--gpu", "24", "-q", flag)
+    assert code == 1 and f"--quantization {flag} does not match the checkpoint: its config.json has {has}" in out
+    p = plan(PlanRequest(model, gpu="24", quantization=flag))
+    assert p.fits and p.engine_refuses and p.checkpoint_mismatch and p.quantization == flag  # the int4 build's bytes
+    # a preset's serve line loads dummy weights, which take any int4 build; the checkpoint's own method is served
+    assert _plan_cli(capsys, "deepseek-llm-7b", "-q", flag)[0] == 0
+    if checkpoint and checkpoint["quant_method"] == "awq":
+        assert _plan_cli(capsys, model, "--gpu", "24", "-q", "awq")[0] == 0
+
+
+def test_a_block_size_serve_refuses_is_refused(capsys):
+    code, out = _plan_cli(capsys, "deepseek-llm-7b", "--max-model-len", "4096", "--block-size", "7")
+    assert code == 1 and "note: " in out and "must be a power of two" in out
+    assert _plan_cli(capsys, "deepseek-llm-7b", "--max-model-len", "4096", "--block-size", "32")[0] == 0
+
+
+def test_v3_on_eight_h100s_is_advised_int4_and_told_the_weights_do_not_fit(tmp_path, capsys):
+    code, out = _plan_cli(capsys, "deepseek-v3", "--gpu", "h100", "-tp", "8")
+    p = plan(PlanRequest("deepseek-v3", gpu="h100", tensor_parallel_size=8))
+    assert code == 1 and p.weights_bytes > p.budget_bytes
+    assert (f"does NOT fit: the weights alone do not fit: {p.weights_bytes / GIB:.1f} GiB per GPU against the "
+            f"{p.budget_bytes / GIB:.1f} GiB budget") in out
+    assert "not one sequence of max_model_len has room" not in out
+    # FP8 as shipped needs 16 GPUs; the int4 build fits the same 8 (a preset: serve's dummy weights take it)
+    int4 = [a for a in p.advice if a["change"] == "int4 weights"]
+    assert int4 and int4[0]["flags"] == "--quantization awq" and int4[0]["num_gpus"] == 8, p.advice
+    assert plan(PlanRequest("deepseek-v3", gpu="h100", tensor_parallel_size=8, quantization="awq")).fits
+    # An FP8 checkpoint on disk is not int4: the advice names an int4 checkpoint of the model, not a flag that
+    # serve would refuse for this one.
+    model = _fp8_v3(tmp_path / "v3-fp8")
+    small = dict(gpu="0.0042", max_model_len=256, max_num_seqs=1)  # 4.5 MB: the int4 build fits, FP8 not
+    fp8, awq = plan(PlanRequest(model, **small)), plan(PlanRequest(model, **small, quantization="awq"))
+    assert fp8.quantization == "fp8" and not fp8.fits and awq.fits and awq.engine_refuses
+    int4 = [a for a in fp8.advice if a["change"] == "int4 weights"]
+    assert int4 and int4[0]["flags"] is None and "an AWQ int4 checkpoint of this model would fit" in int4[0]["detail"]
+    code, out = _plan_cli(capsys, model, "--gpu", "0.0042", "--max-model-len", "256", "--max-num-seqs", "1")
+    assert code == 1 and "  - int4 weights: an AWQ int4 checkpoint of this model would fit" in out
+
+
+def test_the_kv_cache_gets_what_the_engine_gives_it():
+    # ModelRunner._profile_gpu_blocks: total x utilization - the profile step's peak (weights, activations);
+    # the CUDA context and the decode graphs (captured after the cache is allocated) live outside that budget,
+    # on one GPU as under tensor parallelism.
+    for tp in (1, 2):
+        p = plan(PlanRequest("deepseek-llm-7b", gpu="h100", tensor_parallel_size=tp, max_model_len=4096))
+        assert p.kv_cache_bytes == p.budget_bytes - p.weights_bytes - p.activation_bytes
+        assert p.kv_tokens == p.kv_cache_bytes // (p.kv_bytes_per_token * 16) * 16
+        assert (p.cuda_graph_bytes > 0) == (tp == 1)
+
+
+def test_plan_help_names_every_flag_with_serves_words_and_default(capsys):
+    from deepserve.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    engine = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                  if "--block-size" in a.option_strings).container
+    serve = {a.dest: a.help for a in engine._group_actions}
+    for flag, dest, default in (("-tp", "tensor_parallel_size", "1"), ("-pp", "pipeline_parallel_size", "1"),
+                                ("--dtype", "dtype", "auto"), ("--gpu-memory-utilization", "gpu_memory_utilization",
+                                                               "0.9"),
+                                ("--max-num-seqs", "max_num_seqs", "256"),
+                                ("--max-num-batched-tokens", "max_num_batched_tokens", "8192"),
+                                ("--block-size", "block_size", "16")):
+        assert " ".join(serve[dest].split()) in out, flag  # serve's words ...
+        after = out.split(" ".join(serve[dest].split()), 1)[1]
+        assert after.lstrip().startswith(f"(default: {default}") or f"(default: {default}" in serve[dest], flag
