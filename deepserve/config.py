@@ -7,6 +7,9 @@ returned by the code that measures them, never written back here.
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,9 @@ class CacheConfig:
                              f"{self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space (--swap-space) must be >= 0 GiB, got {self.swap_space}")
+        if not self.cpu_kv_cache_gib > 0:  # also NaN; 0 or less used to leave a one-block (16-token) cache
+            raise ValueError(f"cpu_kv_cache_gib (--cpu-kv-cache-gib) must be > 0 GiB (the KV cache's size on CPU), "
+                             f"got {self.cpu_kv_cache_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype (kv_cache_dtype) {self.kv_cache_dtype!r} is not supported; use one of "
@@ -279,6 +285,19 @@ class EngineArgs:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # vLLM's speculative_config: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's flag, which DeepSeek's own vLLM snippets pass. It has no effect here: deepserve never runs a
+    # checkpoint's remote code (modeling_*.py); its models are its own implementations. True is accepted
+    # so those snippets run, and said once in the log.
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        # Checked here, naming the field, rather than failing later inside int() or a dict method.
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an integer, got {self.seed!r} (deepserve always seeds: vLLM's None, "
+                            "no fixed seed, is not supported; leave it out for the default 0)")
+        self.hf_overrides = _hf_overrides(self.hf_overrides)
+        if self.trust_remote_code:
+            note_trust_remote_code()
 
     def _async_scheduling(self, device: str, speculative: bool = False) -> bool:
         one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1
@@ -387,9 +406,36 @@ class EngineArgs:
         )
 
 
-def _resolve_quantization(hf_config: Any, requested: str | None, device: str, dummy: bool = False) -> str | None:
-    from deepserve.layers.quantization import resolve_quantization
+def _hf_overrides(value: Any) -> dict[str, Any]:
+    """hf_overrides as a dict: LLM(hf_overrides=...) takes a dict or, like vLLM's --hf-overrides, its JSON text."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides (--hf-overrides) must be a JSON object / dict: {e}") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"hf_overrides (--hf-overrides) must be a dict or its JSON text, got {type(value).__name__}")
+    return value
 
+
+@functools.cache
+def note_trust_remote_code() -> None:
+    """Once per process, however many EngineArgs ask (the server builds its own as well)."""
+    logging.getLogger(__name__).info(
+        "trust_remote_code has no effect: deepserve never runs a checkpoint's remote code (its models are its own "
+        "implementations)")
+
+
+def _resolve_quantization(hf_config: Any, requested: str | None, device: str, dummy: bool = False) -> str | None:
+    from deepserve.layers.quantization import SUPPORTED, resolve_quantization
+
+    if requested not in (None, "", "none", *SUPPORTED):
+        # "none" is valid too (a quantized checkpoint dequantized at load); the layer's own message omits it.
+        raise ValueError(f"quantization (--quantization) {requested!r} is not supported; use one of "
+                         f"{', '.join(SUPPORTED)}, or none (dequantize a quantized checkpoint to the model dtype), "
+                         "or leave it unset to follow the checkpoint's quantization_config")
     capability, name = None, ""
     if device == "cuda":
         import torch

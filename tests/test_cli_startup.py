@@ -148,3 +148,45 @@ def test_log_level_before_or_after_the_command(argv):
 
     assert build_parser().parse_args(argv).log_level == "DEBUG"
     assert build_parser().parse_args(["serve"]).log_level is None  # the default: INFO for serve, chosen in main
+
+
+@pytest.mark.parametrize("words", [["generate", "{}", "Hello"], ["chat", "{}"]])
+@pytest.mark.parametrize("model", ["folder", "deepseek-v3"])
+def test_a_model_given_as_the_first_prompt_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys, words, model):
+    # serve and run-batch take the model positionally; `generate ./demo "Hello"` once answered both words as
+    # prompts with the built-in demo model, as if it had worked. Refused before anything loads.
+    import deepserve.entrypoints.llm as llm
+    from deepserve.entrypoints.cli import main
+
+    monkeypatch.setattr(llm, "LLM", lambda **_: pytest.fail("loaded a model"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    assert main([w.format(model) for w in words]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepserve: error: ") and f"pass the model with --model {model}" in err, err
+
+
+def test_with_model_given_a_prompt_that_names_a_folder_is_a_prompt(tmp_path, monkeypatch):
+    from deepserve.entrypoints.cli import build_parser, refuse_model_as_prompt
+
+    monkeypatch.chdir(tmp_path)
+    ns = build_parser().parse_args(["generate", "--model", "m", ".", "deepseek-v3"])
+    refuse_model_as_prompt(ns, ns.prompts[0])  # --model says which is the model: nothing to refuse
+    refuse_model_as_prompt(build_parser().parse_args(["generate", "Hello"]), "Hello")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]])
+def test_serve_and_run_batch_take_the_model_positionally_or_as_model_flag(command, capsys):
+    # As vLLM's serve: `serve ./demo` and `serve --model ./demo` (once "unrecognized arguments: --model").
+    from deepserve.entrypoints.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse([*command, "./demo"]).model == "./demo"
+    assert parse([*command, "--model", "./demo"]).model == "./demo"
+    assert parse([*command, "./demo", "--model", "demo/"]).model in ("./demo", "demo/")  # the same folder twice
+    assert parse(command).model is None  # the built-in demo model
+    for argv in ([*command, "./demo", "--model", "./other"], [*command, "--model", "./other", "./demo"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(argv)
+        assert exit_info.value.code == 2
+        assert "two models given" in capsys.readouterr().err

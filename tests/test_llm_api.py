@@ -123,7 +123,8 @@ def test_stop_token_ids_end_the_completion(llm):
 
 
 def test_too_long_prompt_is_refused_and_the_engine_keeps_serving(llm):
-    with pytest.raises(ValueError, match="maximum context length is 256"):
+    # The prompt's index: which of a list was refused, which the message alone did not say.
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: .*maximum context length is 256"):
         llm.generate(["ok", "word " * 300], SamplingParams(max_tokens=8), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     (out,) = llm.generate(["ok"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -274,3 +275,65 @@ def test_reset_prefix_cache_is_refused_while_a_request_is_unfinished(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert llm.reset_prefix_cache()
+
+
+def test_trust_remote_code_is_accepted_and_said_once_to_have_no_effect(caplog):
+    import logging
+
+    from deepserve.config import EngineArgs, note_trust_remote_code
+    from deepserve.entrypoints.cli import build_parser
+
+    note_trust_remote_code.cache_clear()
+    with caplog.at_level(logging.INFO, logger="deepserve.config"):
+        llm = LLM(device="cpu", num_gpu_blocks_override=16, max_model_len=64, trust_remote_code=True)
+        EngineArgs(trust_remote_code=True)
+    assert llm.engine_args.trust_remote_code
+    said = [r for r in caplog.records if "trust_remote_code has no effect" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert build_parser().parse_args(["serve", "--trust-remote-code"]).trust_remote_code
+
+
+def test_chat_takes_tools_and_continue_final_message_as_the_server_does(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    (out,) = llm.chat([{"role": "user", "content": "Paris?"}], {"max_tokens": 2}, use_tqdm=False, tools=tools)
+    assert "### get_weather" in out.prompt
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is"}]
+    (out,) = llm.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                      continue_final_message=True)
+    assert out.prompt.endswith("The answer is")
+    # The server's checks and words: the pair, a custom template, a malformed tool.
+    with pytest.raises(ValueError, match="set add_generation_prompt to false"):
+        llm.chat(conversation, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="a chat template cannot be supplied.*the model's own is used"):
+        llm.chat(conversation, use_tqdm=False, chat_template="{{ messages }}")
+    with pytest.raises(ValueError, match=r"^tools\.0\.function"):
+        llm.chat(conversation, use_tqdm=False, tools=[{"type": "function", "function": {}}])
+
+
+def test_sampling_params_may_be_a_dict_and_a_bad_one_is_named(llm):
+    (out,) = llm.generate("Hello", {"max_tokens": 2, "ignore_eos": True}, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"^sampling_params: .*unknown field\(s\) \['max_token'\]"):
+        llm.generate("Hello", {"max_token": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]: "):
+        llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 2, "n": 0}], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate("Hello", 5, use_tqdm=False)
+
+
+def test_bad_engine_arguments_are_refused_naming_the_field():
+    from deepserve.config import CacheConfig, EngineArgs
+
+    with pytest.raises(TypeError, match="seed must be an integer, got None"):
+        EngineArgs(seed=None)
+    assert EngineArgs(hf_overrides='{"num_hidden_layers": 1}').hf_overrides == {"num_hidden_layers": 1}
+    with pytest.raises(TypeError, match="hf_overrides .* must be a dict or its JSON text, got list"):
+        EngineArgs(hf_overrides="[1]")
+    with pytest.raises(ValueError, match="hf_overrides .* must be a JSON object"):
+        EngineArgs(hf_overrides="{a: 1}")
+    for gib in (0, -1, float("nan")):  # 0 and -1 used to leave a 16-token cache
+        with pytest.raises(ValueError, match=r"cpu_kv_cache_gib \(--cpu-kv-cache-gib\) must be > 0"):
+            CacheConfig(cpu_kv_cache_gib=gib)
+    with pytest.raises(ValueError, match="'bogus' is not supported; use one of fp8, awq, gptq, or none"):
+        EngineArgs(quantization="bogus", device="cpu").create_engine_config()

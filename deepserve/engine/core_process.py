@@ -354,7 +354,8 @@ class SpawnedCore:
         self.proc.wait()
 
 
-def spawn_core_process(engine_args: dict[str, Any]) -> SpawnedCore:
+def spawn_core_process(engine_args: dict[str, Any], log_level: int | None = None) -> SpawnedCore:
+    """The engine core process, logging at `log_level` (default: this process's level, see parent_log_level)."""
     tmpdir = tempfile.mkdtemp(prefix="deepserve-engine-")  # 0700: only our user can connect
     path = os.path.join(tmpdir, "core.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -363,7 +364,8 @@ def spawn_core_process(engine_args: dict[str, Any]) -> SpawnedCore:
         listener.listen(1)
         listener.setblocking(False)
         cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", path,
-               "--engine-args", json.dumps(engine_args)]
+               "--engine-args", json.dumps(engine_args), "--log-level",
+               logging.getLevelName(parent_log_level() if log_level is None else log_level)]
         return SpawnedCore(subprocess.Popen(cmd, env=_child_env()), listener, tmpdir)
     except BaseException:
         listener.close()
@@ -491,6 +493,15 @@ async def _read_async(reader: asyncio.StreamReader) -> Any | None:
     return decode(await reader.readexactly(_body_size(header)))
 
 
+def parent_log_level() -> int:
+    """The level this process logs at, for the engine process (and uvicorn) to log at too: the CLI's
+    --log-level sets the root logger's; a child process inherits no logging setup, and the engine once logged
+    INFO whatever the flag said. A process that set no logging up (the API used from a script) keeps the
+    engine's INFO start-up report, as before."""
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else logging.INFO
+
+
 def _child_env() -> dict[str, str]:
     # The child must import the same deepserve as we did, installed or not.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -510,12 +521,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="deepserve engine core process (started by the server)")
     parser.add_argument("--address", required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs fields as JSON")
+    parser.add_argument("--log-level", default="INFO", help="the server's level (spawn_core_process passes it)")
     args = parser.parse_args()
     # The API server decides when we stop (Shutdown, or its socket closing): a SIGTERM sent to the
     # whole process group (systemd, Ctrl+C) must not kill the engine under a draining server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     sys.exit(run_core_process(args.address, json.loads(args.engine_args), exit_if_orphaned=True))
 
 

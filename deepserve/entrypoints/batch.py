@@ -40,12 +40,12 @@ READ_AHEAD = 4
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
+    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args, add_model_args
     from deepserve.entrypoints.serve import add_request_args
 
     p = subparsers.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests, offline",
                               description=__doc__.split("\n\n")[1], epilog=EPILOG, formatter_class=DefaultsHelp)
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
+    add_model_args(p)
     p.add_argument("-i", "--input-file", required=True, metavar="FILE",
                    help="JSONL of requests, one per line ('-' reads standard input)")
     p.add_argument("-o", "--output-file", required=True, metavar="FILE",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from deepserve.config import EngineArgs
@@ -19,6 +20,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' and activations' dtype (auto: the checkpoint's 16-bit type on a GPU, float32 on CPU)")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the dummy weights and of torch's global generator")
+    # vLLM's flag, in DeepSeek's own vLLM commands; EngineArgs logs once that it changes nothing.
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility and has no effect: deepserve never runs a checkpoint's "
+                        "remote code (its models are its own implementations)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
@@ -193,9 +198,43 @@ def preset_tokenizer(ns: argparse.Namespace) -> None:
                                             ns.model, ns.tokenizer)
 
 
+class _ModelArg(argparse.Action):
+    """MODEL given positionally or as --model MODEL, into one dest. Two different models are refused: which
+    one would win depends on argparse's order of work, not on anything the user can see."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:  # the positional, absent: argparse calls its action with the default
+            return
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None and os.path.normpath(earlier) != os.path.normpath(values):
+            parser.error(f"two models given, {earlier} and {values}: give one, as MODEL or as --model MODEL")
+        setattr(namespace, self.dest, values)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model of serve and run-batch: first positional, as they always took it, or --model as generate,
+    chat and bench take it (vLLM's `vllm serve` takes both), so either habit works on every command."""
+    parser.add_argument("model", nargs="?", default=None, action=_ModelArg,
+                        help="checkpoint folder or preset name (default: the built-in demo model)")
+    parser.add_argument("--model", dest="model", default=None, action=_ModelArg, metavar="MODEL",
+                        help="the same as the positional MODEL")
+
+
+def refuse_model_as_prompt(ns: argparse.Namespace, prompt: str) -> None:
+    """Without --model, a first prompt that names a checkpoint folder or a preset is the model given the way
+    serve and run-batch take it (`generate ./demo "Hello"`): refused, since it would be sent as a prompt to the
+    built-in demo model and the run would look like it worked."""
+    from deepserve.loader.presets import is_preset
+
+    if ns.model is None and (os.path.isdir(prompt) or is_preset(prompt)):
+        raise ValueError(f"{prompt!r} names a model, not a prompt: {ns.command} takes the model as a flag; pass "
+                         f"the model with --model {prompt}")
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.llm import LLM
 
+    refuse_model_as_prompt(ns, ns.prompts[0])
     preset_tokenizer(ns)
     llm = LLM(**vars(engine_args_from(ns, ns.model)))
     _print_outputs(llm.generate(ns.prompts, _sampling_params(ns), use_tqdm=False), ns.json)
@@ -205,6 +244,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from deepserve.entrypoints.llm import LLM
 
+    refuse_model_as_prompt(ns, ns.message)
     preset_tokenizer(ns)
     llm = LLM(**vars(engine_args_from(ns, ns.model)))
     messages = [{"role": "user", "content": ns.message}]

@@ -20,7 +20,7 @@ DEMO_MODEL_NAME = "deepserve-demo"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args
+    from deepserve.entrypoints.cli import DefaultsHelp, add_engine_args, add_model_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve MODEL (a checkpoint folder; the built-in demo model without one) over "
@@ -28,7 +28,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                                           "/v1/models, /tokenize, /detokenize, /metrics, /health, /ready. Every route "
                                           "but /health and /ready needs a key (--api-key or --api-keys).",
                               formatter_class=DefaultsHelp)
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the built-in demo model)")
+    add_model_args(p)
     p.add_argument("--config", default=None, help="YAML file with any of these flags as keys")
     d = ServerSettings()
     g = p.add_argument_group("server")

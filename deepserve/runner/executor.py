@@ -41,7 +41,7 @@ from deepserve.config import EngineConfig
 from deepserve.engine.request import SchedulerOutput
 from deepserve.runner import worker
 from deepserve.runner.model_runner import ModelRunner, RunnerOutput
-from deepserve.runner.rank_start import rank_context, start_rank
+from deepserve.runner.rank_start import MAIN_GUARD_EXIT_CODE, MAIN_GUARD_HINT, rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_to_message, describe_step
 
 logger = logging.getLogger(__name__)
@@ -84,15 +84,24 @@ class _Workers:
         self.healthy = False  # every rank loaded and none failed: shutdown may broadcast "stop"
         self.remote: _RemoteHeartbeats | None = None
         self.release_graphs: Any = None  # rank 0's ModelRunner.release_graphs, run before the group goes
+        self.errors = {rank: worker.error_slot(ctx) for rank in range(1, local)}  # each rank's last words
         self.procs = {}
         for rank in range(1, local):  # node 0's block of ranks: 0 (this process) .. local - 1
             go = None if self.multinode else self.go[rank]
             self.procs[rank] = start_rank(ctx, "deepserve.runner.worker.worker_process",
                                           (rank, world, port, backend, timeout_s, go, self.stop, self.progress,
-                                           self.heartbeat, addr, local, self.multinode), f"deepserve-rank{rank}")
+                                           self.heartbeat, addr, local, self.multinode), f"deepserve-rank{rank}",
+                                          {"error": self.errors[rank]})
 
     def dead(self) -> dict[int, int]:
         return {r: p.exitcode for r, p in self.procs.items() if p.exitcode is not None}
+
+    def unstarted(self) -> list[int]:
+        """Ranks that have not begun worker_main yet (its first act is a heartbeat)."""
+        return [r for r in self.procs if not self.heartbeat[r]]
+
+    def error(self, rank: int) -> str:
+        return worker.read_error(self.errors.get(rank))
 
     def frozen(self) -> list[int]:
         now = time.time()
@@ -204,6 +213,7 @@ class MultiprocExecutor:
             if par.nnodes > 1:
                 logger.info("node 0: waiting for %d node(s) at %s:%d (ranks %d..%d)", par.nnodes - 1, addr, port,
                             self.local_world, self.world - 1)
+            self._wait_started(max(self.timeout_s, worker.JOIN_TIMEOUT_S))
             self.group = worker.init_group(0, self.world, addr, port, backend, self.timeout_s, par.nnodes > 1)
             self.workers.group = self.group
             if par.nnodes > 1:
@@ -223,6 +233,18 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+    def _wait_started(self, limit_s: float) -> None:
+        """Wait until this node's ranks run (each beats once before it joins the process group), watching
+        their processes: joining blocks inside torch, which cannot see a rank that died before it joined
+        and waited for it until the join timed out ("1/2 clients joined", minutes on)."""
+        deadline = time.monotonic() + limit_s
+        while self.workers.unstarted():
+            self._check_alive("starting", joined=False)
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel rank(s) {self.workers.unstarted()} did not start within "
+                                          f"{limit_s:.0f} s; restart the engine")
+            time.sleep(0.05)
 
     def _wait_loaded(self, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
@@ -246,12 +268,12 @@ class MultiprocExecutor:
         kind = "pipeline-parallel" if self.pipeline else "tensor-parallel"
         return f"{kind} rank {rank}" + (f" ({', '.join(where)})" if where else "")
 
-    def _check_alive(self, doing: str) -> None:
+    def _check_alive(self, doing: str, joined: bool = True) -> None:
         dead = self.workers.dead()
         if dead:
             self._fail(TensorParallelError(
-                "; ".join(f"{self._rank_name(r, False)} exited (exit code {c}) while {doing}" for r, c in dead.items())
-                + "; its error, if any, is in this process's stderr. The engine cannot continue: restart it"))
+                "; ".join(self._death(r, c, doing, joined) for r, c in dead.items())
+                + ". The engine cannot continue: restart it"))
         stale = self._remote_stale()
         if stale:
             remote = self.workers.remote
@@ -260,6 +282,20 @@ class MultiprocExecutor:
                 + f" (DEEPSERVE_TP_HEARTBEAT_TIMEOUT_S) while {doing}: its process or node died, or the network "
                   "to it is down; its error, if any, is in that node's log. The engine cannot continue: restart "
                   "every node"))
+
+    def _death(self, rank: int, code: int, doing: str, joined: bool) -> str:
+        """One dead rank, with the one line it left (worker.error_slot) or, if none, where to look."""
+        said = f"{self._rank_name(rank, False)} exited (exit code {code}) while {doing}"
+        if code == MAIN_GUARD_EXIT_CODE:
+            return f"{said}: {MAIN_GUARD_HINT}"
+        error = self.workers.error(rank)
+        if error:
+            return f"{said}: {error}"
+        if not joined:
+            # Nothing recorded: it died before running any deepserve code, most often while importing the
+            # main script again (Python's "...finished its bootstrapping phase" in stderr).
+            return f"{said}, before running deepserve (its error is in this process's stderr); {MAIN_GUARD_HINT}"
+        return f"{said}; its error, if any, is in this process's stderr"
 
     def _fail(self, error: TensorParallelError) -> None:
         self.failed = error

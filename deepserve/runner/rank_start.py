@@ -17,6 +17,11 @@ Two things differ from spawning, and both are kept as they were:
   what worker._exit_with_parent watches. The helper itself exits with its owner.
 
 DEEPSERVE_RANK_START_METHOD=spawn starts every rank as a fresh interpreter, as before.
+
+Either way a rank starts by importing the user's main script again (multiprocessing's rule for both
+methods): a script that builds LLM(tensor_parallel_size>1) outside `if __name__ == "__main__":` builds it
+once more in every rank, which would start ranks of its own. start_rank refuses that in one line and exits
+the rank with MAIN_GUARD_EXIT_CODE, so rank 0 (executor.py) can say what to change instead of waiting.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import sys
 from typing import Any
 
 from deepserve import envs
@@ -39,6 +45,11 @@ FORKSERVER_PRELOAD = (
     "transformers.models.deepseek_v3.configuration_deepseek_v3",
 )
 METHODS = ("forkserver", "spawn")
+# A rank's exit code when it was started from a main script without the entry-point guard; 1 is any error.
+MAIN_GUARD_EXIT_CODE = 3
+MAIN_GUARD_HINT = ('a script that uses LLM(tensor_parallel_size>1) must guard its entry point with '
+                   '`if __name__ == "__main__":` (each rank imports the main script again; see README.md, '
+                   '"Offline inference")')
 
 
 def rank_context() -> Any:
@@ -53,16 +64,33 @@ def rank_context() -> Any:
     return mp.get_context("spawn")
 
 
-def start_rank(ctx: Any, target: str, args: tuple, name: str) -> Any:
-    """Start `target` ("module.function") with `args` in a daemonic process of `ctx`, under this process's
-    environment as it is now; the started process."""
-    proc = ctx.Process(target=_rank_main, name=name, daemon=True, args=(target, dict(os.environ), args))
+def start_rank(ctx: Any, target: str, args: tuple, name: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """Start `target` ("module.function") with `args` (and `kwargs`) in a daemonic process of `ctx`, under this
+    process's environment as it is now; the started process."""
+    if importing_main_in_a_child():
+        _leave_unguarded()
+    proc = ctx.Process(target=_rank_main, name=name, daemon=True, args=(target, dict(os.environ), args, kwargs))
     proc.start()
     return proc
 
 
-def _rank_main(target: str, environ: dict[str, str], args: tuple) -> None:
+def importing_main_in_a_child() -> bool:
+    """True while this process is a rank (or any multiprocessing child) still importing the main script:
+    the same test multiprocessing makes before refusing to start a process then."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def _leave_unguarded() -> None:
+    # Python's own refusal (RuntimeError, "...before the current process has finished its bootstrapping
+    # phase") is 20 lines that never say which call or what to change, and its exit code (1) looks like any
+    # other error to rank 0. os._exit, not SystemExit: a forkserver child exits 1 whatever SystemExit says.
+    print(f"deepserve: a tensor-parallel rank was started from a main script that builds the engine at import: "
+          f"{MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+    os._exit(MAIN_GUARD_EXIT_CODE)
+
+
+def _rank_main(target: str, environ: dict[str, str], args: tuple, kwargs: dict[str, Any] | None = None) -> None:
     os.environ.clear()
     os.environ.update(environ)
     module, _, function = target.rpartition(".")
-    getattr(importlib.import_module(module), function)(*args)
+    getattr(importlib.import_module(module), function)(*args, **(kwargs or {}))

@@ -42,6 +42,7 @@ from deepserve.runner.rank_start import rank_context, start_rank
 from deepserve.runner.step_message import broadcast_message, config_from_message
 
 HEARTBEAT_INTERVAL_S = 0.5
+ERROR_BYTES = 1024  # the one-line error a rank on node 0 leaves for rank 0 (`error_slot`)
 JOIN_TIMEOUT_S = 120.0  # the least time ranks get to join the process group (init_group)
 IDLE_TIMEOUT = timedelta(days=365)  # the multi-node control group: an idle engine waits in it
 
@@ -146,9 +147,32 @@ def _wait_for_go(go: Any, stop: Any) -> bool:
     return not stop.value
 
 
-def worker_process(*args: Any) -> None:
+def error_slot(ctx: Any) -> Any:
+    """Where a rank on node 0 leaves the one line that says why it failed: shared memory rank 0 reads
+    when it finds the rank gone, so its own error ends with what failed rather than a pointer to stderr,
+    where the rank's traceback sits above rank 0's."""
+    return ctx.Array("c", ERROR_BYTES, lock=False)
+
+
+def read_error(slot: Any) -> str:
+    return slot.value.decode("utf-8", "replace") if slot is not None else ""
+
+
+def _leave_error(slot: Any, error: BaseException) -> None:
+    if slot is None:
+        return
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    if isinstance(error, ConfigRefused):
+        text = lines[0] if lines else text  # its message is the whole story, as printed
+    data = text.encode("utf-8")[:ERROR_BYTES - 1]
+    slot.value = data.decode("utf-8", "ignore").encode("utf-8")  # never half a character
+
+
+def worker_process(*args: Any, error: Any = None) -> None:
     """Spawn target of a rank on node 0. It leaves at once (`leave_now`): 0 after a clean stop, 1
-    after printing the error that ended it (rank 0 names the rank)."""
+    after printing the error that ended it and leaving its one line in `error` (error_slot) for rank 0,
+    which names the rank and quotes that line."""
     # From the start, not only after loading: an engine process that exits while its ranks load (its
     # server went away, core_process.run_core_process) must not leave them loading for nobody.
     threading.Thread(target=_exit_with_parent, name="deepserve-parent-watch", daemon=True).start()
@@ -160,8 +184,10 @@ def worker_process(*args: Any) -> None:
         # Input the loader checked (no weights, a bad key): rank 0 reads the same and reports it in one
         # line; a traceback per rank would bury that line.
         print(f"deepserve rank {args[0]} refused to start: {e}", file=sys.stderr)
-    except BaseException:
+        _leave_error(error, e)
+    except BaseException as e:
         traceback.print_exc()
+        _leave_error(error, e)
     finally:
         leave_now(code)
 

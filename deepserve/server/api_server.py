@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from deepserve.engine.core_process import parent_log_level
 from deepserve.heap import freeze_startup_heap
 from deepserve.server.errors import APIError, error_body
 from deepserve.server.httpio import HeaderLimitMiddleware
@@ -227,7 +228,8 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(app: FastAPI, state: ServerState) -> uvicorn.Config:
     s = state.settings
     return uvicorn.Config(
-        app, host=s.host, port=s.port, log_level="info", server_header=False,
+        # uvicorn sets its own loggers' level: the one --log-level gave ours (once "info" whatever it said).
+        app, host=s.host, port=s.port, log_level=parent_log_level(), server_header=False,
         ssl_keyfile=s.ssl_keyfile, ssl_certfile=s.ssl_certfile, ssl_ca_certs=s.ssl_ca_certs,
         ssl_cert_reqs=s.ssl_cert_reqs,
         proxy_headers=s.forwarded_allow_ips is not None, forwarded_allow_ips=s.forwarded_allow_ips,

@@ -263,14 +263,14 @@ def parse_body(raw: bytes, model: type[_Strict], limits: RequestLimits) -> Any:
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     if isinstance(req, TokenizeRequest):
         _check_tokenize(req)
     if not isinstance(req, _SamplingFields):
         return req
     _check_common(req, limits)
     if isinstance(req, ChatCompletionRequest):
-        _check_chat(req, limits)
+        check_chat(req, limits)
     else:
         _check_completion(req)
     return req
@@ -296,7 +296,7 @@ def _check_tokenize(req: TokenizeRequest) -> None:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "constrained-str"}
 
 
-def _validation_error(e: ValidationError) -> APIError:
+def validation_error(e: ValidationError) -> APIError:
     errors = e.errors(include_url=False)
     # For a union field every member reports; the deepest location is the most specific complaint.
     err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
@@ -340,7 +340,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
                                       "truncation", "max_length", "return_assistant_tokens_mask"})
 
 
-def _check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
+def check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if req.chat_template is not None:
         raise bad_request("a chat template cannot be supplied by the request; the model's own is used "
                           "(its variables can be set with chat_template_kwargs)", "chat_template")

@@ -125,14 +125,14 @@ def chat_prompt(st: ServerState, req: p.ChatCompletionRequest, template_kwargs: 
 
     tok = st.engine.tokenizer
     try:
-        text = apply_chat_template(tok, [_template_message(m) for m in req.messages], **(template_kwargs or {}))
+        text = apply_chat_template(tok, [template_message(m) for m in req.messages], **(template_kwargs or {}))
     except Exception as e:  # jinja2 raises its own TemplateError for e.g. non-alternating roles
         raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
     # The template wrote bos already; /tokenize may ask for the tokenizer's special tokens on top.
     return text, list(tok.encode(text, add_special_tokens=add_special_tokens))
 
 
-def _template_message(m: p.ChatMessage) -> dict[str, Any]:
+def template_message(m: p.ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it. Content stays None where the client sent none: DeepSeek's
     templates tell an assistant's tool-call turn by its `content is none`."""
     if m.content is None:

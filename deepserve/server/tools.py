@@ -50,11 +50,11 @@ def plan_chat(settings: ServerSettings, req: p.ChatCompletionRequest) -> ChatPla
                           "names the markup the model writes its calls in", param="tools")
     for i, tool in enumerate(req.tools or []):
         _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
-    kwargs["tools"] = [_template_tool(t) for t in req.tools or []]
+    kwargs["tools"] = [template_tool(t) for t in req.tools or []]
     return ChatPlan(kwargs, settings.tool_call_parser, choice)
 
 
-def _template_tool(tool: p.Tool) -> dict[str, Any]:
+def template_tool(tool: p.Tool) -> dict[str, Any]:
     # A function without `parameters` takes none (OpenAI); templates read function.parameters
     # unconditionally (tojson of an Undefined fails), so they get the schema the grammar enforces.
     d = tool.model_dump(exclude_none=True)

@@ -5,6 +5,7 @@ never outlive their engine."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import signal
 import threading
@@ -139,11 +140,73 @@ def test_a_rank_that_fails_prints_one_line_for_a_refusal_and_a_traceback_otherwi
 
     monkeypatch.setattr(worker, "worker_main", fail)
     monkeypatch.setattr(worker, "leave_now", leave)
+    slot = worker.error_slot(multiprocessing.get_context("spawn"))
     with pytest.raises(SystemExit) as left:
-        worker.worker_process(1, 2, 0, "gloo", 30.0, None, None, None, None)
+        worker.worker_process(1, 2, 0, "gloo", 30.0, None, None, None, None, error=slot)
     assert left.value.code == 1
     err = capsys.readouterr().err
     if isinstance(error, ConfigRefused):  # one line: which rank, and the refusal's own words
         assert err.count("\n") == 1 and err.endswith(f"{error}\n") and "rank 1" in err, err
+        assert worker.read_error(slot) == str(error)
     else:
         assert "Traceback" in err and err.endswith("RuntimeError: a bug\n")
+        assert worker.read_error(slot) == "RuntimeError: a bug"  # the line rank 0's error ends with
+
+
+def _rank_failing_to_load(*args, error=None):
+    """A rank (started in place of worker.worker_process) whose model fails to build after it joined."""
+    from deepserve.runner import model_runner, worker
+
+    def fail(config):
+        raise OSError("could not read model.layers.1.mlp.down_proj.weight: Input/output error")
+
+    model_runner.ModelRunner = fail
+    worker.worker_process(*args, error=error)
+
+
+def test_a_rank_that_fails_loading_is_named_with_its_own_error(llama_path, monkeypatch):
+    # Rank 0's error used to end "...while loading the model; its error, if any, is in this process's stderr",
+    # below two tracebacks: the line that said what failed was rank 1's, far above.
+    from deepserve.runner import executor
+
+    real = executor.start_rank
+    monkeypatch.setattr(executor, "start_rank",
+                        lambda ctx, target, *rest: real(ctx, f"{__name__}._rank_failing_to_load", *rest))
+    with pytest.raises(TensorParallelError) as failed:
+        make_llm(llama_path, 2)
+    assert str(failed.value) == (
+        "tensor-parallel rank 1 exited (exit code 1) while loading the model: OSError: could not read "
+        "model.layers.1.mlp.down_proj.weight: Input/output error. The engine cannot continue: restart it")
+
+
+UNGUARDED = """\
+from deepserve import LLM
+
+llm = LLM({path!r}, device="cpu", dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
+print("loaded")
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_without_a_main_guard_is_named_at_once(llama_path, tmp_path, method):
+    # Ranks start by importing the main script again (spawn and forkserver alike): without the guard it starts
+    # ranks of its own there, which Python refuses, and the rank dies before joining. Rank 0 used to wait for it
+    # until the join timed out (2 minutes and more) with torch's "1/2 clients joined".
+    import subprocess
+    import sys
+
+    from tests.server.serverkit import ROOT
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(path=llama_path))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DEEPSERVE_TP_TIMEOUT_S": "300",
+           "DEEPSERVE_RANK_START_METHOD": method}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=90)
+    assert time.monotonic() - start < 90
+    assert done.returncode != 0 and "loaded" not in done.stdout
+    # The error's own line (the resource tracker may warn after it about the ranks' semaphores).
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("deepserve.runner.executor.TensorParallelError")]
+    assert "tensor-parallel rank 1 exited (exit code" in line and 'if __name__ == "__main__":' in line, done.stderr
+    assert "bootstrapping phase" not in done.stderr  # Python's own 20 lines, which never said what to change

@@ -194,3 +194,18 @@ def test_a_line_json_cannot_read_is_that_lines_error_not_the_runs():
     said = _parse_line(huge % ("0" * sys.get_int_max_str_digits()), 3)
     assert said["custom_id"] is None and said["error"].startswith("line 3 holds a number too long to read")
     assert _parse_line("[" * 100_000 + "]" * 100_000, 4)["error"] == "line 4 is nested too deeply"
+
+
+def test_by_default_the_engine_process_logs_warnings_only(batch):
+    # --log-level's help: WARNING for every command but serve and router. The engine process once logged
+    # its INFO start-up lines whatever the flag said.
+    done, _ = batch
+    assert " INFO " not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith("run-batch: ")  # the counts: printed, not logged
+
+
+def test_log_level_reaches_the_engine_process(tmp_path):
+    done, results = run_batch(tmp_path, [LINES[1]], "--log-level", "ERROR")
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert " INFO " not in done.stderr and " WARNING " not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith("run-batch: 2 lines")

@@ -259,3 +259,51 @@ def test_a_server_that_fails_before_its_lifespan_stops_the_engine_process(monkey
         port = probe.getsockname()[1]
     assert main(["serve", "--port", str(port), "--api-key", "sk-abcdefgh"]) == 2
     assert Engine.stopped
+
+
+def _free_port_in(ports: range) -> int:
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip(f"no free port in {ports}")
+
+
+def test_log_level_reaches_the_engine_process_and_uvicorn(tmp_path):
+    # `serve --log-level WARNING` once printed the engine process's INFO start-up lines and uvicorn's
+    # ("Uvicorn running on ...", "Application startup complete") all the same.
+    import signal
+
+    import httpx
+
+    port = _free_port_in(range(8700, 8800))
+    env = {**os.environ, "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env.pop("DEEPSERVE_API_KEY", None)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deepserve.entrypoints.cli", "serve", "--log-level", "WARNING",
+                                 "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-test-admin-0000",
+                                 "--max-model-len", "512", "--cpu-kv-cache-gib", "0.05"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 150
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    out = log_path.read_text()
+    assert "draining: waiting" in out, out[-3000:]  # a WARNING: the log is there, its INFO lines are not
+    assert "INFO" not in out, out[-3000:]
