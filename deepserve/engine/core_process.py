@@ -365,7 +365,7 @@ def spawn_core_process(engine_args: dict[str, Any], log_level: int | None = None
         listener.setblocking(False)
         cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", path,
                "--engine-args", json.dumps(engine_args), "--log-level",
-               logging.getLevelName(parent_log_level() if log_level is None else log_level)]
+               str(parent_log_level() if log_level is None else log_level)]  # a number: custom levels have no name
         return SpawnedCore(subprocess.Popen(cmd, env=_child_env()), listener, tmpdir)
     except BaseException:
         listener.close()
@@ -521,13 +521,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="deepserve engine core process (started by the server)")
     parser.add_argument("--address", required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs fields as JSON")
-    parser.add_argument("--log-level", default="INFO", help="the server's level (spawn_core_process passes it)")
+    parser.add_argument("--log-level", default="INFO",
+                        help="the server's level, a name or a number (spawn_core_process passes its number)")
     args = parser.parse_args()
     # The API server decides when we stop (Shutdown, or its socket closing): a SIGTERM sent to the
     # whole process group (systemd, Ctrl+C) must not kill the engine under a draining server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    level = int(args.log_level) if args.log_level.isdigit() else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s engine %(levelname)s %(message)s")
     sys.exit(run_core_process(args.address, json.loads(args.engine_args), exit_if_orphaned=True))
 
 

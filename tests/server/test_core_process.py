@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -506,3 +507,15 @@ def test_a_failure_to_build_is_logged_with_its_traceback_unless_a_refusal_and_re
     assert [m.error for m in said] == ["ValueError: Unrecognized model in /tmp/x",
                                        "RuntimeError: CUDA error: an illegal access",
                                        "ConfigRefused: model folder '/tmp/x' has no config.json"]
+
+
+def test_the_engine_process_takes_a_numeric_log_level(tmp_path):
+    # spawn_core_process passes the server's level as a number: a custom level (25) has no name, and its
+    # "Level 25" once ended the engine process at start ("Unknown level").
+    cmd = [sys.executable, "-m", "deepserve.engine.core_process", "--address", str(tmp_path / "gone.sock"),
+           "--engine-args", "{}", "--log-level", "25"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    # No server at that address: the engine says so at WARNING (30 >= 25) and exits without loading.
+    assert "engine WARNING the API server went away before the engine connected" in done.stderr

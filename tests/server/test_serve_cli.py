@@ -261,15 +261,11 @@ def test_a_server_that_fails_before_its_lifespan_stops_the_engine_process(monkey
     assert Engine.stopped
 
 
-def _free_port_in(ports: range) -> int:
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip(f"no free port in {ports}")
+def _free_port() -> int:
+    """A port the OS picked as free (not a fixed range, which two runs at once would both take first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_log_level_reaches_the_engine_process_and_uvicorn(tmp_path):
@@ -279,7 +275,7 @@ def test_log_level_reaches_the_engine_process_and_uvicorn(tmp_path):
 
     import httpx
 
-    port = _free_port_in(range(8700, 8800))
+    port = _free_port()
     env = {**os.environ, "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env.pop("DEEPSERVE_API_KEY", None)
     log_path = tmp_path / "serve.log"
