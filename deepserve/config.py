@@ -192,17 +192,9 @@ class SpeculativeConfig:
     @classmethod
     def from_user(cls, value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """The config from LLM(speculative_config=...) or --speculative-config: a dict or its JSON text."""
-        if value is None or value == {} or value == "":
+        value = json_object(value, "--speculative-config (speculative_config)")
+        if not value:
             return None
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config (speculative_config) must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object / dict, got {type(value).__name__}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -295,7 +287,7 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an integer, got {self.seed!r} (deepserve always seeds: vLLM's None, "
                             "no fixed seed, is not supported; leave it out for the default 0)")
-        self.hf_overrides = _hf_overrides(self.hf_overrides)
+        self.hf_overrides = json_object(self.hf_overrides, "hf_overrides (--hf-overrides)")
         if self.trust_remote_code:
             note_trust_remote_code()
 
@@ -406,17 +398,18 @@ class EngineArgs:
         )
 
 
-def _hf_overrides(value: Any) -> dict[str, Any]:
-    """hf_overrides as a dict: LLM(hf_overrides=...) takes a dict or, like vLLM's --hf-overrides, its JSON text."""
+def json_object(value: Any, name: str) -> dict[str, Any]:
+    """A setting that takes a dict or, as vLLM's flags do, its JSON text (hf_overrides, speculative_config);
+    None or empty text is {}. Anything else is refused naming the setting."""
     if value is None or value == "":
         return {}
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides (--hf-overrides) must be a JSON object / dict: {e}") from None
+            raise ValueError(f"{name} must be a JSON object / dict: {e}") from None
     if not isinstance(value, dict):
-        raise TypeError(f"hf_overrides (--hf-overrides) must be a dict or its JSON text, got {type(value).__name__}")
+        raise ValueError(f"{name} must be a JSON object (a dict or its JSON text), got {type(value).__name__}")
     return value
 
 

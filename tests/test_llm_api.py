@@ -328,7 +328,7 @@ def test_bad_engine_arguments_are_refused_naming_the_field():
     with pytest.raises(TypeError, match="seed must be an integer, got None"):
         EngineArgs(seed=None)
     assert EngineArgs(hf_overrides='{"num_hidden_layers": 1}').hf_overrides == {"num_hidden_layers": 1}
-    with pytest.raises(TypeError, match="hf_overrides .* must be a dict or its JSON text, got list"):
+    with pytest.raises(ValueError, match=r"hf_overrides .* must be a JSON object .*, got list"):
         EngineArgs(hf_overrides="[1]")
     with pytest.raises(ValueError, match="hf_overrides .* must be a JSON object"):
         EngineArgs(hf_overrides="{a: 1}")

@@ -9,7 +9,6 @@ tensor, so a loader written for full tensors still works.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
@@ -24,6 +23,7 @@ from torch import nn
 from deepserve.errors import ConfigRefused, FilesMissing
 from deepserve.loader.encryption import SAFETENSORS_DTYPES as _DTYPES
 from deepserve.loader.encryption import SUFFIX, DecryptionError, EncryptedSafetensors
+from deepserve.loader.hf_config import read_checkpoint_json
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,7 @@ def index_shards(model_path: str) -> list[str] | None:
 
 def _weight_map_files(index: str) -> list[str]:
     """The values of the index's weight_map, checked to be strings."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ConfigRefused(f"cannot read {index}: {e.strerror}") from None
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-        raise ConfigRefused(f"{index} is not valid JSON: {e}") from None
+    data = read_checkpoint_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise ConfigRefused(f"{index} has no weight_map object (tensor name -> shard file); write the index again, "

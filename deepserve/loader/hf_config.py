@@ -34,17 +34,23 @@ def load_hf_config(model: str, overrides: dict[str, Any] | None = None) -> Any:
     return config
 
 
-def _check_json(path: str) -> None:
-    """Refuse a config.json that is not a JSON object, naming the file and the spot. Read here first:
-    transformers reports such a file with an OSError (the type it uses for files it can't find), which is no
-    refusal, so the engine logged it with a traceback."""
+def read_checkpoint_json(path: str) -> Any:
+    """A checkpoint's JSON file (config.json, the weights' index), parsed; one that can't be read or parsed is
+    refused naming the file and the spot (json's own message)."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise ConfigRefused(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         raise ConfigRefused(f"{path} is not valid JSON: {e}") from None
+
+
+def _check_json(path: str) -> None:
+    """Refuse a config.json that is not a JSON object. Read here first: transformers reports such a file with
+    an OSError (the type it uses for files it can't find), which is no refusal, so the engine logged it with a
+    traceback."""
+    data = read_checkpoint_json(path)
     if not isinstance(data, dict):
         raise ConfigRefused(f"{path} must hold a JSON object (the model's settings), not a {type(data).__name__}")
 
