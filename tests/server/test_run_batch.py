@@ -202,10 +202,3 @@ def test_by_default_the_engine_process_logs_warnings_only(batch):
     done, _ = batch
     assert " INFO " not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1].startswith("run-batch: ")  # the counts: printed, not logged
-
-
-def test_log_level_reaches_the_engine_process(tmp_path):
-    done, results = run_batch(tmp_path, [LINES[1]], "--log-level", "ERROR")
-    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
-    assert " INFO " not in done.stderr and " WARNING " not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.splitlines()[-1].startswith("run-batch: 2 lines")
