@@ -304,6 +304,18 @@ def test_an_edit_keeps_the_files_owner_and_group(tmp_path, capsys, edit):
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (4242, 4343, "0o640")
 
 
+def revoke_with_chown_refused(capsys, monkeypatch, path):
+    """`keys revoke bob` where giving the new file its owner or group is not permitted: the one-line
+    refusal it must print (exit 2, nothing on stdout)."""
+    def fchown(fd, uid, gid):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchown", fchown)
+    code, out, err = keys_cli(capsys, "revoke", "bob", "--file", path)
+    assert (code, out) == (2, "") and err.startswith(f"deepserve: error: {path}: ") and err.count("\n") == 1, err
+    return err
+
+
 @as_root
 def test_an_owner_that_cannot_be_kept_is_refused_and_the_file_is_unchanged(tmp_path, capsys, monkeypatch):
     # Not root, and the file is another user's: written anyway, it would be the caller's, which the server
@@ -312,13 +324,7 @@ def test_an_owner_that_cannot_be_kept_is_refused_and_the_file_is_unchanged(tmp_p
     three_keys(path)
     os.chown(path, 4242, 4343)
     text = open(path).read()
-
-    def fchown(fd, uid, gid):
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "fchown", fchown)
-    code, out, err = keys_cli(capsys, "revoke", "bob", "--file", path)
-    assert (code, out) == (2, "") and err.startswith(f"deepserve: error: {path}: ") and err.count("\n") == 1, err
+    err = revoke_with_chown_refused(capsys, monkeypatch, path)
     assert "cannot keep the file's owner 4242:4343" in err and "nothing was changed" in err, err
     assert open(path).read() == text and (os.stat(path).st_uid, os.stat(path).st_gid) == (4242, 4343)
     assert sorted(os.listdir(tmp_path)) == ["keys.yaml", "keys.yaml.lock"]
@@ -334,13 +340,7 @@ def test_an_owner_outside_the_files_group_is_told_so_not_to_run_as_themselves(tm
     group = next(g for g in range(4343, 5000) if g not in (os.getegid(), *os.getgroups(), *named))
     os.chown(path, os.geteuid(), group)
     text = open(path).read()
-
-    def fchown(fd, uid, gid):
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "fchown", fchown)
-    code, out, err = keys_cli(capsys, "revoke", "bob", "--file", path)
-    assert (code, out) == (2, "") and err.startswith(f"deepserve: error: {path}: ") and err.count("\n") == 1, err
+    err = revoke_with_chown_refused(capsys, monkeypatch, path)
     assert f"not a member of group {group}" in err and "that user" not in err, err
     assert open(path).read() == text and os.stat(path).st_gid == group
     assert sorted(os.listdir(tmp_path)) == ["keys.yaml", "keys.yaml.lock"]
