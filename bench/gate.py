@@ -372,6 +372,25 @@ def compare(result: dict, baseline: dict | None) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def baseline_name(gpu: str | None) -> str:
+    """The file of another GPU's baseline: "NVIDIA H100 80GB HBM3" -> baseline-nvidia-h100-80gb-hbm3.json."""
+    slug = "".join(c if c.isalnum() else "-" for c in (gpu or "unknown").lower()).strip("-")
+    return f"baseline-{'-'.join(part for part in slug.split('-') if part)}.json"
+
+
+def baseline_for(gpu: str | None, default: Path) -> dict | None:
+    """The figures a result is judged against: the default baseline (the H200's) when it was measured on
+    the same GPU, else that GPU's own file beside it, else None. H200s are not always lent; a figure from
+    an H100 (a third less memory bandwidth) against the H200's would read as a regression of ~30 %."""
+    candidates = [default, default.with_name(baseline_name(gpu))]
+    for path in candidates:
+        if path.exists():
+            baseline = json.loads(path.read_text())
+            if baseline.get("gpu") in (None, gpu):
+                return baseline
+    return None
+
+
 def _verdict(fig: Figure, now: float | None, was: float | None) -> tuple[str, str]:
     if now is None:
         return ("MISSING" if was is not None else "not run"), ""
@@ -455,8 +474,11 @@ def main() -> int:
     result = (run_all(Path(ns.out), ns.smoke, ns.cmd) if ns.cmd in SUITES
               else json.loads(Path(ns.result).read_text()))
     smoke = getattr(ns, "smoke", False)  # a CPU run has nothing to compare with the H200's figures
-    baseline = json.loads(Path(ns.baseline).read_text()) if Path(ns.baseline).exists() and not smoke else None
+    baseline = None if smoke else baseline_for(result.get("gpu"), Path(ns.baseline))
     lines, ok = compare(result, baseline)
+    if baseline is None and not smoke:
+        lines.insert(0, f"no baseline for {result.get('gpu')}: figures are new, only the checks are judged; "
+                        f"to start one, copy baseline-candidate.json to bench/{baseline_name(result.get('gpu'))}")
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -3,7 +3,8 @@
 #   device run: GATE_COMMIT=$(git describe --always --dirty) bash bench/gate.sh   (the commit, from this
 #   side, "-dirty" when the tree has uncommitted changes: the device copy of the tree may carry a stale .git)
 # The table comes last; $OUT gets gate.json, baseline-candidate.json (copy it to bench/baseline.json when
-# the figures are accepted) and gate-logs.tgz (every step's log).
+# the figures are accepted; on another GPU to the bench/baseline-<gpu>.json the table names) and gate-logs.tgz
+# (every step's log).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/gate-out}

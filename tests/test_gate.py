@@ -61,6 +61,29 @@ def test_targets_missing_figures_checks_and_ungated_ready():
     assert not ok
 
 
+def test_a_result_is_judged_against_the_baseline_of_its_own_gpu(tmp_path):
+    # An H100's figures against the H200's would all read as regressions: another GPU gets its own file
+    # beside the default, and with none its figures are new (only the checks are judged).
+    h200 = {**BASE, "gpu": "NVIDIA H200"}
+    default = tmp_path / "baseline.json"
+    default.write_text(json.dumps(h200))
+    assert gate.baseline_for("NVIDIA H200", default) == h200
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert gate.baseline_name(h100) == "baseline-nvidia-h100-80gb-hbm3.json"
+    assert gate.baseline_for(h100, default) is None
+    result = {"gpu": h100, "checks": {"greedy": "PASS"}, "figures": figs({"r1-distill-qwen-7b/w1": 7_000.0})}
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    compare = [sys.executable, str(ROOT / "bench" / "gate.py"), "compare", str(tmp_path / "result.json"),
+               "--baseline", str(default)]
+    proc = subprocess.run(compare, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"no baseline for {h100}"), proc.stdout + proc.stderr
+    assert "bench/baseline-nvidia-h100-80gb-hbm3.json" in proc.stdout and "GATE PASSED" in proc.stdout
+    (tmp_path / gate.baseline_name(h100)).write_text(json.dumps({**BASE, "gpu": h100}))
+    assert gate.baseline_for(h100, default)["gpu"] == h100
+    proc = subprocess.run(compare, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1 and "REGRESSION" in proc.stdout, proc.stdout  # 30 % under its own baseline
+
+
 def test_the_whole_gate_runs_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate.py"), "all", "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
