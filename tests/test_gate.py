@@ -84,6 +84,19 @@ def test_a_result_is_judged_against_the_baseline_of_its_own_gpu(tmp_path):
     assert proc.returncode == 1 and "REGRESSION" in proc.stdout, proc.stdout  # 30 % under its own baseline
 
 
+def test_a_run_the_gpu_lacks_memory_for_is_skipped_and_named_not_failed(tmp_path, monkeypatch):
+    # The V3 slice in bf16 needs an H200: on an H100 the gate says so and judges the rest.
+    assert next(r for r in gate.RUNS if r.name == "v3-slice8").min_gpu_gib > 79.2  # an H100's total, by CUDA
+    big = gate.ModelRun("big", "deepseek-v3", w2=False, min_gpu_gib=120)
+    monkeypatch.setitem(gate.SUITES, "all", ([], [big]))
+    monkeypatch.setattr(gate, "_gpu_gib", lambda: 79.2)
+    monkeypatch.setattr(gate, "_gpu", lambda: "NVIDIA H100 80GB HBM3")
+    result = gate.run_all(tmp_path, smoke=False)
+    assert result["checks"] == {"run big": "not on this GPU (needs 120 GiB, has 79.2)"} and result["figures"] == {}
+    assert gate.compare(result, None)[1]
+    assert not gate.compare({**result, "checks": {"run big": "SKIPPED (would pass the 560 s budget)"}}, None)[1]
+
+
 def test_the_whole_gate_runs_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate.py"), "all", "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
