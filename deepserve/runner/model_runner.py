@@ -23,6 +23,7 @@ from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
+from deepserve.layers.moe import has_int4_routed_experts
 from deepserve.layers.quantization import quantize_after_loading
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
@@ -139,6 +140,10 @@ class ModelRunner:
         self.drafter: MtpDrafter | None = None
         if config.speculative is not None and config.speculative.is_mtp:
             self.drafter = self._load_mtp(config)
+        if self.device.type == "cuda":  # before any graph is captured; Triton only where it runs
+            from deepserve.kernels import pdl
+
+            pdl.choose_mla_moe(has_int4_routed_experts(self.model))
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()  # speculative decoding's verify steps

@@ -26,6 +26,29 @@ def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monk
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
 
 
+@pytest.mark.parametrize("setting, int4_experts, chosen", [
+    (None, True, True), (None, False, False), ("auto", True, True),  # auto: on where it was measured to gain
+    ("1", False, True), ("0", True, False)])  # forced either way
+def test_the_mla_moe_switch_is_chosen_for_the_loaded_model(monkeypatch, setting, int4_experts, chosen):
+    from torch import nn
+
+    from deepserve import envs
+    from deepserve.layers.int4 import Int4Config
+    from deepserve.layers.moe import RoutedExperts, has_int4_routed_experts
+
+    pdl = import_kernels("deepserve.kernels.pdl")
+    if setting is None:
+        monkeypatch.delenv("DEEPSERVE_PDL_MLA_MOE", raising=False)
+    else:
+        monkeypatch.setenv("DEEPSERVE_PDL_MLA_MOE", setting)
+    monkeypatch.setattr(pdl, "MLA_MOE_SETTING", envs.DEEPSERVE_PDL_MLA_MOE)  # as read at import
+    monkeypatch.setattr(pdl, "MLA_MOE", None)
+    quant = Int4Config("awq", 4, 16, False, False) if int4_experts else None
+    model = nn.ModuleList([nn.Linear(4, 4), RoutedExperts(4, 32, 32, tp_rank=0, tp_size=1, quant=quant)])
+    assert has_int4_routed_experts(model) is int4_experts
+    assert pdl.choose_mla_moe(has_int4_routed_experts(model)) is chosen and pdl.MLA_MOE is chosen
+
+
 @pytest.fixture
 def tensors_on_the_kernels_device():
     """Factory calls make their tensors where the kernels run: the CPU under the interpreter, else the GPU
