@@ -1,7 +1,9 @@
-"""GPU memory sizes, in bytes, as the driver reports them (nvidia-smi's MiB total).
+"""GPU memory sizes, in bytes, as CUDA reports them (`torch.cuda.mem_get_info()`'s total).
 
-The marketing figure ("141 GB") is decimal and slightly above what CUDA can hand out; the engine sizes its
-cache from `torch.cuda.mem_get_info()`'s total, so the planner uses the same number.
+The marketing figure ("141 GB") is decimal, and nvidia-smi's MiB total is above what CUDA can hand out too
+(H100 80GB HBM3: 81,559 MiB against CUDA's 81,079; H200: 143,771 against 139.80 GiB); the engine sizes its
+cache from CUDA's total, so the planner uses that number where it was read on the part (H200, H100), and
+nvidia-smi's for the others (read elsewhere: an A100-40GB's CUDA total was 40,339-40,441 MiB against 40,960).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ CAPABILITY: dict[str, tuple[int, int]] = {"h200": (9, 0), "h100": (9, 0), "a100-
                                           "h20": (9, 0), "l40s": (8, 9)}
 
 GPUS: dict[str, int] = {
-    "h200": 143_771 * MIB,     # H200 SXM, 141 GB HBM3e
-    "h100": 81_559 * MIB,      # H100 SXM/PCIe, 80 GB
+    "h200": 143_155 * MIB,     # H200 SXM, 141 GB HBM3e: 139.80 GiB in torch's out-of-memory messages
+    "h100": 81_079 * MIB,      # H100 SXM, 80 GB HBM3: mem_get_info on the device tool's H100 (2026-12-05)
     "a100-80g": 81_920 * MIB,  # A100 80 GB
     "a100-40g": 40_960 * MIB,  # A100 40 GB
     "h20": 97_871 * MIB,       # H20, 96 GB
