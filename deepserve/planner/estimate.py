@@ -223,11 +223,10 @@ def _activations(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes:
 def _graphs(shape: ModelShape, req: PlanRequest, max_len: int, dtype_bytes: int, hf_config) -> int:
     """The decode CUDA graphs' memory, an estimate shown beside the budget but not taken from it, to match
     the engine: ModelRunner._profile_gpu_blocks gives the KV cache total × gpu_memory_utilization minus the
-    peak torch allocated in the profile step (its dummy KV blocks left out; plus the caching allocator's
-    stranded bytes), and captures the graphs only after allocating the cache (initialize_cache), so they and
-    the CUDA context (outside torch's allocator) both live in the (1 − gpu_memory_utilization) share
-    (bench/RESULTS.md: "the graph pool, which start-up's KV sizing does not count"). Neither is measured
-    here, so no fixed size is added for them."""
+    peak torch allocated in the profile step (plus the caching allocator's stranded bytes), and captures the
+    graphs only after allocating the cache (initialize_cache), so they and the CUDA context (outside torch's
+    allocator) both live in the (1 − gpu_memory_utilization) share (bench/RESULTS.md: "the graph pool, which
+    start-up's KV sizing does not count"). Neither is measured here, so no fixed size is added for them."""
     from deepserve.models.registry import get_model_class
 
     # The engine runs tensor-parallel ranks eager unless asked otherwise (EngineArgs.enforce_eager).

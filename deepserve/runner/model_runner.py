@@ -209,13 +209,11 @@ class ModelRunner:
     def _profile_gpu_blocks(self, per_block: int) -> int:
         # Memory the cache may take = utilisation share of the card - what the model and the
         # largest step's activations took (measured by running that step on dummy blocks), and what the
-        # caching allocator holds that no new segment can use (_stranded_bytes). The dummy blocks are in
-        # the peak but are freed before the cache is made, which takes their place: they are no cost beside
-        # it. (Counted, they cost DeepSeek-LLM-7B at max_model_len 4,096 1.9 GiB of cache, 3 % of it on an
-        # H100, and the engine's block count then sat that far under the planner's.)
+        # caching allocator holds that no new segment can use (_stranded_bytes).
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        peak = self._profile_run() + _stranded_bytes(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device) + _stranded_bytes(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         available = total * self.config.cache.gpu_memory_utilization - peak
         num_blocks = int(available // per_block)
@@ -226,29 +224,21 @@ class ModelRunner:
                                                     self.config, self.block_size))
         return num_blocks
 
-    def _profile_run(self) -> int:
-        """The largest step on dummy blocks, then the sampler's largest; returns the peak of allocated
-        memory over both, the dummy blocks left out of the step's (the peaks are read apart: the sampler
-        runs after the blocks are freed, and its peak, with the weights, must count whole)."""
+    def _profile_run(self) -> None:
         from deepserve.engine.request import ScheduledRequest
         from deepserve.sampling_params import SamplingParams
 
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         blocks_needed = -(-num_tokens // self.block_size)
         self.allocate_kv_cache(blocks_needed)
-        blocks_bytes = sum(layer.kv_cache.nbytes for layer in self.attention_layers if layer.kv_cache is not None)
         request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
         request.block_ids = list(range(blocks_needed))
         self.execute(SchedulerOutput([ScheduledRequest(request, num_tokens, 0)]))
         if envs.DEEPSERVE_PREFILL_WARMUP:  # on the profile's blocks; every rank runs the same lengths
             self.warm_up_prefill(num_tokens)
-        torch.cuda.synchronize(self.device)
-        step_peak = torch.cuda.max_memory_allocated(self.device) - blocks_bytes
         self.allocate_kv_cache(0)
-        torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_sampling()
         torch.cuda.synchronize(self.device)
-        return max(step_peak, torch.cuda.max_memory_allocated(self.device))
 
     def warm_up_prefill(self, max_tokens: int) -> list[int]:
         """One prefill forward per length of prefill_warmup_lengths(max_tokens), so the kernel variants

@@ -32,8 +32,6 @@ def test_lengths_are_one_and_powers_of_two_and_one_less_below_the_profile_step()
 def _profile_calls(runner, monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     real_execute, real_profile = runner.execute, runner.profile_sampling
 
     def execute(out: SchedulerOutput):
