@@ -117,7 +117,7 @@ class ModelRun:
     # W1 with BENCH_SCHEMA on every request (structured output's cost), through the preset's generated
     # byte-level tokenizer (loader/vocab_tokenizer.py: the grammar needs a vocabulary to mask)
     json_schema: bool = False
-    # GPU memory the run needs, GiB (CUDA's total): a smaller GPU skips it, saying so, and the gate still passes
+    # GPU memory the run needs, GiB (nvidia-smi's total): a smaller GPU skips it, saying so, and the gate still passes
     min_gpu_gib: float = 0
 
 
@@ -128,7 +128,7 @@ RUNS = [
     # Timeouts are also the budget's estimates (a run starts only if it would end by BUDGET_S): gate run
     # 2 took 49 / 89 / 89 / 107 s for these four (its logs' file times).
     # bf16, the slice's figures before FP8 (the preset carries V3's FP8 config: "none" dequantizes it). Its five
-    # MoE layers hold ~112 GB of bf16 experts: on an H100 (79.2 GiB by CUDA) building them ran out of memory.
+    # MoE layers hold ~112 GB of bf16 experts: on an H100 (79.6 GiB by nvidia-smi) building them ran out of memory.
     ModelRun("v3-slice8", "deepseek-v3", w2=True, layers=8, timeout_s=160, quantization="none", min_gpu_gib=120),
 ]
 # The KV suite's long-context point: enough 4k/1k requests that a bf16 cache holds well under half of
@@ -320,7 +320,7 @@ def run_all(out: Path, smoke: bool, suite: str = "all") -> dict:
     runs = [ModelRun("demo", None, w2=True, timeout_s=300)] if smoke else suite_runs
     gpu_gib = 0.0 if smoke else _gpu_gib()
     for run in runs:
-        if gpu_gib < run.min_gpu_gib and not smoke:
+        if 0 < gpu_gib < run.min_gpu_gib and not smoke:  # 0: no GPU seen, the run fails as it would have
             checks[f"run {run.name}"] = f"{TOO_SMALL} (needs {run.min_gpu_gib:.0f} GiB, has {gpu_gib:.1f})"
             continue
         if time.perf_counter() - PROCESS_START + run.timeout_s > BUDGET_S and not smoke:
@@ -390,11 +390,10 @@ def baseline_for(gpu: str | None, default: Path) -> dict | None:
     """The figures a result is judged against: the default baseline (the H200's) when it was measured on
     the same GPU, else that GPU's own file beside it, else None. H200s are not always lent; a figure from
     an H100 (a third less memory bandwidth) against the H200's would read as a regression of ~30 %."""
-    candidates = [default, default.with_name(baseline_name(gpu))]
-    for path in candidates:
+    for path in (default, default.with_name(baseline_name(gpu))):
         if path.exists():
             baseline = json.loads(path.read_text())
-            if baseline.get("gpu") in (None, gpu):
+            if baseline.get("gpu") == gpu:  # a file that names no GPU judges nothing
                 return baseline
     return None
 
@@ -445,9 +444,14 @@ def _git(*args: str) -> str:
 
 
 def _gpu_gib() -> float:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+    """GPU 0's memory by nvidia-smi (GiB; 0.0 without one). Not through torch: this process starts the engines
+    and must hold no CUDA context on their GPU while they size their caches."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return float(out.split()[0]) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0.0
 
 
 def _gpu() -> str:

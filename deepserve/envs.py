@@ -18,8 +18,8 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
 
 
 def _auto_flag(name: str) -> Callable[[], bool | str]:
-    """"auto" (unset, or "auto"): the code decides where it knows the case; otherwise a _flag."""
-    return lambda: "auto" if os.environ.get(name, "auto") == "auto" else _flag(name, False)()
+    """"auto" (unset, or "auto" in any case): the code decides where it knows the case; otherwise a _flag."""
+    return lambda: "auto" if os.environ.get(name, "auto").strip().lower() == "auto" else _flag(name, False)()
 
 
 def _float(name: str, default: float) -> Callable[[], float]:

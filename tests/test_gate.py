@@ -78,6 +78,8 @@ def test_a_result_is_judged_against_the_baseline_of_its_own_gpu(tmp_path):
     proc = subprocess.run(compare, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith(f"no baseline for {h100}"), proc.stdout + proc.stderr
     assert "bench/baseline-nvidia-h100-80gb-hbm3.json" in proc.stdout and "GATE PASSED" in proc.stdout
+    default.write_text(json.dumps(BASE))  # a baseline that names no GPU judges nothing
+    assert gate.baseline_for("NVIDIA H200", default) is None and gate.baseline_for(h100, default) is None
     (tmp_path / gate.baseline_name(h100)).write_text(json.dumps({**BASE, "gpu": h100}))
     assert gate.baseline_for(h100, default)["gpu"] == h100
     proc = subprocess.run(compare, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -86,13 +88,13 @@ def test_a_result_is_judged_against_the_baseline_of_its_own_gpu(tmp_path):
 
 def test_a_run_the_gpu_lacks_memory_for_is_skipped_and_named_not_failed(tmp_path, monkeypatch):
     # The V3 slice in bf16 needs an H200: on an H100 the gate says so and judges the rest.
-    assert next(r for r in gate.RUNS if r.name == "v3-slice8").min_gpu_gib > 79.2  # an H100's total, by CUDA
+    assert next(r for r in gate.RUNS if r.name == "v3-slice8").min_gpu_gib > 79.6  # an H100's, by nvidia-smi
     big = gate.ModelRun("big", "deepseek-v3", w2=False, min_gpu_gib=120)
     monkeypatch.setitem(gate.SUITES, "all", ([], [big]))
-    monkeypatch.setattr(gate, "_gpu_gib", lambda: 79.2)
+    monkeypatch.setattr(gate, "_gpu_gib", lambda: 79.6)
     monkeypatch.setattr(gate, "_gpu", lambda: "NVIDIA H100 80GB HBM3")
     result = gate.run_all(tmp_path, smoke=False)
-    assert result["checks"] == {"run big": "not on this GPU (needs 120 GiB, has 79.2)"} and result["figures"] == {}
+    assert result["checks"] == {"run big": "not on this GPU (needs 120 GiB, has 79.6)"} and result["figures"] == {}
     assert gate.compare(result, None)[1]
     assert not gate.compare({**result, "checks": {"run big": "SKIPPED (would pass the 560 s budget)"}}, None)[1]
 

@@ -53,7 +53,9 @@ from deepserve import envs
 ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
 # The MLA and MoE paths' kernels (MLA decode, head_matmul, router logits, routing, the int4 routed experts' GEMV,
 # the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: 1 / 0 as set, "auto" (the default) as the
-# runner chooses for its model when it loads it (choose_mla_moe). Until then (kernel tests, probes): off.
+# runner chooses for its model when it loads it (choose_mla_moe). Until then (kernel tests, probes): off. One value a
+# process: two engines in one process with different experts take the last one built's (a speed matter only: either
+# value is correct); tensor-parallel ranks read the same checkpoint and agree.
 MLA_MOE_SETTING = envs.DEEPSERVE_PDL_MLA_MOE
 MLA_MOE = MLA_MOE_SETTING is True
 # With PDL, the decode attention (MHA/GQA; MLA with MLA_MOE) asks its first tile of cache rows into L2 before the

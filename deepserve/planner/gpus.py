@@ -2,8 +2,9 @@
 
 The marketing figure ("141 GB") is decimal, and nvidia-smi's MiB total is above what CUDA can hand out too
 (H100 80GB HBM3: 81,559 MiB against CUDA's 81,079; H200: 143,771 against 139.80 GiB); the engine sizes its
-cache from CUDA's total, so the planner uses that number where it was read on the part (H200, H100), and
-nvidia-smi's for the others (read elsewhere: an A100-40GB's CUDA total was 40,339-40,441 MiB against 40,960).
+cache from CUDA's total, so the planner uses that number where it was read on the part (H100: mem_get_info;
+H200: the 139.80 GiB of torch's out-of-memory messages, two decimals, so within 5 MiB), and nvidia-smi's for the
+others (read elsewhere: an A100-40GB's CUDA total was 40,339-40,441 MiB against 40,960).
 """
 
 from __future__ import annotations

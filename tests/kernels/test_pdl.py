@@ -7,6 +7,8 @@ gives the same bits."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monk
 
 
 @pytest.mark.parametrize("setting, int4_experts, chosen", [
-    (None, True, True), (None, False, False), ("auto", True, True),  # auto: on where it was measured to gain
+    (None, True, True), (None, False, False), ("Auto", True, True),  # auto: on where it was measured to gain
     ("1", False, True), ("0", True, False)])  # forced either way
 def test_the_mla_moe_switch_is_chosen_for_the_loaded_model(monkeypatch, setting, int4_experts, chosen):
     from torch import nn
@@ -46,7 +48,19 @@ def test_the_mla_moe_switch_is_chosen_for_the_loaded_model(monkeypatch, setting,
     quant = Int4Config("awq", 4, 16, False, False) if int4_experts else None
     model = nn.ModuleList([nn.Linear(4, 4), RoutedExperts(4, 32, 32, tp_rank=0, tp_size=1, quant=quant)])
     assert has_int4_routed_experts(model) is int4_experts
+    if int4_experts:  # experts whose int4 storage was given up for the model dtype are not int4 any more
+        unquantized = RoutedExperts(4, 32, 32, tp_rank=0, tp_size=1, quant=quant)
+        unquantized.unquantize()
+        assert not has_int4_routed_experts(nn.ModuleList([unquantized]))
     assert pdl.choose_mla_moe(has_int4_routed_experts(model)) is chosen and pdl.MLA_MOE is chosen
+    # what the runner does once it has loaded a model on a GPU (and on CPU: nothing)
+    from deepserve.runner.model_runner import ModelRunner
+
+    monkeypatch.setattr(pdl, "MLA_MOE", None)
+    ModelRunner._settle_pdl(SimpleNamespace(device=torch.device("cpu"), model=model))
+    assert pdl.MLA_MOE is None
+    ModelRunner._settle_pdl(SimpleNamespace(device=torch.device("cuda", 0), model=model))
+    assert pdl.MLA_MOE is chosen
 
 
 @pytest.fixture
