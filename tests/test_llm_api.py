@@ -131,6 +131,22 @@ def test_too_long_prompt_is_refused_and_the_engine_keeps_serving(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("prompts, message", [
+    (["ok", 5], r"^prompts\[1\]: a prompt must be a string, a list of token ids or a dict; got int$"),
+    ([["a"]], r"^a list prompt holds token ids \(integers\); item 0 is str 'a'$"),
+    (["ok", [1, True]], r"^prompts\[1\]: a list prompt holds token ids \(integers\); item 1 is bool True$"),
+    (["ok", {"prompt_token_ids": [3, 2.5]}], r"^prompts\[1\]: .*item 1 is float 2.5$"),
+])
+def test_a_prompt_of_the_wrong_type_is_named_and_nothing_runs(llm, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, {"max_tokens": 2}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    import numpy as np
+
+    (out,) = llm.generate([[np.int64(5), 6]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2
+
+
 def test_a_prompt_past_the_context_gets_only_the_engines_error(llm):
     # The demo tokenizer's model_max_length is 2048: transformers used to log its own "Token indices
     # sequence length is longer than the specified maximum" warning before the engine's ValueError.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -114,16 +115,26 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list
     """(what the engine gets, the text to report as the prompt) per prompt."""
     if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
+    prompts = list(prompts)
     out = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        where = f"prompts[{i}]: " if len(prompts) > 1 else ""  # which of a list, as generate's other checks say
         text = p if isinstance(p, str) else None
         if isinstance(p, dict):
             text = p.get("prompt")
             p = p.get("prompt_token_ids", text)
         if not isinstance(p, str | list):
-            raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
+            raise TypeError(f"{where}a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
+        bad = next((j for j, t in enumerate(p) if not _is_token_id(t)), None) if isinstance(p, list) else None
+        if bad is not None:
+            raise TypeError(f"{where}a list prompt holds token ids (integers); item {bad} is "
+                            f"{type(p[bad]).__name__} {p[bad]!r:.40}")
         out.append((p, text))
     return out
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _chat_text(tokenizer: Any, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
