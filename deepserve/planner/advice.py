@@ -43,8 +43,11 @@ def advise(failed) -> list[dict]:
         out.append({"change": "shorter context", "flags": None, "num_gpus": failed.num_gpus, "max_sequences": 0,
                     "max_model_len": 0,
                     "detail": f"no context length helps: weights {failed.weights_bytes / GIB:.1f} GiB + activations "
-                              f"{failed.activation_bytes / GIB:.1f} GiB leave {failed.kv_cache_bytes / GIB:.1f} GiB of "
-                              f"the {failed.budget_bytes / GIB:.1f} GiB budget for the KV cache"})
+                              f"{failed.activation_bytes / GIB:.1f} GiB " + (
+                                  f"leave {failed.kv_cache_bytes / GIB:.1f} GiB of the {failed.budget_bytes / GIB:.1f} "
+                                  f"GiB budget for the KV cache, less than one block" if failed.kv_cache_bytes >= 0
+                                  else f"are {-failed.kv_cache_bytes / GIB:.1f} GiB over the "
+                                       f"{failed.budget_bytes / GIB:.1f} GiB budget before any KV cache")})
     return out
 
 

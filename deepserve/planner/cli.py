@@ -92,6 +92,9 @@ def format_plan(p) -> str:
         lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
         if "--nnodes" in p.serve_command:
             lines += ["  (that is node 0, with NODE0_ADDRESS its address; on node k the same with --node-rank k)"]
+        if "dummy" in p.serve_command:
+            lines += ["  (a preset: --load-format dummy serves random weights in the model's shape; for the real "
+                      "model, put its checkpoint folder in the preset's place and leave --load-format out)"]
     else:
         lines += [f"does NOT fit: {_why_not(p)}. What would:"]
         lines += [f"  - {a['change']}: " + (f"{a['flags']} — " if a["flags"] else "") + a["detail"] for a in p.advice]

@@ -143,6 +143,8 @@ def test_does_not_fit_says_what_would():
     cmd = two_nodes.serve_command
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == "0"
     assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]
+    over = (v3.weights_bytes + v3.activation_bytes - v3.budget_bytes) / 2**30  # said as an excess, not "leave -x"
+    assert f"are {over:.1f} GiB over the {v3.budget_bytes / 2**30:.1f} GiB budget" in v3.advice[-1]["detail"]
 
 
 def test_smaller_weights_are_advised_where_they_fit():
@@ -172,6 +174,19 @@ def test_checkpoint_folder_and_config_json(tmp_path):
     by_file = plan(PlanRequest(str(tmp_path / "config.json"), gpu="24"))
     assert by_folder.kv_bytes_per_token == by_file.kv_bytes_per_token == 2 * 2 * 64 * 2 * 2
     assert by_folder.max_model_len == 2048 and "--load-format" not in by_folder.serve_command
+
+
+def test_a_presets_serve_line_says_its_weights_are_random(tmp_path, capsys):
+    # The line users copy (docs/deploy.md) ends in --load-format dummy for a preset: said so under it.
+    code, out = _plan_cli(capsys, "deepseek-llm-7b", "--gpu", "h100", "--max-model-len", "4096")
+    assert code == 0 and out.split("fits. run:\n")[1].splitlines()[0].endswith("--load-format dummy")
+    assert "--load-format dummy serves random weights" in out
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    code, out = _plan_cli(capsys, str(tmp_path), "--gpu", "24")
+    assert code == 0 and "fits. run:" in out and "random weights" not in out
 
 
 def test_cli_json_shape_and_exit_codes(capsys):
