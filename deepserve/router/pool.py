@@ -39,6 +39,7 @@ class Backend:
     last_error: str | None = None
     dns: str | None = None  # the --backend-dns name it came from; None: a static --backend
     changed_at: float = field(default_factory=time.monotonic)
+    ever_ready: bool = False  # has passed a probe: until then a failing one is a replica starting, not a fault
 
     @property
     def in_rotation(self) -> bool:
@@ -48,11 +49,19 @@ class Backend:
         """Set health; True when it changed."""
         if why is not None:
             self.last_error = why
+        first_ready, self.ever_ready = healthy and not self.ever_ready, self.ever_ready or healthy
         if healthy == self.healthy:
             return False
         self.healthy, self.changed_at = healthy, time.monotonic()
-        logger.warning("backend %s is %s%s", self.url, "healthy again" if healthy else "out of rotation",
-                       f" ({why})" if why and not healthy else "")
+        # Said at the level of every rotation change; a replica still loading when the router started
+        # is "not ready yet", then "ready": news, not a fault and a recovery.
+        if first_ready:
+            logger.warning("backend %s is ready", self.url)
+        elif not self.ever_ready:
+            logger.warning("backend %s is not ready yet (%s)", self.url, why)
+        else:
+            logger.warning("backend %s is %s%s", self.url, "healthy again" if healthy else "out of rotation",
+                           f" ({why})" if why and not healthy else "")
         return True
 
     def describe(self) -> dict:

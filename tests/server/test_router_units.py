@@ -76,6 +76,20 @@ def test_flags_are_checked():
         RouterSettings(backends=["http://a"], quota_redis_down="maybe")
 
 
+def test_a_replica_loading_at_start_is_not_ready_then_ready_and_a_later_fault_is_said_as_one(caplog):
+    b = Backend("http://10.0.0.1:8000")
+    with caplog.at_level("WARNING", logger="deepserve.router.pool"):
+        for healthy, why in [(False, "health check answered 503"), (True, None), (True, None),
+                             (False, "health check failed: ClientConnectorError"), (True, None)]:
+            b.mark(healthy, why)
+    assert [r.getMessage() for r in caplog.records] == [
+        "backend http://10.0.0.1:8000 is not ready yet (health check answered 503)",
+        "backend http://10.0.0.1:8000 is ready",
+        "backend http://10.0.0.1:8000 is out of rotation (health check failed: ClientConnectorError)",
+        "backend http://10.0.0.1:8000 is healthy again"]
+    assert b.healthy and b.in_rotation
+
+
 def test_backend_dns_adds_each_address_once_and_forgets_those_gone():
     import asyncio
 
