@@ -205,9 +205,15 @@ def envelope(kind: str, request_id: str, model: str, created: int | None = None)
             "model": model}
 
 
-def chat_chunk_choice(delta: Delta, first: bool, top_n: int | None) -> dict:
-    d: dict = {"role": "assistant"} if first else {}
-    if delta.content or first:
+def chat_role_choice(index: int) -> dict:
+    """The chunk that opens a streamed chat choice: its role and empty content, nothing generated yet."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+            "stop_reason": None}
+
+
+def chat_chunk_choice(delta: Delta, top_n: int | None) -> dict:
+    d: dict = {}
+    if delta.content:
         d["content"] = delta.content
     if delta.reasoning:
         d["reasoning_content"] = delta.reasoning

@@ -194,12 +194,17 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
             gens[i].observe(out)
             for d in _deltas(trackers[i], out):
                 first = not started[i][d.index]
-                if not ((first and (chat or req.echo)) or d.content or d.reasoning or d.tool_calls
+                if chat and first:  # a choice opens with its role alone, as OpenAI's and vLLM's streams do
+                    started[i][d.index] = True
+                    yield sse(_with_usage({**base, "choices": [f.chat_role_choice(d.index + i * req.n)]}, opts,
+                                          gens, trackers))
+                    first = False
+                if not ((first and req.echo) or d.content or d.reasoning or d.tool_calls
                         or d.finish_reason or top_n is not None):
                     continue  # text held back: an empty delta tells the client nothing
                 started[i][d.index] = True
                 if chat:
-                    choice = f.chat_chunk_choice(d, first, top_n)
+                    choice = f.chat_chunk_choice(d, top_n)
                 else:
                     if req.echo:  # the prompt's logprobs are all in by the first token
                         if echo[i] is None:
@@ -209,10 +214,7 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
                             d, text_offset=d.text_offset + echo_span[i])
                     choice = f.completion_chunk_choice(d, top_n, decode)
                 choice["index"] += i * req.n
-                chunk = {**base, "choices": [choice]}
-                if opts.include_usage:
-                    chunk["usage"] = _total_usage(gens, trackers) if opts.continuous_usage_stats else None
-                yield sse(chunk)
+                yield sse(_with_usage({**base, "choices": [choice]}, opts, gens, trackers))
         if opts.include_usage:
             yield sse({**base, "choices": [], "usage": _total_usage(gens, trackers)})
         for gen in gens:
@@ -245,6 +247,14 @@ def end_parts(gens: list[Generation], outcome: str, status: int, failed: list[in
         if not gen.finished:
             gen.st.engine.abort(gen.request_id)
             gen.finish(outcome if not failed or i in failed else "aborted", status)
+
+
+def _with_usage(chunk: dict, opts: p.StreamOptions, gens: list[Generation],
+                trackers: list[list[f.ChoiceTracker]]) -> dict:
+    """A chunk with stream_options' usage field: the running total under continuous_usage_stats, else null."""
+    if opts.include_usage:
+        chunk["usage"] = _total_usage(gens, trackers) if opts.continuous_usage_stats else None
+    return chunk
 
 
 def _total_usage(gens: list[Generation], trackers: list[list[f.ChoiceTracker]]) -> dict:

@@ -75,10 +75,24 @@ def test_chat_stream_equals_non_stream(client):
     streamed = "".join((c.choices[0].delta.model_extra.get("reasoning_content") or "")
                        for c in chunks if c.choices)
     assert streamed == whole
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # Each choice opens with its role alone (OpenAI's and vLLM's first chunk), whatever the first token brought.
+    assert chunks[0].choices[0].delta.model_dump(exclude_none=True) == {"role": "assistant", "content": ""}
+    assert not any(c.choices[0].delta.role for c in chunks[1:] if c.choices)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_each_streamed_chat_choice_opens_with_its_role(client):
+    kw = dict(model=MODEL, messages=MSG, max_tokens=6, n=2, seed=4, temperature=0.9, logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    for index in (0, 1):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].choices[0].delta.model_dump(exclude_none=True) == {"role": "assistant", "content": ""}
+        assert mine[0].choices[0].logprobs is None and mine[0].usage is not None  # every chunk's running usage
+        tokens = [lp for c in mine[1:] for lp in c.choices[0].logprobs.content]
+        assert len(tokens) == 6 and all(len(t.top_logprobs) == 2 for t in tokens)
 
 
 def test_completions_n2_logprobs(client):
