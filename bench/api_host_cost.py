@@ -69,7 +69,7 @@ def measure(tokenizer, batch: int, steps: int, prompt_len: int = 500) -> dict[st
         for out in results:
             delta = trackers[out.request_id].advance(out.outputs[0])
             if delta is not None:
-                sse({**base, "choices": [f.chat_chunk_choice(delta, False, None)]})
+                sse({**base, "choices": [f.chat_chunk_choice(delta, None)]})
         t5 = time.perf_counter()
         for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             times[key].append(seconds)

@@ -143,8 +143,13 @@ def test_a_prompt_of_the_wrong_type_is_named_and_nothing_runs(llm, prompts, mess
     assert not llm.llm_engine.has_unfinished_requests()
     import numpy as np
 
-    (out,) = llm.generate([[np.int64(5), 6]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for one in ([[np.int64(5), 6]], [np.int64(5), 6]):  # numpy's integers, in a list of prompts or as the one
+        (out,) = llm.generate(one, params, use_tqdm=False)
+        assert out.prompt_token_ids == [5, 6] and all(type(t) is int for t in out.prompt_token_ids)
+        assert len(out.outputs[0].token_ids) == 2
+    outs = llm.generate((p for p in ["a", [5, 6]]), params, use_tqdm=False)  # any iterable of prompts
+    assert [o.prompt_token_ids[-2:] for o in outs][1] == [5, 6]
 
 
 def test_a_prompt_past_the_context_gets_only_the_engines_error(llm):

@@ -113,7 +113,7 @@ class LLM:
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list[int], str | None]]:
     """(what the engine gets, the text to report as the prompt) per prompt."""
-    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and _is_token_id(prompts[0])):
         prompts = [prompts]
     prompts = list(prompts)
     out = []
@@ -125,12 +125,23 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | list
             p = p.get("prompt_token_ids", text)
         if not isinstance(p, str | list):
             raise TypeError(f"{where}a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}")
-        bad = next((j for j, t in enumerate(p) if not _is_token_id(t)), None) if isinstance(p, list) else None
-        if bad is not None:
-            raise TypeError(f"{where}a list prompt holds token ids (integers); item {bad} is "
-                            f"{type(p[bad]).__name__} {p[bad]!r:.40}")
+        if isinstance(p, list):
+            p = _token_ids(p, where)
         out.append((p, text))
     return out
+
+
+def _token_ids(ids: list, where: str) -> list[int]:
+    """The list as plain ints (numpy's too: they would reach the tensor-parallel step message, which msgpack
+    writes), or a TypeError naming the first item that is no integer. Plain ints, the common case, pass in
+    one quick scan: W1's prompts are inside the timed generate."""
+    if all(type(t) is int for t in ids):
+        return ids
+    bad = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+    if bad is not None:
+        raise TypeError(f"{where}a list prompt holds token ids (integers); item {bad} is "
+                        f"{type(ids[bad]).__name__} {ids[bad]!r:.40}")
+    return [int(t) for t in ids]
 
 
 def _is_token_id(value: Any) -> bool:

@@ -41,14 +41,20 @@ def advise(failed) -> list[dict]:
                     "detail": f"{failed.kv_tokens:,} KV tokens fit per GPU: one sequence of {shorter:,} tokens"})
     else:
         out.append({"change": "shorter context", "flags": None, "num_gpus": failed.num_gpus, "max_sequences": 0,
-                    "max_model_len": 0,
-                    "detail": f"no context length helps: weights {failed.weights_bytes / GIB:.1f} GiB + activations "
-                              f"{failed.activation_bytes / GIB:.1f} GiB " + (
-                                  f"leave {failed.kv_cache_bytes / GIB:.1f} GiB of the {failed.budget_bytes / GIB:.1f} "
-                                  f"GiB budget for the KV cache, less than one block" if failed.kv_cache_bytes >= 0
-                                  else f"are {-failed.kv_cache_bytes / GIB:.1f} GiB over the "
-                                       f"{failed.budget_bytes / GIB:.1f} GiB budget before any KV cache")})
+                    "max_model_len": 0, "detail": "no context length helps: " + _why_no_context(failed)})
     return out
+
+
+def _why_no_context(failed) -> str:
+    """Why no --max-model-len fits: the weights and activations alone are over the budget, or leave less than
+    a block, or (room for blocks left) loading itself is over it (--quantization fp8's load peak)."""
+    used = f"weights {failed.weights_bytes / GIB:.1f} GiB + activations {failed.activation_bytes / GIB:.1f} GiB"
+    budget = f"the {failed.budget_bytes / GIB:.1f} GiB budget"
+    if failed.kv_cache_bytes < 0:
+        return f"{used} are {-failed.kv_cache_bytes / GIB:.1f} GiB over {budget} before any KV cache"
+    if failed.kv_cache_bytes < failed.kv_bytes_per_token * failed.request.block_size:
+        return f"{used} leave {failed.kv_cache_bytes / GIB:.1f} GiB of {budget} for the KV cache, less than one block"
+    return "loading the weights is over the budget whatever the context (see the note below)"
 
 
 def _more_gpus(failed, plan) -> dict | None:

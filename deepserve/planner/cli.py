@@ -85,11 +85,9 @@ def format_plan(p) -> str:
         + (f" (the scheduler runs at most --max-num-seqs {p.request.max_num_seqs})" if p.fits else ""),
         "",
     ]
-    if p.fits and p.engine_refuses:
-        lines += ["fits in memory, but deepserve serve refuses the command (see the note below):",
-                  "  " + shlex.join(p.serve_command)]
-    elif p.fits:
-        lines += ["fits. run:", "  " + shlex.join(p.serve_command)]
+    if p.fits:
+        lines += ["fits in memory, but deepserve serve refuses the command (see the note below):" if p.engine_refuses
+                  else "fits. run:", "  " + shlex.join(p.serve_command)]
         if "--nnodes" in p.serve_command:
             lines += ["  (that is node 0, with NODE0_ADDRESS its address; on node k the same with --node-rank k)"]
         if "dummy" in p.serve_command:

@@ -199,7 +199,7 @@ async def stream_events(gens: list[Generation], req: Any, agens: list[AsyncItera
                     yield sse(_with_usage({**base, "choices": [f.chat_role_choice(d.index + i * req.n)]}, opts,
                                           gens, trackers))
                     first = False
-                if not ((first and req.echo) or d.content or d.reasoning or d.tool_calls
+                if not ((first and not chat and req.echo) or d.content or d.reasoning or d.tool_calls
                         or d.finish_reason or top_n is not None):
                     continue  # text held back: an empty delta tells the client nothing
                 started[i][d.index] = True

@@ -145,6 +145,11 @@ def test_does_not_fit_says_what_would():
     assert v3.advice[-1]["flags"] is None and "no context length helps" in v3.advice[-1]["detail"]
     over = (v3.weights_bytes + v3.activation_bytes - v3.budget_bytes) / 2**30  # said as an excess, not "leave -x"
     assert f"are {over:.1f} GiB over the {v3.budget_bytes / 2**30:.1f} GiB budget" in v3.advice[-1]["detail"]
+    # room for blocks, but --quantization fp8 holds the bf16 weights while loading: said as that, not "< a block"
+    loading = plan(PlanRequest("deepseek-llm-7b", gpu="12", quantization="fp8", max_model_len=4096))
+    assert not loading.fits and loading.kv_cache_bytes > 2**30
+    assert loading.advice[-1]["detail"] == ("no context length helps: loading the weights is over the budget "
+                                            "whatever the context (see the note below)")
 
 
 def test_smaller_weights_are_advised_where_they_fit():

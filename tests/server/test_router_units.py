@@ -88,6 +88,12 @@ def test_a_replica_loading_at_start_is_not_ready_then_ready_and_a_later_fault_is
         "backend http://10.0.0.1:8000 is out of rotation (health check failed: ClientConnectorError)",
         "backend http://10.0.0.1:8000 is healthy again"]
     assert b.healthy and b.in_rotation
+    caplog.clear()
+    joined = Backend("http://10.0.0.2:8000", healthy=False)  # as --backend-dns adds one: out until it passes
+    with caplog.at_level("WARNING", logger="deepserve.router.pool"):
+        joined.mark(False, "health check answered 503")  # still loading: no change, nothing said
+        joined.mark(True)
+    assert [r.getMessage() for r in caplog.records] == ["backend http://10.0.0.2:8000 is ready"]
 
 
 def test_backend_dns_adds_each_address_once_and_forgets_those_gone():
