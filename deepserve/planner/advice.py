@@ -45,16 +45,22 @@ def advise(failed) -> list[dict]:
     return out
 
 
+def load_bound(p) -> bool:
+    """No KV block though the budget has room for one: loading is over the budget (estimate.plan gives no
+    blocks when the load peak is, e.g. --quantization fp8 holding the unquantized weights until converted)."""
+    return p.num_blocks == 0 and p.kv_cache_bytes >= p.kv_bytes_per_token * p.request.block_size
+
+
 def _why_no_context(failed) -> str:
-    """Why no --max-model-len fits: the weights and activations alone are over the budget, or leave less than
-    a block, or (room for blocks left) loading itself is over it (--quantization fp8's load peak)."""
+    """Why no --max-model-len fits: the weights and activations alone are over the budget, or loading is
+    (load_bound), or they leave less than a block."""
     used = f"weights {failed.weights_bytes / GIB:.1f} GiB + activations {failed.activation_bytes / GIB:.1f} GiB"
     budget = f"the {failed.budget_bytes / GIB:.1f} GiB budget"
     if failed.kv_cache_bytes < 0:
         return f"{used} are {-failed.kv_cache_bytes / GIB:.1f} GiB over {budget} before any KV cache"
-    if failed.kv_cache_bytes < failed.kv_bytes_per_token * failed.request.block_size:
-        return f"{used} leave {failed.kv_cache_bytes / GIB:.1f} GiB of {budget} for the KV cache, less than one block"
-    return "loading the weights is over the budget whatever the context (see the note below)"
+    if load_bound(failed):
+        return "loading the weights is over the budget whatever the context (see the note below)"
+    return f"{used} leave {failed.kv_cache_bytes / GIB:.1f} GiB of {budget} for the KV cache, less than one block"
 
 
 def _more_gpus(failed, plan) -> dict | None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 
+from deepserve.planner.advice import load_bound
 from deepserve.planner.gpus import GIB, GPUS
 
 
@@ -109,6 +110,6 @@ def _why_not(p) -> str:
     if p.kv_cache_bytes < 0:
         return (f"the weights and activations do not fit: {(p.weights_bytes + p.activation_bytes) / GIB:.1f} GiB "
                 f"per GPU against the {p.budget_bytes / GIB:.1f} GiB budget")
-    if p.num_blocks == 0 and p.kv_cache_bytes >= p.kv_bytes_per_token * p.request.block_size:
+    if load_bound(p):
         return "the weights do not fit while loading (see the note below)"
     return "not one sequence of max_model_len has room in the KV cache"

@@ -261,45 +261,23 @@ def test_a_server_that_fails_before_its_lifespan_stops_the_engine_process(monkey
     assert Engine.stopped
 
 
-def _free_port() -> int:
-    """A port the OS picked as free (not a fixed range, which two runs at once would both take first)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_log_level_reaches_the_engine_process_and_uvicorn(tmp_path):
     # `serve --log-level WARNING` once printed the engine process's INFO start-up lines and uvicorn's
-    # ("Uvicorn running on ...", "Application startup complete") all the same.
+    # ("Uvicorn running on ...", "Application startup complete") all the same. (Server passes --log-level INFO
+    # before the command too: the one after it wins.)
     import signal
 
-    import httpx
+    from serverkit import Server
 
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("DEEPSERVE_API_KEY", None)
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "deepserve.entrypoints.cli", "serve", "--log-level", "WARNING",
-                                 "--host", "127.0.0.1", "--port", str(port), "--api-key", "sk-test-admin-0000",
-                                 "--max-model-len", "512", "--cpu-kv-cache-gib", "0.05"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    srv = Server(["--log-level", "WARNING"], str(tmp_path))
+    proc, log_path = srv.proc, srv.log_path
     try:
-        deadline = time.monotonic() + 150
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert proc.poll() is None, log_path.read_text()[-3000:]
+        srv.wait_ready()
+        assert proc.poll() is None, srv.tail(3000)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        assert proc.wait(timeout=60) == 0, srv.tail(3000)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    out = log_path.read_text()
+        srv.stop()
+    out = open(log_path).read()
     assert "draining: waiting" in out, out[-3000:]  # a WARNING: the log is there, its INFO lines are not
     assert "INFO" not in out, out[-3000:]
