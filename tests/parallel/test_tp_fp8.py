@@ -33,6 +33,22 @@ def test_fp8_expert_parallel_matches_single_process(fp8_v3):
     assert greedy_tokens(fp8_v3, 2, enable_expert_parallel=True) == greedy_tokens(fp8_v3, 1)
 
 
+# V3's flagship layout is TP=8 on one node (issue 22): heads, experts, the dense MLP's 192 rows and the
+# experts' 64 rows all split into whole 8 x 8 blocks over 8 ranks (gloo on CPU stands in for NCCL).
+EIGHT_WAY = dict(TINY_V3, intermediate_size=192, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16,
+                 moe_intermediate_size=64)
+
+
+def test_fp8_tp8_and_tp8_expert_parallel_match_single_process(tmp_path, tokenizer):
+    hf_model = make_hf_model(DeepseekV3Config, DeepseekV3ForCausalLM, EIGHT_WAY)
+    src = save_checkpoint(hf_model, tokenizer, str(tmp_path / "f32"))
+    path = str(tmp_path / "fp8")
+    write_fp8_checkpoint(src, path, str(tmp_path / "ref"), hf_model.config.num_hidden_layers, block=8)
+    one = greedy_tokens(path, 1)
+    assert greedy_tokens(path, 8) == one
+    assert greedy_tokens(path, 8, enable_expert_parallel=True) == one
+
+
 def test_expert_shard_inside_a_block_is_refused():
     # moe_intermediate_size 200 over 2 ranks: rank 1's share starts at row 100, inside a 16-row block
     experts = RoutedExperts(4, 32, 200, tp_rank=1, tp_size=2, quant=Fp8Config(weight_block=(16, 16)))
