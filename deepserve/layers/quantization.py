@@ -38,6 +38,10 @@ MIN_FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 PER_CHANNEL_EXPERT_BLOCK = (128, 128)
 
 
+class Fp8Unsupported(ValueError):
+    """An FP8 checkpoint on a GPU without FP8 tensor cores, served only with --quantization none."""
+
+
 @dataclass(frozen=True)
 class Fp8Config:
     # (bn, bk): the checkpoint's weight block; None: per-channel, quantized after loading
@@ -104,9 +108,12 @@ def resolve_quantization(hf_config: Any, requested: str | None, device: str = "c
         if block is None:
             raise ValueError(f"--quantization fp8 needs FP8 tensor cores (compute capability >= 8.9: Ada, "
                              f"Hopper); {gpu} has none. Leave --quantization unset to serve in bf16")
-        warn_once(f"{gpu} has no FP8 tensor cores (compute capability >= 8.9); the FP8 checkpoint is "
-                  "dequantized to the model dtype at load (twice the weight memory)")  # the planner asks 4 times
-        return None
+        # Refused rather than dequantized unasked: the bf16 weights are twice the memory the user sized for
+        # (V3's 1.3 TB would run out of memory only after a long load), so the doubling is the user's choice.
+        raise Fp8Unsupported(f"this FP8 checkpoint needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
+                             f"{gpu} has none. Pass --quantization none (LLM(quantization='none')) to dequantize it "
+                             "to the model dtype at load (twice the weight memory), or serve an int4 build of the "
+                             "model (AWQ / GPTQ)")
     return wanted
 
 

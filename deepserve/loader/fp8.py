@@ -4,7 +4,7 @@ The linear weights ship as float8_e4m3fn, each with a float32 `<name>_scale_inv`
 factor per 128×128 block (the config's quantization_config.weight_block_size): the real weight is
 fp8 · factor, block by block — despite its name the tensor multiplies. Layers built FP8
 (layers/quantization.py) take both tensors as shipped; the rest (MLA's wkv_b, or every layer when the
-engine runs without FP8: --quantization none, a GPU without FP8 tensor cores) are dequantized to
+engine runs without FP8: --quantization none, which a GPU without FP8 tensor cores needs) are dequantized to
 float32 here and each parameter's weight_loader casts to the compute dtype.
 
 MTP layers (indices >= num_hidden_layers, num_nextn_predict_layers of them) serve speculative
@@ -46,6 +46,16 @@ def fp8_block_size(hf_config: Any) -> tuple[int, int] | None:
             f"config.json quantization_config.weight_block_size is {block!r}; only block-scaled FP8 "
             "(e.g. [128, 128]) is supported"
         )
+    # Absent fields take DeepSeek's values. A static scheme ships input scales this engine would not apply
+    # (it scales activations per token group on the fly); e5m2 codes would be read as e4m3.
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigRefused(f"config.json quantization_config.activation_scheme is {scheme!r}; only 'dynamic' "
+                            "(activation scales computed per token group at run time) is supported")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigRefused(f"config.json quantization_config.fmt is {fmt!r}; only 'e4m3' (float8_e4m3fn) "
+                            "is supported")
     return int(block[0]), int(block[1])
 
 

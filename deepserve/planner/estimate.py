@@ -107,12 +107,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     check_tp_divides(hf_config, req.tensor_parallel_size, req.enable_expert_parallel)
     dtype = _resolve_dtype(req.dtype, hf_config)
     kv_elem = _DTYPE_BYTES[dtype] if req.kv_cache_dtype == "auto" else _KV_BYTES[req.kv_cache_dtype]
-    from deepserve.layers.quantization import resolve_quantization
-
-    # The planner reads no weights: --quantization awq / gptq plans the model's int4 build (whether serve
-    # takes it for this checkpoint is _checkpoint_mismatch's question).
-    quantization = resolve_quantization(hf_config, req.quantization, "cuda", gpu_capability(req.gpu), req.gpu,
-                                        without_checkpoint=True)
+    req, quantization, no_fp8 = _engine_quantization(req, hf_config)
     shape = model_shape(req.model, dtype, req.tensor_parallel_size, quantization, req.enable_expert_parallel)
     max_len = _max_model_len(req.max_model_len, shape)
     gpu_name, total = gpu_memory_bytes(req.gpu)
@@ -148,6 +143,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     result.warnings = _engine_warnings(engine_req, max_len) + _load_refusals(shape, result.checkpoint_mismatch,
                                                                              is_preset)
     result.engine_refuses = bool(result.warnings)
+    if no_fp8:
+        result.warnings.append(f"{no_fp8}: the serve line passes --quantization none and the weights above are "
+                               "the dequantized ones")
     if load_peak > budget:
         result.warnings.append(
             f"--quantization fp8 loads the {dtype} weights first ({load_peak / 2**30:.1f} GiB per GPU, over the "
@@ -157,6 +155,22 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
 
         result.advice = make_advice(result)
     return result
+
+
+def _engine_quantization(req: PlanRequest, hf_config) -> tuple[PlanRequest, str | None, str | None]:
+    """(request, the engine's quantization, why FP8 fell back). The planner reads no weights: --quantization
+    awq / gptq plans the model's int4 build (whether serve takes it for this checkpoint is
+    _checkpoint_mismatch's question). An FP8 checkpoint on a GPU without FP8 tensor cores, which serve
+    refuses unless told --quantization none, is planned as that: dequantized, with the flag in the serve line."""
+    from deepserve.layers.quantization import Fp8Unsupported, resolve_quantization
+
+    capability = gpu_capability(req.gpu)
+    try:
+        return req, resolve_quantization(hf_config, req.quantization, "cuda", capability, req.gpu,
+                                         without_checkpoint=True), None
+    except Fp8Unsupported:
+        why = f"{req.gpu} has no FP8 tensor cores (compute capability {capability[0]}.{capability[1]})"
+        return dataclasses.replace(req, quantization="none"), None, why
 
 
 def _load_peak(req: PlanRequest, dtype: str, quantization: str | None, shape: ModelShape) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 MIB = 2**20
 GIB = 2**30
 
-# Compute capability: FP8 tensor cores from 8.9 (Ada, Hopper); below, FP8 checkpoints are dequantized.
+# Compute capability: FP8 tensor cores from 8.9 (Ada, Hopper); below, serve refuses FP8 checkpoints
+# unless --quantization none dequantizes them (layers/quantization.resolve_quantization).
 CAPABILITY: dict[str, tuple[int, int]] = {"h200": (9, 0), "h100": (9, 0), "a100-80g": (8, 0), "a100-40g": (8, 0),
                                           "h20": (9, 0), "l40s": (8, 9)}
 

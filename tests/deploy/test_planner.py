@@ -44,9 +44,14 @@ def test_deepseek_v3_fits_one_h200_node_in_fp8_as_shipped():
 
 
 def test_fp8_follows_the_gpu_and_the_load_peak():
-    # An A100 has no FP8 tensor cores: the engine dequantizes V3's FP8, so the planner does too ...
+    # An A100 has no FP8 tensor cores: serve refuses V3's FP8 there unless --quantization none dequantizes
+    # it, so the planner plans the dequantized weights with that flag in the serve line, and says why ...
     a100 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, max_model_len=4096))
-    assert a100.quantization is None and not a100.fits
+    assert a100.quantization is None and not a100.fits and not a100.engine_refuses
+    assert any("a100-80g has no FP8 tensor cores" in w for w in a100.warnings), a100.warnings
+    nodes = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, pipeline_parallel_size=4,
+                             max_model_len=4096))
+    assert nodes.fits and nodes.serve_command[nodes.serve_command.index("--quantization") + 1] == "none"
     # ... and refuses --quantization fp8 as the engine would.
     with pytest.raises(ValueError, match="a100-80g"):
         plan(PlanRequest("deepseek-llm-7b", gpu="a100-80g", max_model_len=4096, quantization="fp8"))
@@ -159,7 +164,7 @@ def test_smaller_weights_are_advised_where_they_fit():
         assert advice[change]["flags"] == f"--quantization {method}"
         alt = plan(PlanRequest("deepseek-llm-7b", gpu="16", max_model_len=4096, quantization=method))
         assert alt.fits and advice[change]["max_sequences"] == alt.max_sequences > 0
-    # V3 on 8 x A100-80GB: no FP8 tensor cores (FP8 is dequantized there), so int4 only.
+    # V3 on 8 x A100-80GB: no FP8 tensor cores (FP8 only dequantized there), so int4 only.
     v3 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8))
     changes = [a["change"] for a in v3.advice]
     assert not v3.fits and "int4 weights" in changes and "fp8 weights" not in changes, changes

@@ -80,6 +80,14 @@ def test_quantization_config_is_checked():
     config.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8_block_size(config)
+    # DeepSeek's own fields: dynamic activation scales, e4m3 codes; anything else is named and refused
+    shipped = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    config.quantization_config = shipped
+    assert fp8_block_size(config) == (128, 128)
+    for field, value in (("activation_scheme", "static"), ("fmt", "e5m2")):
+        config.quantization_config = {**shipped, field: value}
+        with pytest.raises(ValueError, match=f"quantization_config.{field} is '{value}'"):
+            fp8_block_size(config)
 
 
 def test_mtp_layers_are_skipped_and_said_once(caplog):

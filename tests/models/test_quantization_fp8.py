@@ -14,7 +14,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 from deepserve import LLM, SamplingParams
 from deepserve.config import EngineArgs
 from deepserve.kernels import fp8_ref
-from deepserve.layers.quantization import resolve_quantization
+from deepserve.layers.quantization import Fp8Unsupported, resolve_quantization
 from tests.conftest import save_checkpoint
 from tests.loader.test_fp8 import TINY_V3, fp8_agreement, lossless_group_quantization
 from tests.models.test_deepseek import make_hf_model
@@ -188,14 +188,18 @@ def test_unknown_quantization_is_refused(dense):
     assert "'int3'" in said and all(m in said for m in ("fp8", "awq", "gptq", "none")), said
 
 
-def test_gpu_without_fp8_is_refused_or_dequantizes(caplog):
+def test_gpu_without_fp8_is_refused_unless_told_to_dequantize(caplog):
     plain = LlamaConfig(**COMMON)
     with pytest.raises(ValueError, match="NVIDIA A100.*compute capability 8.0"):
         resolve_quantization(plain, "fp8", "cuda", (8, 0), "NVIDIA A100")
     shipped = DeepseekV3Config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with caplog.at_level(logging.WARNING):
-        assert resolve_quantization(shipped, None, "cuda", (8, 0), "NVIDIA A100") is None
-    assert "dequantized" in caplog.text and "NVIDIA A100" in caplog.text
+    # An FP8 checkpoint there is refused, naming the GPU and both ways out; dequantizing takes the flag.
+    with pytest.raises(Fp8Unsupported, match=r"NVIDIA A100 \(compute capability 8.0\)") as refused:
+        resolve_quantization(shipped, None, "cuda", (8, 0), "NVIDIA A100")
+    assert "--quantization none" in str(refused.value) and "AWQ" in str(refused.value)
+    with caplog.at_level(logging.INFO):
+        assert resolve_quantization(shipped, "none", "cuda", (8, 0), "NVIDIA A100") is None
+    assert "dequantized" in caplog.text
     assert resolve_quantization(shipped, None, "cuda", (9, 0), "NVIDIA H200") == "fp8"
     assert resolve_quantization(shipped, "none", "cuda", (9, 0)) is None
     assert resolve_quantization(shipped, "", "cuda", (9, 0)) == "fp8"  # Helm's empty value: the checkpoint's
