@@ -118,7 +118,7 @@ DEEPSEEK = {
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["", "shared-fused"])
-@pytest.mark.parametrize("fmt", ["awq", "gptq-act-order"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("family", sorted(DEEPSEEK))
 def test_deepseek_int4_equals_transformers_on_the_dequantized_weights(tmp_path, tokenizer, family, fmt, fused,
                                                                       monkeypatch):
@@ -136,7 +136,7 @@ def test_deepseek_int4_equals_transformers_on_the_dequantized_weights(tmp_path, 
     params = dict(runner.model.named_parameters())
     assert params["layers.1.ffn.experts.w13_qweight"].dtype == torch.int32
     shared = hf_model.config.n_shared_experts
-    if fused and fmt == "awq":
+    if fused and not FORMATS[fmt][4]:  # act order keeps the shared experts and q / kv_a apart
         assert "layers.1.ffn.shared_experts.w2.qweight" not in params
         assert params["layers.1.ffn.experts.w2_qzeros"].shape[0] == hf_model.config.n_routed_experts + shared
         assert "layers.0.attn.wkv_a.qweight" not in params
