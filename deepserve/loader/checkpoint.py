@@ -306,6 +306,10 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 FP8_MAX = 448.0
 FP8_SCALE_SUFFIXES = ("_scale_inv",)
+# The widest float32 temporary a dummy fill of a narrow dtype makes (256 MiB): V3's FP8 w13 of one layer's
+# experts (7.5 G values) drawn in one piece took a 28 GiB temporary, which an H100 holding the slice's
+# earlier layers did not have.
+DUMMY_CHUNK_ELEMENTS = 1 << 26
 
 
 def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None:
@@ -324,11 +328,22 @@ def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None
             elif name.endswith(FP8_SCALE_SUFFIXES):  # FP8 block scales: fp8 values in ±448 times this
                 param.fill_(scale / FP8_MAX)  # = uniform(-scale, scale) weights like the unquantized ones
             elif param.dtype == torch.float8_e4m3fn:
-                param.copy_(torch.empty(param.shape, device=param.device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+                _fill_uniform_through_float32(param, FP8_MAX, gen)
             elif param.dtype.is_floating_point and param.element_size() >= 2:
                 param.uniform_(-scale, scale, generator=gen)
-            else:  # fp8 and integer storage: fill through a wider type
-                param.copy_(torch.empty(param.shape, device=param.device).uniform_(-scale, scale, generator=gen))
+            else:  # other fp8 and integer storage: fill through a wider type
+                _fill_uniform_through_float32(param, scale, gen)
+
+
+def _fill_uniform_through_float32(param: torch.Tensor, bound: float, gen: torch.Generator) -> None:
+    """uniform(-bound, bound) into a dtype torch cannot draw in, DUMMY_CHUNK_ELEMENTS values at a time."""
+    flat = param.view(-1) if param.is_contiguous() else None
+    if flat is None or flat.numel() <= DUMMY_CHUNK_ELEMENTS:
+        param.copy_(torch.empty(param.shape, device=param.device).uniform_(-bound, bound, generator=gen))
+        return
+    for start in range(0, flat.numel(), DUMMY_CHUNK_ELEMENTS):
+        piece = flat[start:start + DUMMY_CHUNK_ELEMENTS]
+        piece.copy_(torch.empty(piece.shape, device=param.device).uniform_(-bound, bound, generator=gen))
 
 
 def _dummy_int4(name: str, param: torch.Tensor, scale: float, gen: torch.Generator) -> None:
