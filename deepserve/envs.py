@@ -17,11 +17,6 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
     return lambda: os.environ.get(name, "1" if default else "0") not in ("0", "", "false", "False")
 
 
-def _auto_flag(name: str) -> Callable[[], bool | str]:
-    """"auto" (unset, or "auto" in any case): the code decides where it knows the case; otherwise a _flag."""
-    return lambda: "auto" if os.environ.get(name, "auto").strip().lower() == "auto" else _flag(name, False)()
-
-
 def _float(name: str, default: float) -> Callable[[], float]:
     return lambda: float(os.environ.get(name, default))
 
@@ -52,13 +47,12 @@ VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                       "decode attention and its split merge) and the int4 / FP8 tensor-core GEMVs are launched "
                       "with programmatic dependence, so each launch overlaps the kernel before it "
                       "(kernels/pdl.py; one H200: LLM-7B AWQ W2 TPOT -8.4 %, `-q fp8` -8.0 %); 0: plain launches"),
-    "DEEPSERVE_PDL_MLA_MOE": (_auto_flag("DEEPSERVE_PDL_MLA_MOE"),
+    "DEEPSERVE_PDL_MLA_MOE": (_flag("DEEPSERVE_PDL_MLA_MOE", True),
                               "with DEEPSERVE_PDL, the MLA and MoE paths' kernels take part too (the MLA decode "
                               "attention, the absorbed head products, the router's logits, the routing, the int4 "
                               "routed experts' GEMV, the fused MoE's kernels, the slot sum; kernels/pdl.py). "
-                              "Default auto: on for models whose routed experts are int4 (V2-Lite AWQ W2 TPOT "
-                              "-8.8 %, W1 +0.8 %: one H100, two A/B repeats), off otherwise (the V3 FP8 slice: "
-                              "TPOT -0.5 %, W1 -0.8 %, one H200; bf16 experts not yet timed); 1 / 0: always / never"),
+                              "On by default: W2 TPOT V2-Lite AWQ -8.8 %, V2-Lite bf16 -4.7 %, V3 FP8 slice -0.8 %, "
+                              "W1 +0.8 / +0.6 / 0.0 % (one H100, two A/B repeats each); 0: off"),
     "DEEPSERVE_PDL_KV_PREFETCH": (_flag("DEEPSERVE_PDL_KV_PREFETCH", False),
                                   "with DEEPSERVE_PDL, a one-token decode attention launch (MLA: with "
                                   "DEEPSERVE_PDL_MLA_MOE) asks its first tile of cache rows into L2 before "

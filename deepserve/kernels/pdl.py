@@ -27,8 +27,9 @@ one H200 (bench/pdl_chain_probe.py and same-machine A/Bs, bench/RESULTS.md): an 
 -> 2.42, bf16 LLM-7B 4.37 -> 4.34. The small kernels alone, beside GEMVs that do not take part, were 2 % slower:
 hence MAX_ROWS.
 
-With DEEPSERVE_PDL_MLA_MOE (by default on for models with int4 routed experts, choose_mla_moe; off for the others:
-no gain on the V3 FP8 slice, bf16 experts not timed) the MLA and MoE paths' kernels take part too: the MLA decode
+With DEEPSERVE_PDL_MLA_MOE (on by default; one H100, two A/B repeats each: W2 TPOT V2-Lite AWQ 2.09 -> 1.90 ms,
+V2-Lite bf16 3.16 -> 3.01, the V3 FP8 slice 3.04 -> 3.02, W1 +0.8 / +0.6 / 0.0 %) the MLA and MoE paths' kernels
+take part too: the MLA decode
 attention (triton_paged_attention.py), the absorbed head products (head_matmul.py, weights loaded before the wait),
 the router's logits and the routing (moe_routing.py), the int4 routed experts' GEMV and its SiLU (int4_moe_mma.py),
 the fused MoE's alignment, activation quantization and grouped GEMMs (fused_moe.py: V3's FP8 experts, bf16 experts;
@@ -52,12 +53,8 @@ from deepserve import envs
 # flips it between variants in one process.
 ON = bool(envs.DEEPSERVE_PDL) and not envs.TRITON_INTERPRET
 # The MLA and MoE paths' kernels (MLA decode, head_matmul, router logits, routing, the int4 routed experts' GEMV,
-# the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well: 1 / 0 as set, "auto" (the default) as the
-# runner chooses for its model when it loads it (choose_mla_moe). Until then (kernel tests, probes): off. One value a
-# process: two engines in one process with different experts take the last one built's (a speed matter only: either
-# value is correct); tensor-parallel ranks read the same checkpoint and agree.
-MLA_MOE_SETTING = envs.DEEPSERVE_PDL_MLA_MOE
-MLA_MOE = MLA_MOE_SETTING is True
+# the fused MoE's kernels, the slot sum) take part only with DEEPSERVE_PDL_MLA_MOE as well (on by default).
+MLA_MOE = bool(envs.DEEPSERVE_PDL_MLA_MOE)
 # With PDL, the decode attention (MHA/GQA; MLA with MLA_MOE) asks its first tile of cache rows into L2 before the
 # wait (a prefetch brings nothing into the kernel's registers, so no value is read early; the block table and
 # seq_lens it reads to find the tile were written before the step's first kernel): DEEPSERVE_PDL_KV_PREFETCH, off:
@@ -69,16 +66,6 @@ KV_PREFETCH = bool(envs.DEEPSERVE_PDL_KV_PREFETCH)
 # where the GEMVs take part too (int4_tma_gemv.TMA_MAX_TOKENS, fp8_mma_gemv). Larger steps run GEMMs that do not,
 # and around them the small kernels' early launches only cost (bench/pdl_chain_probe.py: +2 % a step).
 MAX_ROWS = 1
-
-
-def choose_mla_moe(int4_routed_experts: bool) -> bool:
-    """Settle "auto" for the model this process serves (the runner calls it after loading, before any graph is
-    captured). On where it was measured to gain: int4 routed experts, whose GEMV takes part and so joins the
-    MoE layer's chain end to end (V2-Lite AWQ, one H100, two repeats: W2 TPOT 2.09 -> 1.90 ms, W1 +0.8 %).
-    The V3 FP8 slice read TPOT -0.5 %, W1 -0.8 % (one H200, one repeat) and bf16 experts are not timed: off."""
-    global MLA_MOE
-    MLA_MOE = MLA_MOE_SETTING is True or (MLA_MOE_SETTING == "auto" and int4_routed_experts)
-    return MLA_MOE
 
 
 def wanted(t: torch.Tensor, rows: int, mla_moe: bool = False) -> bool:

@@ -189,11 +189,6 @@ def expert_shard_blocks(start: int, size: int, block: int) -> tuple[int, int]:
     return start // block, fp8_ref.cdiv(size, block)
 
 
-def has_int4_routed_experts(model: nn.Module) -> bool:
-    """Whether the model's routed experts run on int4 weights (AWQ / GPTQ checkpoints that quantize them)."""
-    return any(isinstance(m, RoutedExperts) and m.int4 is not None for m in model.modules())
-
-
 class RoutedExperts(nn.Module):
     """Every routed expert's SwiGLU weights stacked: w13 [X, 2I, E] (w1 rows, then w3 rows), w2 [X, E, I].
 

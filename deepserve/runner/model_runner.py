@@ -23,7 +23,6 @@ from deepserve.config import EngineConfig
 from deepserve.distributed import parallel_state as pdist
 from deepserve.engine.request import Request, SchedulerOutput
 from deepserve.forward_context import forward_context
-from deepserve.layers.moe import has_int4_routed_experts
 from deepserve.layers.quantization import quantize_after_loading
 from deepserve.layers.rejection_sampler import RejectionSampler
 from deepserve.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, warm_up_fused_sampler
@@ -140,7 +139,6 @@ class ModelRunner:
         self.drafter: MtpDrafter | None = None
         if config.speculative is not None and config.speculative.is_mtp:
             self.drafter = self._load_mtp(config)
-        self._settle_pdl()
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()  # speculative decoding's verify steps
@@ -154,14 +152,6 @@ class ModelRunner:
         self.host_tier: HostTier | None = None  # the host tier (--swap-space > 0)
         self.graphs: DecodeGraphs | None = None
         self._shared_sampled: torch.Tensor | None = None  # a TP worker's copy of rank 0's last sampled tokens
-
-    def _settle_pdl(self) -> None:
-        """DEEPSERVE_PDL_MLA_MOE's "auto", for the model just loaded (kernels/pdl.py): before any graph is
-        captured or kernel launched. Triton is imported only where it runs."""
-        if self.device.type == "cuda":
-            from deepserve.kernels import pdl
-
-            pdl.choose_mla_moe(has_int4_routed_experts(self.model))
 
     def _load_mtp(self, config: EngineConfig) -> MtpDrafter:
         """Build the model's MTP module (before the KV cache specs are read: its layer gets a cache too)
