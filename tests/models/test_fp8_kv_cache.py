@@ -7,6 +7,8 @@ below the measured value, and the prefix each prompt keeps before its first diff
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -133,3 +135,18 @@ def test_kv_scales_load_from_the_checkpoint(checkpoint, tmp_path):
     # scales (0.5, 0.25 and 2 are powers of two, which e4m3 rounds alike away from saturation / subnormals).
     share, _ = agreement(fp8_greedy(str(scaled))[0], checkpoint[3])
     assert share >= MIN_AGREEMENT[name]
+
+
+def test_start_up_log_shows_the_fp8_cache_capacity(checkpoint, caplog):
+    # What a user reads at start-up: the FP8 cache's block count against the same memory's in the model dtype
+    # (4x here: a float32 model's cache; 2x for bf16).
+    _, path, _, _ = checkpoint
+    said = {}
+    for dtype in ("auto", "fp8"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="deepserve.engine.core"):
+            LLM(path, dtype="float32", device="cpu", kv_cache_dtype=dtype, cpu_kv_cache_gib=0.01)
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache: "))
+        said[dtype] = (int(line.split()[2]), line)
+    assert said["fp8"][0] // 4 == said["auto"][0] > 0, said  # whole blocks of the same bytes: floor division
+    assert said["fp8"][1].endswith("(kv_cache_dtype fp8)") and said["auto"][1].endswith("(kv_cache_dtype auto)")
