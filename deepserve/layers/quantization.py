@@ -30,6 +30,8 @@ from typing import Any
 
 from torch import nn
 
+from deepserve.errors import ConfigRefused
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("fp8", "awq", "gptq")
@@ -38,7 +40,7 @@ MIN_FP8_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores
 PER_CHANNEL_EXPERT_BLOCK = (128, 128)
 
 
-class Fp8Unsupported(ValueError):
+class Fp8Unsupported(ConfigRefused):
     """An FP8 checkpoint on a GPU without FP8 tensor cores, served only with --quantization none."""
 
 

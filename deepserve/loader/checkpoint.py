@@ -336,13 +336,14 @@ def init_dummy_weights(model: nn.Module, seed: int, scale: float = 1e-2) -> None
 
 
 def _fill_uniform_through_float32(param: torch.Tensor, bound: float, gen: torch.Generator) -> None:
-    """uniform(-bound, bound) into a dtype torch cannot draw in, DUMMY_CHUNK_ELEMENTS values at a time."""
-    flat = param.view(-1) if param.is_contiguous() else None
-    if flat is None or flat.numel() <= DUMMY_CHUNK_ELEMENTS:
+    """uniform(-bound, bound) into a dtype torch cannot draw in, through float32 pieces of whole rows (dim 0) of
+    at most DUMMY_CHUNK_ELEMENTS values (one row where a row is larger); any layout, contiguous or not."""
+    if param.dim() == 0 or param.numel() <= DUMMY_CHUNK_ELEMENTS:
         param.copy_(torch.empty(param.shape, device=param.device).uniform_(-bound, bound, generator=gen))
         return
-    for start in range(0, flat.numel(), DUMMY_CHUNK_ELEMENTS):
-        piece = flat[start:start + DUMMY_CHUNK_ELEMENTS]
+    rows = max(1, DUMMY_CHUNK_ELEMENTS // (param.numel() // param.shape[0]))
+    for start in range(0, param.shape[0], rows):
+        piece = param[start:start + rows]
         piece.copy_(torch.empty(piece.shape, device=param.device).uniform_(-bound, bound, generator=gen))
 
 

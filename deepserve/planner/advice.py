@@ -42,6 +42,10 @@ def advise(failed) -> list[dict]:
     else:
         out.append({"change": "shorter context", "flags": None, "num_gpus": failed.num_gpus, "max_sequences": 0,
                     "max_model_len": 0, "detail": "no context length helps: " + _why_no_context(failed)})
+    if failed.fp8_dequantized:  # the planner's own --quantization none: every re-plan's serve line needs it too
+        for entry in out:
+            if entry["flags"] and "--quantization" not in entry["flags"]:
+                entry["flags"] += " --quantization none"
     return out
 
 

@@ -97,6 +97,8 @@ def format_plan(p) -> str:
     else:
         lines += [f"does NOT fit: {_why_not(p)}. What would:"]
         lines += [f"  - {a['change']}: " + (f"{a['flags']} — " if a["flags"] else "") + a["detail"] for a in p.advice]
+    if p.fp8_dequantized:
+        lines += [f"FP8: {p.fp8_dequantized}"]
     lines += [f"note: {w}" for w in p.warnings]
     return "\n".join(lines)
 

@@ -88,6 +88,9 @@ class Plan:
     # serve's refusal of --quantization awq / gptq on a checkpoint on disk that is not that int4 format (the
     # memory is the int4 build's: an int4 checkpoint of the model would be served instead); None otherwise
     checkpoint_mismatch: str | None = None
+    # Why an FP8 checkpoint is planned dequantized (a GPU without FP8 tensor cores, where serve takes it only with
+    # --quantization none, which the plan's command lines then carry); None otherwise
+    fp8_dequantized: str | None = None
     advice: list[dict] = field(default_factory=list)
     formulas: dict[str, str] = field(default_factory=lambda: dict(FORMULAS))
 
@@ -143,9 +146,7 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
     result.warnings = _engine_warnings(engine_req, max_len) + _load_refusals(shape, result.checkpoint_mismatch,
                                                                              is_preset)
     result.engine_refuses = bool(result.warnings)
-    if no_fp8:
-        result.warnings.append(f"{no_fp8}: the serve line passes --quantization none and the weights above are "
-                               "the dequantized ones")
+    result.fp8_dequantized = no_fp8
     if load_peak > budget:
         result.warnings.append(
             f"--quantization fp8 loads the {dtype} weights first ({load_peak / 2**30:.1f} GiB per GPU, over the "
@@ -160,8 +161,9 @@ def plan(req: PlanRequest, *, advise: bool = True) -> Plan:
 def _engine_quantization(req: PlanRequest, hf_config) -> tuple[PlanRequest, str | None, str | None]:
     """(request, the engine's quantization, why FP8 fell back). The planner reads no weights: --quantization
     awq / gptq plans the model's int4 build (whether serve takes it for this checkpoint is
-    _checkpoint_mismatch's question). An FP8 checkpoint on a GPU without FP8 tensor cores, which serve
-    refuses unless told --quantization none, is planned as that: dequantized, with the flag in the serve line."""
+    _checkpoint_mismatch's question). An FP8 checkpoint left to its own quantization on a GPU without FP8 tensor
+    cores, which serve refuses unless told --quantization none, is planned as that: dequantized, the flag in the
+    serve line. An explicit --quantization fp8 there is refused, as serve refuses it."""
     from deepserve.layers.quantization import Fp8Unsupported, resolve_quantization
 
     capability = gpu_capability(req.gpu)
@@ -169,7 +171,11 @@ def _engine_quantization(req: PlanRequest, hf_config) -> tuple[PlanRequest, str 
         return req, resolve_quantization(hf_config, req.quantization, "cuda", capability, req.gpu,
                                          without_checkpoint=True), None
     except Fp8Unsupported:
-        why = f"{req.gpu} has no FP8 tensor cores (compute capability {capability[0]}.{capability[1]})"
+        if req.quantization:
+            raise
+        why = (f"{req.gpu} has no FP8 tensor cores (compute capability {capability[0]}.{capability[1]}): deepserve "
+               "serve takes this FP8 checkpoint there only with --quantization none, so the plan is for its "
+               "dequantized weights and its command lines pass that flag")
         return dataclasses.replace(req, quantization="none"), None, why
 
 

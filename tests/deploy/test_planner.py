@@ -8,6 +8,7 @@ import pytest
 
 from deepserve.entrypoints.cli import main
 from deepserve.planner import PlanRequest, plan
+from deepserve.planner.cli import format_plan
 from deepserve.planner.gpus import GIB, gpu_memory_bytes
 
 
@@ -47,11 +48,17 @@ def test_fp8_follows_the_gpu_and_the_load_peak():
     # An A100 has no FP8 tensor cores: serve refuses V3's FP8 there unless --quantization none dequantizes
     # it, so the planner plans the dequantized weights with that flag in the serve line, and says why ...
     a100 = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, max_model_len=4096))
-    assert a100.quantization is None and not a100.fits and not a100.engine_refuses
-    assert any("a100-80g has no FP8 tensor cores" in w for w in a100.warnings), a100.warnings
+    assert a100.quantization is None and not a100.fits and not a100.engine_refuses and not a100.warnings
+    assert a100.fp8_dequantized.startswith("a100-80g has no FP8 tensor cores (compute capability 8.0)")
+    assert "FP8: a100-80g has no FP8 tensor cores" in format_plan(a100)
+    more = next(a for a in a100.advice if a["change"] == "more GPUs")  # its serve line needs the flag too
+    assert more["flags"].endswith("--quantization none"), more
     nodes = plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, pipeline_parallel_size=4,
                              max_model_len=4096))
     assert nodes.fits and nodes.serve_command[nodes.serve_command.index("--quantization") + 1] == "none"
+    # asked for FP8 explicitly, the checkpoint's own included: refused as serve refuses it
+    with pytest.raises(ValueError, match="compute capability 8.0.*--quantization none"):
+        plan(PlanRequest("deepseek-v3", gpu="a100-80g", tensor_parallel_size=8, quantization="fp8"))
     # ... and refuses --quantization fp8 as the engine would.
     with pytest.raises(ValueError, match="a100-80g"):
         plan(PlanRequest("deepseek-llm-7b", gpu="a100-80g", max_model_len=4096, quantization="fp8"))

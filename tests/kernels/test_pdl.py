@@ -7,6 +7,10 @@ gives the same bits."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -27,21 +31,26 @@ def test_launches_ask_for_it_only_when_switched_on_on_a_gpu_and_for_one_row(monk
 
 
 @pytest.mark.parametrize("setting, on", [(None, True), ("1", True), ("0", False)])
-def test_the_mla_moe_switch_is_on_unless_turned_off(monkeypatch, setting, on):
-    # On by default (int4, bf16 and FP8 experts each timed no slower with it); read once, when pdl is imported.
-    from deepserve import envs
+def test_the_mla_moe_switch_is_on_unless_turned_off(setting, on):
+    # On by default (int4, bf16 and FP8 experts each timed no slower with it), read once when pdl is imported:
+    # a fresh interpreter imports it under each setting.
+    env = {k: v for k, v in os.environ.items() if k != "DEEPSERVE_PDL_MLA_MOE"}
+    if setting is not None:
+        env["DEEPSERVE_PDL_MLA_MOE"] = setting
+    code = "from deepserve.kernels import pdl; print(pdl.MLA_MOE)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(on)
 
-    if setting is None:
-        monkeypatch.delenv("DEEPSERVE_PDL_MLA_MOE", raising=False)
-    else:
-        monkeypatch.setenv("DEEPSERVE_PDL_MLA_MOE", setting)
-    assert envs.DEEPSERVE_PDL_MLA_MOE is on
+
+def test_mla_moe_launches_follow_the_switch(monkeypatch):
     pdl = import_kernels("deepserve.kernels.pdl")
-    monkeypatch.setattr(pdl, "MLA_MOE", bool(envs.DEEPSERVE_PDL_MLA_MOE))  # what the import does
     monkeypatch.setattr(pdl, "ON", True)
     monkeypatch.setattr(pdl, "_hopper", lambda device: True)
     x = torch.zeros(1)
-    assert pdl.wanted(x, 1) and pdl.wanted(x, 1, mla_moe=True) is on and not pdl.wanted(x, 2, mla_moe=True)
+    for on in (True, False):
+        monkeypatch.setattr(pdl, "MLA_MOE", on)
+        assert pdl.wanted(x, 1) and pdl.wanted(x, 1, mla_moe=True) is on and not pdl.wanted(x, 2, mla_moe=True)
 
 
 @pytest.fixture

@@ -262,8 +262,14 @@ def test_dummy_fp8_weights_fill_in_bounded_pieces(monkeypatch):
     assert max(torch.Size(s).numel() for s in drawn) == 1000 and len(drawn) == 4
     values = layer.weight.float()
     assert values.abs().max() <= 448 and (values != 0).float().mean() > 0.9
-    assert all((values.view(-1)[i:i + 1000] != 0).any() for i in range(0, 3700, 1000))
+    assert all((values[i:i + 10] != 0).any() for i in range(0, 37, 10))  # pieces of 10 rows: 10, 10, 10, 7
+    # a transposed (non-contiguous) parameter is drawn in pieces too
+    drawn.clear()
+    layer.weight = torch.nn.Parameter(torch.zeros(100, 37, dtype=torch.float8_e4m3fn).t(), requires_grad=False)
+    checkpoint.init_dummy_weights(layer, seed=0)
+    assert max(torch.Size(s).numel() for s in drawn) <= 1000 and (layer.weight.float() != 0).float().mean() > 0.9
     again = torch.nn.Module()
     again.weight = torch.nn.Parameter(torch.zeros(37, 100, dtype=torch.float8_e4m3fn), requires_grad=False)
+    monkeypatch.setattr(checkpoint.torch, "empty", real_empty)
     checkpoint.init_dummy_weights(again, seed=0)
     assert torch.equal(again.weight.float(), values)  # seeded: the same model every run
