@@ -29,11 +29,10 @@ hence MAX_ROWS.
 
 With DEEPSERVE_PDL_MLA_MOE (on by default; one H100, two A/B repeats each: W2 TPOT V2-Lite AWQ 2.09 -> 1.90 ms,
 V2-Lite bf16 3.16 -> 3.01, the V3 FP8 slice 3.04 -> 3.02, W1 +0.8 / +0.6 / 0.0 %) the MLA and MoE paths' kernels
-take part too: the MLA decode
-attention (triton_paged_attention.py), the absorbed head products (head_matmul.py, weights loaded before the wait),
-the router's logits and the routing (moe_routing.py), the int4 routed experts' GEMV and its SiLU (int4_moe_mma.py),
-the fused MoE's alignment, activation quantization and grouped GEMMs (fused_moe.py: V3's FP8 experts, bf16 experts;
-the GEMMs wait first and trigger after their main loop) and the slot sum (moe_sum.py).
+take part too: the MLA decode attention (triton_paged_attention.py), the absorbed head products (head_matmul.py,
+weights loaded before the wait), the router's logits and the routing (moe_routing.py), the int4 routed experts' GEMV
+and its SiLU (int4_moe_mma.py), the fused MoE's alignment, activation quantization and grouped GEMMs (fused_moe.py:
+V3's FP8 experts, bf16 experts; the GEMMs wait first and trigger after their main loop) and the slot sum (moe_sum.py).
 
 Switch: DEEPSERVE_PDL (read at import; on by default). Triton's interpreter runs no inline PTX, so on CPU the
 kernels always compile the plain path (PDL is a constexpr, False there).
